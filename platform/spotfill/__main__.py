@@ -1,0 +1,5 @@
+import sys
+
+from spotfill.cli import main
+
+sys.exit(main())

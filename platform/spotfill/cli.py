@@ -1,0 +1,59 @@
+"""The `spotfill` console script.
+
+Exit codes (CONTRACTS): 0 success; 1 the job ran and failed; 2 bad usage, config or input, reported as
+one line on stderr naming the field, the bad value and what is accepted -- never a traceback.
+Each subcommand lives in its own module with `register(subparsers)`; heavy imports (ray, torch) happen
+inside the command functions so `--help` and usage errors stay fast.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from spotfill.errors import ConfigError, SpotfillError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one line and exit code 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise ConfigError(self.prog, reason=message)
+
+
+def pending(what: str, brought_by: str) -> Callable[[argparse.Namespace], int]:
+    """Command function for a subcommand whose capability a later issue delivers."""
+    def run(_args: argparse.Namespace) -> int:
+        raise ConfigError(what, reason=f"not built yet ({brought_by} brings it)")
+    return run
+
+
+def build_parser() -> OneLineParser:
+    from spotfill import bench_cli, demo_cli, planner_cli, report_cli, spot_cli, status_cli
+
+    parser = OneLineParser(prog="spotfill", description=(
+        "Elastic DeepSpeed training on Ray across spot GPUs, with spare-GPU fill-in."))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    sub.required = True
+    for module in (planner_cli, demo_cli, report_cli, status_cli, spot_cli, bench_cli):
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"spotfill: error: {exc}", file=sys.stderr)
+        return 2
+    except SpotfillError as exc:
+        print(f"spotfill: failed: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("spotfill: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
