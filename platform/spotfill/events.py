@@ -1,0 +1,62 @@
+"""The run's event log: CONTRACTS' events.jsonl, one JSON object per line with `t` and `kind`.
+
+`EventLog` writes lines to a local file. In a Ray job the workers reach it through the `EventSink`
+actor (events_actor.py), which runs on the driver's node and owns the file; `read_events` reads it back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+
+class EventLog:
+    """Append-only JSONL writer; thread-safe; flushes every line so a crash loses nothing written."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._f = open(path, "a", buffering=1)
+
+    def write(self, kind: str, t: float | None = None, **fields: Any) -> dict:
+        event = {"t": time.time() if t is None else t, "kind": kind, **fields}
+        line = json.dumps(event, separators=(",", ":"), default=_jsonable)
+        with self._lock:
+            self._f.write(line + "\n")
+        return event
+
+    def write_many(self, events: list[dict]) -> None:
+        with self._lock:
+            for e in events:
+                self._f.write(json.dumps(e, separators=(",", ":"), default=_jsonable) + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+def read_events(path: str, kinds: set[str] | None = None) -> Iterator[dict]:
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line after a crash
+            if kinds is None or event.get("kind") in kinds:
+                yield event

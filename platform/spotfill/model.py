@@ -1,0 +1,153 @@
+"""GPT-style decoder presets and an optional Hugging Face causal LM from a local path.
+
+Presets (byte-level vocabulary by default, so nothing is downloaded):
+  tiny   -- tests and the demo (~0.1M params, trains in seconds on a CPU)
+  50m    -- checkpoint and overhead benchmarks on CPU (~57M params with Adam state)
+  125m   -- GPT-3 Small shape (Brown et al. 2020, Table 2.1)
+  1b     -- ~1.2B params for GPUs
+`hf:/local/path` loads any Hugging Face causal LM from disk (`transformers` must be installed; local files only).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from spotfill.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 257          # 256 bytes + end-of-document
+    seq_len: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    dropout: float = 0.0
+
+    @property
+    def approx_params(self) -> int:
+        per_layer = 12 * self.n_embd ** 2 + 13 * self.n_embd
+        return self.n_layer * per_layer + (self.vocab_size + self.seq_len) * self.n_embd + 2 * self.n_embd
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(seq_len=64, n_layer=2, n_head=2, n_embd=64),
+    "50m": GPTConfig(seq_len=256, n_layer=8, n_head=12, n_embd=768),
+    "125m": GPTConfig(vocab_size=32000, seq_len=1024, n_layer=12, n_head=12, n_embd=768),
+    "1b": GPTConfig(vocab_size=32000, seq_len=2048, n_layer=22, n_head=16, n_embd=2048),
+}
+
+
+def preset(name: str, seq_len: int | None = None, vocab_size: int | None = None) -> GPTConfig:
+    if name not in PRESETS:
+        raise ConfigError("training.model", name, accepted=[*PRESETS, "hf:/local/path"])
+    cfg = PRESETS[name]
+    if seq_len:
+        cfg = replace(cfg, seq_len=seq_len)
+    if vocab_size:
+        cfg = replace(cfg, vocab_size=vocab_size)
+    return cfg
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A nanoGPT-style decoder; `forward(idx) -> logits`."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class HFCausalLM(nn.Module):
+    """Adapter so a Hugging Face causal LM looks like GPT: `forward(idx) -> logits`."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError as exc:  # pragma: no cover - depends on optional extra
+            raise ConfigError("training.model", f"hf:{path}",
+                              reason="needs the `transformers` package (pip install spotfill[hf])") from exc
+        import os
+        if not os.path.isdir(path):
+            raise ConfigError("training.model", f"hf:{path}", reason="not a local directory")
+        self.inner = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        conf = self.inner.config
+        self.cfg = GPTConfig(vocab_size=conf.vocab_size,
+                             seq_len=getattr(conf, "max_position_embeddings", 2048),
+                             n_layer=conf.num_hidden_layers, n_head=conf.num_attention_heads,
+                             n_embd=conf.hidden_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=idx).logits
+
+
+def build_model(name: str, seq_len: int | None = None, vocab_size: int | None = None) -> nn.Module:
+    """Build a model from a preset name or `hf:/local/path`."""
+    if name.startswith("hf:"):
+        return HFCausalLM(name[3:])
+    return GPT(preset(name, seq_len=seq_len, vocab_size=vocab_size))
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
+    """Training FLOPs per token: 6N + 12*L*h*s (PaLM, Chowdhery et al. 2022, appendix B)."""
+    return 6.0 * n_params + 12.0 * cfg.n_layer * cfg.n_embd * cfg.seq_len
