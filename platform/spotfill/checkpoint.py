@@ -1,0 +1,149 @@
+"""DeepSpeed checkpoints through object storage, resharded to any world size.
+
+Save: every rank writes a local snapshot (`engine.save_checkpoint` into a node-local folder; the only part
+of a save the step loop waits for), then a background thread uploads that rank's files and rank 0 commits
+the manifest once every rank's part is stored (checkpoint_store.py). At most one upload is in flight.
+
+Restore: rank 0 picks the newest intact committed checkpoint (falling back past a partial or corrupt one)
+and broadcasts its tag; one rank per node downloads it and flattens the rank folders into a DeepSpeed
+checkpoint folder. When the world size changed (and ZeRO partitions the optimizer), that rank converts it
+once with DeepSpeed's universal-checkpoint converter, and every rank loads it with `load_universal`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from spotfill.checkpoint_store import AsyncUploader, CheckpointStore, tag_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RestorePlan:
+    """What to load before training starts; `None` tag means a fresh start."""
+    tag: str | None = None
+    step: int = 0
+    world_size: int = 0
+    load_dir: str = ""
+    load_tag: str = ""
+    universal: bool = False
+    timings: dict = field(default_factory=dict)
+
+
+def flatten_ranks(tag_dir: str, out_dir: str) -> None:
+    """Hard-link (or copy) `tag_dir/rank-*/<file>` into `out_dir/<file>` (DeepSpeed's flat layout)."""
+    os.makedirs(out_dir, exist_ok=True)
+    for part in sorted(os.listdir(tag_dir)):
+        src_dir = os.path.join(tag_dir, part)
+        if not (part.startswith("rank-") and os.path.isdir(src_dir)):
+            continue
+        for name in os.listdir(src_dir):
+            src, dst = os.path.join(src_dir, name), os.path.join(out_dir, name)
+            if os.path.exists(dst):
+                continue
+            if os.path.isdir(src):
+                shutil.copytree(src, dst)
+                continue
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+
+
+def convert_to_universal(ds_dir: str, out_dir: str) -> float:
+    """Run DeepSpeed's ds_to_universal converter; returns seconds."""
+    t0 = time.perf_counter()
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    workers = str(max(1, min(4, (os.cpu_count() or 2) // 2)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ds_dir,
+         "--output_folder", tmp, "--num_extract_workers", workers, "--num_merge_workers", workers],
+        capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ds_to_universal failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    os.replace(tmp, out_dir)
+    return time.perf_counter() - t0
+
+
+def prepare_node_copy(store: CheckpointStore, tag: str | None, node_dir: str, world_size: int,
+                      zero_stage: int, verify: bool = True) -> RestorePlan:
+    """Download `tag` (None: the newest intact one) to this node, flatten it, and convert it to a
+    universal checkpoint when the world size changed. A fresh start gives RestorePlan(tag=None)."""
+    t0 = time.perf_counter()
+    shutil.rmtree(node_dir, ignore_errors=True)
+    manifest = store.restore(node_dir, tag=tag, verify=verify)
+    if manifest is None:
+        return RestorePlan()
+    tag = manifest["tag"]
+    download_s = time.perf_counter() - t0
+    tag_dir = manifest["path"]
+    ds_root = os.path.join(node_dir, "ds")
+    flatten_ranks(tag_dir, os.path.join(ds_root, tag))
+    saved_world = int(manifest["world_size"])
+    universal = saved_world != world_size and zero_stage > 0
+    convert_s = 0.0
+    load_tag = tag
+    if universal:
+        load_tag = f"{tag}-universal"
+        if not os.path.isdir(os.path.join(ds_root, load_tag)):
+            convert_s = convert_to_universal(os.path.join(ds_root, tag), os.path.join(ds_root, load_tag))
+    return RestorePlan(tag=tag, step=int(manifest["step"]), world_size=saved_world, load_dir=ds_root,
+                       load_tag=load_tag, universal=universal,
+                       timings={"download_s": round(download_s, 3), "convert_s": round(convert_s, 3),
+                                "bytes": manifest.get("bytes")})
+
+
+class Checkpointer:
+    """Local snapshot + async upload + commit, for one rank of one training attempt."""
+
+    def __init__(self, store: CheckpointStore, local_root: str, rank: int, world_size: int, attempt: str):
+        self.store, self.rank, self.world_size, self.attempt = store, rank, world_size, attempt
+        self.snap_root = os.path.join(local_root, f"snap-rank-{rank}")
+        shutil.rmtree(self.snap_root, ignore_errors=True)
+        self.uploader = AsyncUploader(name=f"ckpt-upload-r{rank}")
+        self.committed: list[dict] = []
+
+    def save(self, engine, step: int, client_state: dict, sync: bool = False,
+             commit_timeout_s: float | None = None) -> dict:
+        """Snapshot now, upload in the background (or wait with sync=True). Returns timings."""
+        tag = tag_for(step)
+        t0 = time.perf_counter()
+        state = {**client_state, "step": step, "world_size": self.world_size,
+                 "universal_checkpoint_info": {}}
+        engine.save_checkpoint(self.snap_root, tag=tag, client_state=state, save_latest=False)
+        snapshot_s = time.perf_counter() - t0
+        blocked_s = self.uploader.submit(self._upload, tag, step, os.path.join(self.snap_root, tag),
+                                         commit_timeout_s)
+        wait_s = 0.0
+        if sync:
+            t1 = time.perf_counter()
+            self.uploader.wait()
+            wait_s = time.perf_counter() - t1
+        return {"tag": tag, "step": step, "snapshot_s": snapshot_s, "blocked_s": blocked_s,
+                "wait_s": wait_s, "stall_s": snapshot_s + blocked_s + wait_s}
+
+    def _upload(self, tag: str, step: int, local_dir: str, commit_timeout_s: float | None) -> dict:
+        t0 = time.perf_counter()
+        marker = self.store.upload_part(tag, self.rank, self.world_size, local_dir, attempt=self.attempt)
+        if self.rank == 0:
+            manifest = self.store.commit(tag, step, self.world_size, attempt=self.attempt,
+                                         timeout_s=commit_timeout_s,
+                                         meta={"attempt": self.attempt})
+            self.committed.append({"tag": tag, "step": step, "bytes": manifest.get("bytes"),
+                                   "upload_s": time.perf_counter() - t0, "t": time.time()})
+        shutil.rmtree(local_dir, ignore_errors=True)
+        return marker
+
+    def pop_committed(self) -> list[dict]:
+        done, self.committed = self.committed, []
+        return done
+
+    def close(self, wait: bool = True) -> None:
+        self.uploader.close(wait=wait)
