@@ -75,6 +75,9 @@ def from_mapping(cls: type, data: Any, path: str = "") -> Any:
             raise ConfigError(f"{path}.{key}" if path else str(key), data[key],
                               reason="unknown key", accepted=names)
     kwargs = {k: _check_type(f"{path}.{k}" if path else k, v, hints[k]) for k, v in data.items()}
+    for name in names:   # a nested section left out is validated too (e.g. data.path must be set)
+        if name not in kwargs and dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = from_mapping(hints[name], {}, f"{path}.{name}" if path else name)
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
     if validate:
@@ -88,6 +91,8 @@ def load_yaml(path: str) -> dict:
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
+    except UnicodeDecodeError:
+        raise ConfigError("--config", path, reason="not UTF-8 text") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -97,16 +102,20 @@ def load_yaml(path: str) -> dict:
     return data
 
 
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
 def _positive(path: str, name: str, value: float | int | None, allow_zero: bool = False) -> None:
     if value is None:
         return
     if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{path}.{name}".lstrip("."), value, accepted=">= 0" if allow_zero else "> 0")
+        raise ConfigError(_join(path, name), value, accepted=">= 0" if allow_zero else "> 0")
 
 
 def _choice(path: str, name: str, value: Any, choices: list[Any]) -> None:
     if value not in choices:
-        raise ConfigError(f"{path}.{name}".lstrip("."), value, accepted=choices)
+        raise ConfigError(_join(path, name), value, accepted=choices)
 
 
 @dataclass
@@ -120,7 +129,7 @@ class ClusterConfig:
         _positive(path, "gpus_per_worker", self.gpus_per_worker)
         _positive(path, "cpus_per_worker", self.cpus_per_worker, allow_zero=True)
         if not self.gpu_resource or not self.gpu_resource.replace("_", "").isalnum():
-            raise ConfigError(f"{path}.gpu_resource", self.gpu_resource, accepted="a Ray resource name")
+            raise ConfigError(_join(path, "gpu_resource"), self.gpu_resource, accepted="a Ray resource name")
 
 
 @dataclass
@@ -156,11 +165,12 @@ class TrainingConfig:
         from spotfill.model import PRESETS
 
         if len(self.workers) not in (1, 2) or any(w < 1 for w in self.workers):
-            raise ConfigError(f"{path}.workers", self.workers, accepted="[n] or [min, max] with 1 <= min")
+            raise ConfigError(_join(path, "workers"), self.workers, accepted="[n] or [min, max] with 1 <= min")
         if self.min_workers > self.max_workers:
-            raise ConfigError(f"{path}.workers", self.workers, reason="min > max", accepted="[min, max] with min <= max")
+            raise ConfigError(_join(path, "workers"), self.workers, reason="min > max",
+                              accepted="[min, max] with min <= max")
         if not self.model.startswith("hf:") and self.model not in PRESETS:
-            raise ConfigError(f"{path}.model", self.model, accepted=[*PRESETS, "hf:/local/path"])
+            raise ConfigError(_join(path, "model"), self.model, accepted=[*PRESETS, "hf:/local/path"])
         for name in ("steps", "global_batch", "max_micro_batch", "checkpoint_every", "keep_checkpoints", "lr"):
             _positive(path, name, getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "grad_clip", "min_lr", "max_failures"):
@@ -179,7 +189,7 @@ class DataConfig:
 
     def validate(self, path: str) -> None:
         if not self.path:
-            raise ConfigError(f"{path}.path", self.path, accepted="a local path or s3:// URI of prepared shards")
+            raise ConfigError(_join(path, "path"), self.path, accepted="a local path or s3:// URI of prepared shards")
         _positive(path, "prefetch", self.prefetch)
 
 
@@ -214,9 +224,9 @@ class PrepareConfig:
 
     def validate(self, path: str) -> None:
         if not self.source:
-            raise ConfigError(f"{path}.source", self.source, accepted="a local path or s3:// URI")
+            raise ConfigError(_join(path, "source"), self.source, accepted="a local path or s3:// URI")
         if not self.output:
-            raise ConfigError(f"{path}.output", self.output, accepted="a local path or s3:// URI")
+            raise ConfigError(_join(path, "output"), self.output, accepted="a local path or s3:// URI")
         _choice(path, "format", self.format, ["auto", "text", "jsonl", "parquet"])
         _positive(path, "seq_len", self.seq_len)
         _positive(path, "rows_per_shard", self.rows_per_shard)
@@ -227,7 +237,11 @@ def load_job_config(path: str | None = None, overrides: dict | None = None) -> J
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
+        for i, p in enumerate(parents):
+            if node.get(p) is None:
+                node[p] = {}
+            elif not isinstance(node[p], dict):
+                raise ConfigError(".".join(parents[: i + 1]), node[p], reason=f"cannot set {dotted}: not a mapping")
+            node = node[p]
         node[leaf] = value
     return from_mapping(JobConfig, data)

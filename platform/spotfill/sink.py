@@ -13,7 +13,7 @@ import ray
 from spotfill.events import EventLog
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
+@ray.remote(num_cpus=0)
 class EventSink:
     def __init__(self, path: str, max_failures: int):
         self._log = EventLog(path)

@@ -1,0 +1,215 @@
+"""batching.py: global-batch invariance across world sizes and the deterministic sample order."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spotfill.batching import (BatchShape, audit_samples, batch_shape, check_elastic_range,
+                               rank_micro_batches, step_stream_indices, stream_to_rows, valid_world_sizes)
+from spotfill.errors import ConfigError
+
+FAST = settings(max_examples=150, deadline=None)
+
+
+@st.composite
+def batch_and_world(draw):
+    """A global batch and a world size that divides it."""
+    world = draw(st.integers(1, 64))
+    per_rank = draw(st.integers(1, 64))
+    return world * per_rank, world
+
+
+# -- batch_shape ---------------------------------------------------------------------------------
+@FAST
+@given(batch_and_world(), st.integers(1, 128))
+def test_batch_shape_keeps_global_batch_at_every_valid_world(gw, max_micro):
+    global_batch, world = gw
+    shape = batch_shape(global_batch, world, max_micro)
+    assert shape.micro_batch * shape.accum * shape.world_size == global_batch
+    assert shape.global_batch == global_batch and shape.world_size == world
+    assert 1 <= shape.micro_batch <= max_micro
+    assert shape.per_rank == global_batch // world
+    # the largest divisor of the per-rank count that fits under max_micro
+    per_rank = global_batch // world
+    assert shape.micro_batch == max(d for d in range(1, min(per_rank, max_micro) + 1) if per_rank % d == 0)
+
+
+@FAST
+@given(st.integers(1, 512), st.integers(1, 16), st.integers(1, 16))
+def test_every_valid_world_in_range_keeps_global_batch(global_batch, lo, span):
+    for world in valid_world_sizes(global_batch, lo, lo + span):
+        s = batch_shape(global_batch, world, 8)
+        assert s.micro_batch * s.accum * world == global_batch
+
+
+def test_batch_shape_examples():
+    assert batch_shape(16, 4, 8) == BatchShape(16, 4, 4, 1)
+    assert batch_shape(16, 1, 8) == BatchShape(16, 1, 8, 2)
+    assert batch_shape(12, 2, 4) == BatchShape(12, 2, 3, 2)    # 6 per rank: micro 3 x accum 2
+    assert batch_shape(14, 2, 4) == BatchShape(14, 2, 1, 7)    # 7 is prime: micro 1
+
+
+@pytest.mark.parametrize("global_batch,world", [(16, 3), (10, 4), (7, 2), (1, 2)])
+def test_batch_shape_rejects_indivisible(global_batch, world):
+    with pytest.raises(ConfigError) as err:
+        batch_shape(global_batch, world, 8)
+    assert err.value.field == "training.global_batch"
+    assert "training.global_batch" in str(err.value)
+    assert f"world size {world}" in str(err.value)
+
+
+def test_batch_shape_rejects_world_zero():
+    with pytest.raises(ConfigError):
+        batch_shape(16, 0, 8)
+
+
+# -- elastic range -------------------------------------------------------------------------------
+def test_check_elastic_range_accepts_divisible_range():
+    check_elastic_range(16, 1, 2)
+    check_elastic_range(16, 4, 4)
+    check_elastic_range(12, 1, 4)
+    check_elastic_range(60, 1, 6)
+
+
+def test_check_elastic_range_rejects_and_names_bad_sizes():
+    with pytest.raises(ConfigError) as err:
+        check_elastic_range(16, 1, 4)
+    msg = str(err.value)
+    assert err.value.field == "training.global_batch"
+    assert msg.startswith("training.global_batch:")
+    assert "[3]" in msg and "[1, 4]" in msg
+    assert "[1, 2, 4]" in msg           # the divisors it may use instead
+
+
+@FAST
+@given(st.integers(1, 256), st.integers(1, 12), st.integers(0, 12))
+def test_check_elastic_range_agrees_with_batch_shape(global_batch, lo, span):
+    hi = lo + span
+    try:
+        check_elastic_range(global_batch, lo, hi)
+    except ConfigError:
+        assert valid_world_sizes(global_batch, lo, hi) != list(range(lo, hi + 1))
+    else:
+        for w in range(lo, hi + 1):
+            batch_shape(global_batch, w, 4)      # never raises
+
+
+# -- which samples a rank takes --------------------------------------------------------------------
+@FAST
+@given(batch_and_world(), st.integers(1, 16), st.integers(0, 10_000))
+def test_ranks_partition_the_step_exactly(gw, max_micro, step):
+    global_batch, world = gw
+    shape = batch_shape(global_batch, world, max_micro)
+    taken: list[int] = []
+    for rank in range(world):
+        micro_batches = rank_micro_batches(step, shape, rank)
+        assert len(micro_batches) == shape.accum
+        assert all(len(mb) == shape.micro_batch for mb in micro_batches)
+        taken += [g for mb in micro_batches for g in mb]
+    assert len(taken) == len(set(taken)), "overlap between ranks"
+    assert sorted(taken) == list(step_stream_indices(step, global_batch)), "gap or stray index"
+
+
+@FAST
+@given(st.sampled_from([12, 24, 60]), st.integers(0, 1000))
+def test_step_samples_do_not_depend_on_world_size(global_batch, step):
+    def step_set(world):
+        shape = batch_shape(global_batch, world, 4)
+        return {g for r in range(world) for mb in rank_micro_batches(step, shape, r) for g in mb}
+
+    sets = [step_set(w) for w in (1, 2, 3, 4, 6)]
+    assert all(s == sets[0] for s in sets)
+
+
+def test_steps_are_consecutive_and_disjoint():
+    assert list(step_stream_indices(0, 4)) == [0, 1, 2, 3]
+    assert list(step_stream_indices(3, 4)) == [12, 13, 14, 15]
+
+
+# -- stream index -> dataset row ---------------------------------------------------------------------
+@pytest.mark.parametrize("n_rows", [1, 7, 50, 1000])
+def test_stream_to_rows_is_a_permutation_per_epoch(n_rows):
+    for epoch in range(3):
+        rows = stream_to_rows(range(epoch * n_rows, (epoch + 1) * n_rows), n_rows, seed=5)
+        assert sorted(rows.tolist()) == list(range(n_rows))
+
+
+def test_stream_to_rows_deterministic_for_a_seed():
+    a = stream_to_rows(range(0, 300), 100, seed=7)
+    b = stream_to_rows(list(range(0, 300)), 100, seed=7)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, stream_to_rows(range(0, 300), 100, seed=8))
+
+
+def test_stream_to_rows_reshuffles_each_epoch():
+    n = 100
+    epochs = [stream_to_rows(range(e * n, (e + 1) * n), n, seed=0) for e in range(4)]
+    for i in range(len(epochs)):
+        for j in range(i + 1, len(epochs)):
+            assert not np.array_equal(epochs[i], epochs[j])
+
+
+@FAST
+@given(st.lists(st.integers(0, 5000), max_size=50), st.integers(1, 97), st.integers(0, 3))
+def test_stream_to_rows_pointwise_matches_whole_epoch(indices, n_rows, seed):
+    """Any subset (in any order, across epochs) maps as the full epoch mapping does."""
+    rows = stream_to_rows(indices, n_rows, seed)
+    assert rows.shape == (len(indices),)
+    for g, r in zip(indices, rows):
+        e = g // n_rows
+        full = stream_to_rows(range(e * n_rows, (e + 1) * n_rows), n_rows, seed)
+        assert r == full[g % n_rows]
+
+
+# -- audit_samples -----------------------------------------------------------------------------------
+def _records(attempt: int, steps: range, global_batch: int, world: int) -> list:
+    shape = batch_shape(global_batch, world, 4)
+    return [(attempt, s, [g for mb in rank_micro_batches(s, shape, r) for g in mb])
+            for s in steps for r in range(world)]
+
+
+def test_audit_clean_history():
+    out = audit_samples(_records(0, range(10), 8, 2), steps=10, global_batch=8)
+    assert out == {"consumed": 80, "duplicates": 0, "missing": 0}
+
+
+def test_audit_rollback_replaces_lost_steps():
+    # attempt 0 ran steps 0..5 at world 4; it died; attempt 1 resumed from the step-3 checkpoint at world 2
+    records = _records(0, range(0, 6), 8, 4) + _records(1, range(3, 10), 8, 2)
+    out = audit_samples(records, steps=10, global_batch=8)
+    assert out == {"consumed": 80, "duplicates": 0, "missing": 0}
+
+
+def test_audit_counts_a_skipped_step_as_missing():
+    records = [r for r in _records(0, range(10), 8, 2) if r[1] != 4]
+    out = audit_samples(records, steps=10, global_batch=8)
+    assert out == {"consumed": 72, "duplicates": 0, "missing": 8}
+
+
+def test_audit_counts_a_lost_rank_as_missing():
+    records = [r for r in _records(0, range(4), 8, 2) if not (r[1] == 2 and r[2][0] % 8 == 4)]
+    out = audit_samples(records, steps=4, global_batch=8)
+    assert out["missing"] == 4 and out["duplicates"] == 0
+
+
+def test_audit_counts_duplicated_ids():
+    records = _records(0, range(4), 8, 2)
+    attempt, step, ids = records[3]
+    records[3] = (attempt, step, ids[:2] + ids[:2])        # a rank re-read two samples, skipped two
+    out = audit_samples(records, steps=4, global_batch=8)
+    assert out["duplicates"] == 2 and out["missing"] == 2 and out["consumed"] == 32
+
+
+def test_audit_counts_ids_from_another_step_as_duplicates():
+    records = _records(0, range(4), 8, 2)
+    records.append((0, 3, [0, 1]))                        # step 0's samples consumed again at step 3
+    out = audit_samples(records, steps=4, global_batch=8)
+    assert out["duplicates"] == 2 and out["missing"] == 0
+
+
+def test_audit_ignores_steps_past_the_target():
+    records = _records(0, range(6), 8, 2)
+    out = audit_samples(records, steps=4, global_batch=8)
+    assert out == {"consumed": 32, "duplicates": 0, "missing": 0}
