@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from spotfill import constants
 from spotfill.checkpoint_store import AsyncUploader, CheckpointStore, tag_for
 
 log = logging.getLogger(__name__)
@@ -56,18 +57,33 @@ def flatten_ranks(tag_dir: str, out_dir: str) -> None:
                 shutil.copy2(src, dst)
 
 
-def convert_to_universal(ds_dir: str, out_dir: str) -> float:
-    """Run DeepSpeed's ds_to_universal converter; returns seconds."""
+def convert_to_universal(ds_dir: str, out_dir: str, nbytes: int = 0) -> float:
+    """Convert with DeepSpeed's ds_to_universal; returns seconds.
+
+    Small checkpoints convert in this process (no interpreter start-up: that dominates for them); large
+    ones in a subprocess with parallel extract/merge workers (the converter forks a process pool)."""
     t0 = time.perf_counter()
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    workers = str(max(1, min(4, (os.cpu_count() or 2) // 2)))
-    proc = subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ds_dir,
-         "--output_folder", tmp, "--num_extract_workers", workers, "--num_merge_workers", workers],
-        capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"ds_to_universal failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    if nbytes < constants.UNIVERSAL_INPROCESS_MAX_BYTES:
+        import argparse
+        import contextlib
+        import io
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+        args = argparse.Namespace(input_folder=ds_dir, output_folder=tmp, num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=False)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ds_to_universal(args)
+    else:
+        workers = str(max(1, min(8, (os.cpu_count() or 2) // 2)))
+        proc = subprocess.run(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ds_dir,
+             "--output_folder", tmp, "--num_extract_workers", workers, "--num_merge_workers", workers],
+            capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ds_to_universal failed ({proc.returncode}): {proc.stderr[-2000:]}")
     os.replace(tmp, out_dir)
     return time.perf_counter() - t0
 
@@ -93,7 +109,8 @@ def prepare_node_copy(store: CheckpointStore, tag: str | None, node_dir: str, wo
     if universal:
         load_tag = f"{tag}-universal"
         if not os.path.isdir(os.path.join(ds_root, load_tag)):
-            convert_s = convert_to_universal(os.path.join(ds_root, tag), os.path.join(ds_root, load_tag))
+            convert_s = convert_to_universal(os.path.join(ds_root, tag), os.path.join(ds_root, load_tag),
+                                             int(manifest.get("bytes") or 0))
     return RestorePlan(tag=tag, step=int(manifest["step"]), world_size=saved_world, load_dir=ds_root,
                        load_tag=load_tag, universal=universal,
                        timings={"download_s": round(download_s, 3), "convert_s": round(convert_s, 3),

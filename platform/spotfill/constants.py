@@ -82,4 +82,6 @@ SPOT_ON_REBALANCE = os.environ.get("SPOTFILL_SPOT_ON_REBALANCE", "log")
 GROW_CHECK_S = env_float("SPOTFILL_GROW_CHECK_S", 5.0)
 # Ray Train waits this long for a worker group to start before it gives up on that size (stock: 60 s).
 # spotfill lowers it so a group that asks for a lost node's slots falls back to the live size quickly.
-WORKER_GROUP_START_TIMEOUT_S = env_float("SPOTFILL_WORKER_GROUP_START_TIMEOUT_S", 15.0)
+WORKER_GROUP_START_TIMEOUT_S = env_float("SPOTFILL_WORKER_GROUP_START_TIMEOUT_S", 8.0)
+# Universal-checkpoint conversion runs in-process below this size (bytes), in a subprocess pool above.
+UNIVERSAL_INPROCESS_MAX_BYTES = env_int("SPOTFILL_UNIVERSAL_INPROCESS_MAX_BYTES", 1 << 30)

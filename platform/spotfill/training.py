@@ -24,8 +24,9 @@ from spotfill.summary import checkpoints_section, training_section
 log = logging.getLogger(__name__)
 
 
-def _ray_train_env() -> dict[str, str]:
-    """Ray Train knobs spotfill sets for the controller and workers (see constants.py)."""
+def ray_train_env() -> dict[str, str]:
+    """Ray Train knobs spotfill sets for the controller and workers (see constants.py). They must be in
+    the job's runtime_env (ray.init) since Ray Train's controller actor reads them."""
     return {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(constants.WORKER_GROUP_START_TIMEOUT_S),
             "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")}
 
@@ -79,7 +80,7 @@ class TrainingJob:
                 # spotfill keeps its own failure budget (training.max_failures) in the event sink, so
                 # planned exits (announced preemption, graceful grow) are not charged to it.
                 failure_config=FailureConfig(max_failures=-1),
-                worker_runtime_env={"env_vars": {**_ray_train_env(),
+                worker_runtime_env={"env_vars": {**ray_train_env(),
                                                  **self.runtime_env.get("env_vars", {})}},
             ),
         )
@@ -93,7 +94,8 @@ class TrainingJob:
         manifest = self.validate()
         os.makedirs(self.run_dir, exist_ok=True)
         if not ray.is_initialized():
-            ray.init(runtime_env=self.runtime_env or None)
+            env_vars = {**ray_train_env(), **self.runtime_env.get("env_vars", {})}
+            ray.init(runtime_env={**self.runtime_env, "env_vars": env_vars})
         namespace = "spotfill"
         sink_name = f"spotfill-sink-{self.config.name}-{uuid.uuid4().hex[:6]}"
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
