@@ -206,9 +206,9 @@ def test_load_yaml_mapping(tmp_path):
 def test_load_job_config_file_and_dotted_overrides(tmp_path):
     p = tmp_path / "job.yaml"
     p.write_text("storage: /ckpt\ndata: {path: /data}\ntraining:\n  steps: 50\n  workers: [1, 2]\n")
-    cfg = load_job_config(str(p), {"training.steps": 7, "training.workers": [2, 4], "name": "r1",
-                                   "cluster.gpu_resource": "GPU_SLOT"})
-    assert cfg.training.steps == 7 and cfg.training.workers == [2, 4]
+    cfg = load_job_config(str(p), {"training.steps": 7, "training.workers": [2, 4], "training.global_batch": 24,
+                                   "name": "r1", "cluster.gpu_resource": "GPU_SLOT"})
+    assert cfg.training.steps == 7 and cfg.training.workers == [2, 4] and cfg.training.global_batch == 24
     assert cfg.name == "r1" and cfg.cluster.gpu_resource == "GPU_SLOT"
     assert cfg.storage == "/ckpt" and cfg.data.path == "/data"
     assert load_job_config(str(p)).training.steps == 50        # the file itself is left as it was

@@ -1,0 +1,225 @@
+"""data.py: byte tokenizer, packing, shard files + manifest + reader, the prefetcher, corpus listing."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from spotfill.data import (BYTE_VOCAB, EOD, FORMAT, Prefetcher, ShardReader, ShardWriter, StepBatch, byte_encode,
+                           iter_corpus_files, load_tokenizer, pack, read_manifest, token_dtype)
+from spotfill.errors import CheckpointCorrupt, ConfigError
+from spotfill.storage import open_storage
+
+
+# -- tokenizer -----------------------------------------------------------------------------------
+# code points straight from integers: st.text() builds a Unicode table on first use (seconds)
+_TEXT = st.lists(st.one_of(st.integers(0, 0x7F), st.integers(0x80, 0xD7FF), st.integers(0xE000, 0x10FFFF)),
+                 max_size=40).map(lambda cps: "".join(map(chr, cps)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(_TEXT)
+@example("h\u00e9llo \u2713 \U0001d11e\n\x00")
+def test_byte_encode_round_trip_and_eod(text):
+    toks = byte_encode(text)
+    assert toks[-1] == EOD
+    assert all(0 <= t < 256 for t in toks[:-1])
+    assert bytes(toks[:-1]).decode("utf-8") == text
+
+
+def test_byte_tokenizer_spec():
+    encode, vocab = load_tokenizer("bytes")
+    assert encode is byte_encode and vocab == BYTE_VOCAB == EOD + 1
+    assert load_tokenizer("")[1] == BYTE_VOCAB
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer("sentencepiece")
+    assert err.value.field == "data.tokenizer"
+    with pytest.raises(ConfigError):
+        load_tokenizer("hf:/no/such/dir")
+
+
+# -- pack ----------------------------------------------------------------------------------------
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 256), max_size=40), max_size=20), st.integers(1, 16))
+def test_pack_rows_are_contiguous_and_tail_dropped(docs, seq_len):
+    rows = pack(docs, seq_len)
+    flat = [t for d in docs for t in d]
+    n = len(flat) // (seq_len + 1)
+    assert rows.shape == (n, seq_len + 1)
+    assert rows.reshape(-1).tolist() == flat[: n * (seq_len + 1)]     # contiguous, in order
+    assert len(flat) - rows.size < seq_len + 1                          # only an incomplete tail dropped
+
+
+def test_pack_example():
+    rows = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], seq_len=3)
+    assert rows.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]                # 9 is the dropped tail
+    assert pack([], 4).shape == (0, 5)
+
+
+def test_token_dtype():
+    assert token_dtype(BYTE_VOCAB) == np.uint16
+    assert token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32
+    assert token_dtype(128256) == np.uint32
+
+
+# -- shards + manifest + reader ------------------------------------------------------------------
+def _write(tmp_path, n_rows=10, seq_len=5, rows_per_shard=3, chunks=(4, 1, 5)):
+    storage = open_storage(str(tmp_path / "ds"))
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, BYTE_VOCAB, size=(n_rows, seq_len + 1))
+    w = ShardWriter(storage, seq_len, BYTE_VOCAB, "bytes", rows_per_shard=rows_per_shard)
+    start = 0
+    for c in chunks:
+        w.add(data[start:start + c])
+        start += c
+    assert start == n_rows
+    return storage, data, w.close()
+
+
+def test_shard_round_trip(tmp_path):
+    storage, data, manifest = _write(tmp_path)
+    assert manifest["format"] == FORMAT and manifest["num_samples"] == 10
+    assert [s["num_samples"] for s in manifest["shards"]] == [3, 3, 3, 1]
+    assert manifest["dtype"] == "uint16" and manifest["seq_len"] == 5 and manifest["tokenizer"] == "bytes"
+    assert read_manifest(storage) == json.loads(json.dumps(manifest))
+    assert set(storage.list()) == {"manifest.json"} | {s["key"] for s in manifest["shards"]}
+
+    reader = ShardReader(storage, str(tmp_path / "cache"))
+    assert reader.num_samples == 10 and reader.seq_len == 5
+    assert np.array_equal(reader.rows(np.arange(10)), data)
+    ids = np.array([9, 0, 3, 3, 7, 2])
+    out = reader.rows(ids)
+    assert out.dtype == np.int64 and np.array_equal(out, data[ids])
+    # a second reader uses the local cache (the same rows)
+    again = ShardReader(open_storage(str(tmp_path / "ds")), str(tmp_path / "cache"))
+    assert np.array_equal(again.rows(ids), data[ids])
+
+
+def test_shard_round_trip_through_file_uri(tmp_path):
+    _write(tmp_path)
+    reader = ShardReader(open_storage(f"file://{tmp_path / 'ds'}"), str(tmp_path / "cache2"))
+    assert reader.num_samples == 10
+
+
+def test_tampered_shard_fails_its_checksum(tmp_path):
+    storage, _, manifest = _write(tmp_path)
+    key = manifest["shards"][1]["key"]
+    path = os.path.join(storage.root, key)
+    raw = bytearray(open(path, "rb").read())
+    raw[-1] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(raw)
+    cache = tmp_path / "cache"
+    with pytest.raises(CheckpointCorrupt, match=key):
+        ShardReader(storage, str(cache))
+    assert not [n for n in os.listdir(cache) if key in n]     # neither cached nor left as a partial file
+
+
+def test_read_manifest_empty_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError) as err:
+        read_manifest(open_storage(str(tmp_path / "empty")))
+    assert err.value.field == "data.path" and "prepare_data" in str(err.value)
+
+
+def test_read_manifest_unknown_format(tmp_path):
+    storage = open_storage(str(tmp_path / "ds"))
+    storage.put_bytes("manifest.json", json.dumps({"format": "other/9"}).encode())
+    with pytest.raises(ConfigError) as err:
+        read_manifest(storage)
+    assert err.value.field == "data.path" and FORMAT in str(err.value)
+
+
+def test_writer_with_no_complete_row_is_a_config_error(tmp_path):
+    w = ShardWriter(open_storage(str(tmp_path / "ds")), 8, BYTE_VOCAB, "bytes")
+    w.add(pack([[1, 2, 3]], 8))
+    with pytest.raises(ConfigError) as err:
+        w.close()
+    assert err.value.field == "data.source"
+
+
+# -- prefetcher ----------------------------------------------------------------------------------
+def _batch(step: int) -> StepBatch:
+    return StepBatch(step, [np.full((1, 3), step)], [step])
+
+
+def test_prefetcher_yields_steps_in_order():
+    p = Prefetcher(_batch, first_step=5, last_step=25, depth=3)
+    try:
+        for step in range(5, 25):
+            assert p.get(step).step == step
+    finally:
+        p.close()
+
+
+def test_prefetcher_measures_wait():
+    def slow_first(step):
+        if step == 0:
+            time.sleep(0.3)
+        return _batch(step)
+
+    p = Prefetcher(slow_first, 0, 3, depth=2)
+    try:
+        assert p.get(0).step == 0
+        assert 0.1 <= p.wait_s < 5           # the consumer waited for step 0's batch
+    finally:
+        p.close()
+
+
+def test_prefetcher_propagates_exceptions_from_make():
+    def make(step):
+        if step == 2:
+            raise RuntimeError("shard read failed")
+        return _batch(step)
+
+    p = Prefetcher(make, 0, 5)
+    try:
+        assert p.get(0).step == 0 and p.get(1).step == 1
+        with pytest.raises(RuntimeError, match="shard read failed"):
+            p.get(2)
+    finally:
+        p.close()
+
+
+def test_prefetcher_close_stops_the_thread():
+    made = []
+
+    def make(step):
+        made.append(step)
+        return _batch(step)
+
+    p = Prefetcher(make, 0, 10 ** 9, depth=2)
+    assert p.get(0).step == 0
+    p.close()
+    p._thread.join(timeout=2)
+    assert not p._thread.is_alive()
+    n = len(made)
+    time.sleep(0.15)
+    assert len(made) == n and n <= 5     # it stopped a few steps ahead, not at the end
+
+
+# -- corpus listing ------------------------------------------------------------------------------
+def _tree(root, order):
+    for rel in order:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(rel)
+
+
+def test_iter_corpus_files_sorted_and_deterministic(tmp_path):
+    files = ["b.txt", "a.py", "z/readme.md", "c/d/e.txt", "c/a.txt", "skip.bin", "c/d/notes.rst", "a.md"]
+    _tree(tmp_path / "one", files)
+    _tree(tmp_path / "two", list(reversed(files)))
+    got = [os.path.relpath(p, tmp_path / "one") for p in iter_corpus_files(str(tmp_path / "one"))]
+    other = [os.path.relpath(p, tmp_path / "two") for p in iter_corpus_files(str(tmp_path / "two"))]
+    assert got == other
+    assert got == ["a.md", "a.py", "b.txt", "c/a.txt", "c/d/e.txt", "z/readme.md"]
+    assert [os.path.relpath(p, tmp_path / "one") for p in iter_corpus_files(str(tmp_path / "one"), (".md",))] \
+        == ["a.md", "z/readme.md"]
+    assert list(iter_corpus_files(str(tmp_path / "missing"))) == []
