@@ -151,6 +151,9 @@ class TrainingConfig:
     keep_checkpoints: int = 3
     seed: int = 0
     max_failures: int = 10
+    # "spotfill": restarts size the group from alive, non-draining nodes and grow gracefully;
+    # "stock": Ray Train's defaults (kept for side-by-side benchmarks).
+    elastic_restarts: str = "spotfill"
 
     @property
     def min_workers(self) -> int:
@@ -177,6 +180,7 @@ class TrainingConfig:
             _positive(path, name, getattr(self, name), allow_zero=True)
         _positive(path, "seq_len", self.seq_len)
         _choice(path, "zero_stage", self.zero_stage, [0, 1, 2, 3])
+        _choice(path, "elastic_restarts", self.elastic_restarts, ["spotfill", "stock"])
         _choice(path, "precision", self.precision, ["auto", "bf16", "fp16", "fp32"])
         check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
 
@@ -245,3 +249,17 @@ def load_job_config(path: str | None = None, overrides: dict | None = None) -> J
             node = node[p]
         node[leaf] = value
     return from_mapping(JobConfig, data)
+
+
+def load_prepare_config(path: str | None = None, overrides: dict | None = None) -> PrepareConfig:
+    """PrepareConfig from a YAML file whose only top-level key is `data:` (fields as in PrepareConfig);
+    `overrides` are PrepareConfig field names (CLI > file > defaults). Errors name `data.<field>`."""
+    doc = load_yaml(path) if path else {}
+    for key in doc:
+        if key != "data":
+            raise ConfigError(str(key), doc[key], reason="unknown key", accepted=["data"])
+    data = doc.get("data")
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError("data", data, accepted="a mapping")
+    return from_mapping(PrepareConfig, {**data, **(overrides or {})}, "data")

@@ -59,17 +59,21 @@ class TrainingJob:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
+        from spotfill.elastic_policy import SpotfillTorchTrainer
+
         from spotfill.worker_loop import train_loop_per_worker
 
         cfg, t, c = self.config, self.config.training, self.config.cluster
         use_gpu = c.gpu_resource == "GPU"
+        spotfill = t.elastic_restarts == "spotfill"
         resources = {c.gpu_resource: c.gpus_per_worker, "CPU": c.cpus_per_worker}
         workers = t.min_workers if t.min_workers == t.max_workers else (t.min_workers, t.max_workers)
         scaling = ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources,
                                 # spotfill grows gracefully itself (checkpoint, then restart): Ray's
                                 # own running-group resize would kill the workers mid-interval.
-                                elastic_resize_monitor_interval_s=10 ** 9)
-        return TorchTrainer(
+                                elastic_resize_monitor_interval_s=10 ** 9 if spotfill else 60.0)
+        trainer_cls = SpotfillTorchTrainer if spotfill else TorchTrainer
+        return trainer_cls(
             train_loop_per_worker,
             train_loop_config={"job": _as_dict(cfg), "sink": sink_name, "namespace": namespace},
             scaling_config=scaling,
@@ -80,8 +84,7 @@ class TrainingJob:
                 # spotfill keeps its own failure budget (training.max_failures) in the event sink, so
                 # planned exits (announced preemption, graceful grow) are not charged to it.
                 failure_config=FailureConfig(max_failures=-1),
-                worker_runtime_env={"env_vars": {**ray_train_env(),
-                                                 **self.runtime_env.get("env_vars", {})}},
+                worker_runtime_env={"env_vars": self.runtime_env.get("env_vars", {})},
             ),
         )
 
@@ -94,8 +97,7 @@ class TrainingJob:
         manifest = self.validate()
         os.makedirs(self.run_dir, exist_ok=True)
         if not ray.is_initialized():
-            env_vars = {**ray_train_env(), **self.runtime_env.get("env_vars", {})}
-            ray.init(runtime_env={**self.runtime_env, "env_vars": env_vars})
+            ray.init(runtime_env=self.runtime_env or None)
         namespace = "spotfill"
         sink_name = f"spotfill-sink-{self.config.name}-{uuid.uuid4().hex[:6]}"
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -107,12 +109,26 @@ class TrainingJob:
         ray.get(sink.event.remote("job_start", name=self.config.name, steps=self.config.training.steps,
                                   global_batch=self.config.training.global_batch,
                                   workers=self.config.training.workers, dataset_samples=manifest["num_samples"]))
+        # Ray Train propagates these from the driver's environment to its controller and workers.
+        saved = {k: os.environ.get(k) for k in ray_train_env()}
+        if self.config.training.elastic_restarts == "spotfill":
+            for key, value in ray_train_env().items():
+                os.environ.setdefault(key, value)
+        else:
+            for key in saved:
+                os.environ.pop(key, None)
         t0 = time.time()
         error = None
         try:
             self._trainer(sink_name, namespace).fit()
         except Exception as exc:  # Ray Train raised: the job ran and failed
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         verdict = ray.get(sink.verdict.remote())
         ray.get(sink.event.remote("job_end", seconds=round(time.time() - t0, 3)))
         ray.get(sink.close.remote())

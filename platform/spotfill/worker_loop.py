@@ -190,7 +190,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 loss_sum += loss.item()
             preempt = ray.train.get_preemption_info()
             grow = 0
-            if rank == 0 and world < t.max_workers and time.monotonic() - last_grow_check > grow_every:
+            if (rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers
+                    and time.monotonic() - last_grow_check > grow_every):
                 last_grow_check = time.monotonic()
                 grow = extra_workers_that_fit(job.cluster.gpu_resource, job.cluster.gpus_per_worker)
             flags = torch.tensor([loss_sum / shape.accum, 1.0 if preempt else 0.0, float(grow)],

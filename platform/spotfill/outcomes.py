@@ -1,0 +1,84 @@
+"""Per-event outcomes and invariants of a scenario run, from events.jsonl (pure).
+
+For a node event fired at time T: the next worker-group attempt that started after T is the recovery.
+lost_steps = the last step the previous attempt finished - the step the recovery resumed from;
+recovery_seconds = the recovery's first finished step - T (notice or loss to stepping again).
+"""
+from __future__ import annotations
+
+
+def _attempt_after(events: list[dict], t: float) -> int | None:
+    for e in events:
+        if e["kind"] == "attempt" and e["t"] >= t:
+            return e["attempt"]
+    return None
+
+
+def node_event_outcome(events: list[dict], fired_at: float, deadline_s: float | None = None) -> dict:
+    nxt = _attempt_after(events, fired_at)
+    if nxt is None:
+        return {"affected": False, "lost_steps": 0, "recovery_seconds": None, "emergency_checkpoint": False}
+    prev_steps = [e["step"] for e in events if e["kind"] == "step" and e["attempt"] == nxt - 1]
+    resume = next((e for e in events if e["kind"] in ("resume", "start") and e["attempt"] == nxt), None)
+    first = next((e for e in events if e["kind"] == "step" and e["attempt"] == nxt), None)
+    resumed_from = resume["step"] if resume else 0
+    lost = max(0, (max(prev_steps) if prev_steps else resumed_from) - resumed_from)
+    saves = [e for e in events if e["kind"] == "checkpoint_save" and e["attempt"] == nxt - 1
+             and e.get("emergency") and e["t"] >= fired_at]
+    commit = None
+    if saves:
+        commit = next((e for e in events if e["kind"] == "checkpoint" and e["attempt"] == nxt - 1
+                       and e["step"] == saves[0]["step"]), None)
+    planned = next((e for e in events if e["kind"] == "planned_exit" and e["attempt"] == nxt - 1), None)
+    out = {
+        "affected": True,
+        "lost_steps": lost,
+        "recovery_seconds": round(first["t"] - fired_at, 2) if first else None,
+        "emergency_checkpoint": bool(saves),
+        "resumed_from_step": resumed_from,
+        "world_size_after": resume["world_size"] if resume else None,
+        "planned_exit": planned["reason"] if planned else None,
+    }
+    if saves and deadline_s is not None:
+        out["committed_before_deadline"] = bool(commit and commit["t"] <= fired_at + deadline_s)
+        out["commit_seconds_after_notice"] = round(commit["t"] - fired_at, 2) if commit else None
+    return out
+
+
+def grow_outcome(events: list[dict], fired_at: float) -> dict:
+    nxt = _attempt_after(events, fired_at)
+    if nxt is None:
+        return {"grew": False}
+    resume = next((e for e in events if e["kind"] in ("resume", "start") and e["attempt"] == nxt), None)
+    first = next((e for e in events if e["kind"] == "step" and e["attempt"] == nxt), None)
+    prev = [e for e in events if e["kind"] == "step" and e["attempt"] == nxt - 1]
+    return {"grew": bool(resume and prev and resume["world_size"] > prev[-1]["world_size"]),
+            "world_size_after": resume["world_size"] if resume else None,
+            "seconds_to_grow": round(first["t"] - fired_at, 2) if first else None,
+            "lost_steps": max(0, prev[-1]["step"] - resume["step"]) if (prev and resume) else 0}
+
+
+def invariants(report: dict, checkpoint_every: int) -> dict:
+    tr = report["training"]
+    inv = {
+        "all_steps_completed": {"ok": tr["steps_completed"] == tr["steps_target"],
+                                "detail": f"{tr['steps_completed']}/{tr['steps_target']} steps"},
+        "no_sample_lost_or_repeated": {
+            "ok": tr["samples"]["duplicates"] == 0 and tr["samples"]["missing"] == 0,
+            "detail": f"{tr['samples']['consumed']} consumed, {tr['samples']['duplicates']} duplicates, "
+                      f"{tr['samples']['missing']} missing"},
+    }
+    announced = [p for p in report.get("preemptions", []) if p["kind"] == "announced" and p.get("affected")]
+    if announced:
+        bad = [p for p in announced if p["lost_steps"] != 0 or not p["emergency_checkpoint"]
+               or not p.get("committed_before_deadline", False)]
+        inv["announced_preemption_loses_nothing"] = {
+            "ok": not bad, "detail": f"{len(announced)} announced; lost steps "
+                                     f"{[p['lost_steps'] for p in announced]}; emergency checkpoints committed "
+                                     f"before the deadline: {[p.get('committed_before_deadline') for p in announced]}"}
+    hard = [p for p in report.get("preemptions", []) if p["kind"] == "hard" and p.get("affected")]
+    if hard:
+        inv["hard_loss_within_interval"] = {
+            "ok": all(p["lost_steps"] <= checkpoint_every for p in hard),
+            "detail": f"lost steps {[p['lost_steps'] for p in hard]} <= checkpoint_every {checkpoint_every}"}
+    return inv
