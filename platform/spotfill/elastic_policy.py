@@ -17,18 +17,27 @@ from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 
 
-def schedulable_node_ids() -> set[str]:
-    """Nodes that are alive and not draining (draining: ray._private state, as Ray Train's own
-    PreemptionWatcher reads it)."""
+def schedulable_node_resources() -> dict[str, dict]:
+    """Total resources of nodes that are alive and not draining (draining: ray._private state, as Ray
+    Train's own PreemptionWatcher reads it)."""
     draining = ray._private.state.state.get_draining_nodes() or {}
-    return {n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in draining}
+    return {n["NodeID"]: n["Resources"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in draining}
+
+
+def count_workers(node_resources: dict[str, dict], per_worker: dict[str, float], max_workers: int) -> int:
+    """Workers that fit on these nodes (each worker on one node), capped at max_workers (pure)."""
+    need = {r: v for r, v in per_worker.items() if v > 0}
+    total = sum(int(min(res.get(r, 0.0) // v for r, v in need.items())) for res in node_resources.values())
+    return min(total, max_workers)
 
 
 class DrainAwareElasticPolicy(ElasticScalingPolicy):
+    """Sizes from the nodes' own resources: the coordinator's reservations lag node changes by up to
+    its tick, which made restarts pick a stale size. (spotfill's arbiter owns sharing with fill-in.)"""
+
     def _count_possible_workers(self, reserved_resources) -> int:
-        live = schedulable_node_ids()
-        return super()._count_possible_workers(
-            {node: res for node, res in reserved_resources.items() if node in live})
+        return count_workers(schedulable_node_resources(), self.scaling_config._resources_per_worker_not_none,
+                             self.scaling_config.max_workers)
 
 
 class SpotfillTorchTrainer(TorchTrainer):

@@ -76,24 +76,6 @@ class _Comms:
         self.dist.barrier()
 
 
-def _draining_gpu_capacity(gpu_resource: str) -> float:
-    """Accelerator units on nodes Ray Core reports as draining.
-
-    Private Ray API, isolated here: Ray Train's own PreemptionWatcher reads the same call
-    (ray/train/v2/_internal/execution/preemption.py::_get_draining_nodes)."""
-    import ray
-    draining = ray._private.state.state.get_draining_nodes() or {}
-    return sum(n["Resources"].get(gpu_resource, 0.0) for n in ray.nodes()
-               if n.get("Alive") and n["NodeID"] in draining)
-
-
-def extra_workers_that_fit(gpu_resource: str, per_worker: float) -> int:
-    """How many more workers the free accelerators of healthy nodes could hold right now."""
-    import ray
-    free = ray.available_resources().get(gpu_resource, 0.0) - _draining_gpu_capacity(gpu_resource)
-    return max(0, int(free // per_worker))
-
-
 def train_loop_per_worker(loop_config: dict) -> None:
     import ray
     import ray.train
@@ -101,6 +83,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import torch.nn.functional as F
 
     import deepspeed
+    from spotfill.elastic_policy import count_workers, schedulable_node_resources
     from spotfill.model import build_model
 
     job: JobConfig = from_mapping(JobConfig, loop_config["job"])
@@ -173,6 +156,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     vocab = model.cfg.vocab_size
     events: list[dict] = []
     last_grow_check, grow_every = time.monotonic(), constants.GROW_CHECK_S
+    per_worker = {job.cluster.gpu_resource: job.cluster.gpus_per_worker, "CPU": job.cluster.cpus_per_worker}
     tokens_per_step = t.global_batch * reader.seq_len
     try:
         for step in range(start_step, t.steps):
@@ -193,7 +177,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             if (rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers
                     and time.monotonic() - last_grow_check > grow_every):
                 last_grow_check = time.monotonic()
-                grow = extra_workers_that_fit(job.cluster.gpu_resource, job.cluster.gpus_per_worker)
+                fit = count_workers(schedulable_node_resources(), per_worker, t.max_workers)
+                grow = max(0, fit - world)
             flags = torch.tensor([loss_sum / shape.accum, 1.0 if preempt else 0.0, float(grow)],
                                  dtype=torch.float64)
             comms.dist.all_reduce(flags)
