@@ -84,14 +84,19 @@ def init_ray(env: dict) -> None:
         ray.init(runtime_env=env or None, log_to_driver=True)
 
 
-def warn_relative(**paths: str) -> None:
-    """Inside a Ray job the cwd is a temporary copy of the working dir: relative local paths land there."""
-    if not in_ray_job():
-        return
-    for name, value in paths.items():
-        if value and "://" not in value and not os.path.isabs(os.path.expanduser(value)):
-            log.warning("%s %r is relative: inside a Ray job it resolves under the job's temporary working "
-                        "dir %s; give an absolute path or s3:// URI to keep it", name, value, os.getcwd())
+def absolute(name: str, value: str) -> str:
+    """`value` with a relative local path made absolute against the driver's cwd, so that the driver and
+    the Ray workers (whose cwd may differ) mean the same place. Inside a Ray job that cwd is a temporary
+    copy of the working dir, so a warning says where the path went."""
+    if not value or "://" in value:
+        return value
+    if os.path.isabs(os.path.expanduser(value)):
+        return os.path.expanduser(value)
+    resolved = os.path.abspath(value)
+    if in_ray_job():
+        log.warning("%s %r is relative: inside a Ray job it resolves to %s, in the job's temporary working "
+                    "dir; give an absolute path or s3:// URI to keep it", name, value, resolved)
+    return resolved
 
 
 def setup_logging() -> None:

@@ -33,6 +33,11 @@ def ray_train_env() -> dict[str, str]:
 
 class TrainingJob:
     def __init__(self, config: JobConfig, runtime_env: dict | None = None):
+        # Ray Train workers chdir into their own run folder: local paths must be absolute.
+        for section, key in ((config, "storage"), (config.data, "path")):
+            value = getattr(section, key)
+            if value and "://" not in value:
+                setattr(section, key, os.path.abspath(value))
         self.config = config
         self.runtime_env = runtime_env or {}
         self.run_dir = os.path.abspath(config.run_dir)

@@ -90,7 +90,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     t = job.training
     sink = ray.get_actor(loop_config["sink"], namespace=loop_config["namespace"])
     ctx = ray.train.get_context()
-    rank, world, local_rank = ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     node_id = ray.get_runtime_context().get_node_id()
     comms = _Comms()
     t_start = time.time()
@@ -115,7 +115,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
         store.discard_uncommitted()
         plan = prepare_node_copy(store, None, node_dir, world, t.zero_stage)
     plan = comms.bcast(plan)
-    if plan.tag and local_rank == 0 and rank != 0:
+    # One rank per node prepares that node's copy: the lowest rank on each node (Ray's local_rank groups
+    # by IP, and several raylets can share one IP).
+    node_ids: list = [None] * world
+    comms.dist.all_gather_object(node_ids, node_id)
+    node_leader = node_ids.index(node_id) == rank
+    if plan.tag and node_leader and rank != 0:
         prepare_node_copy(store, plan.tag, node_dir, world, t.zero_stage)
     comms.barrier()
     prep_s = time.perf_counter() - t0

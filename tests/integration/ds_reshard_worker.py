@@ -1,0 +1,79 @@
+"""Child process body for the resharding test: one DeepSpeed rank on gloo (spawned by torch.multiprocessing)."""
+from __future__ import annotations
+
+import os
+import pickle
+
+
+def full_state(engine) -> dict:
+    """Full (gathered) fp32 params and Adam moments per parameter name, on every rank."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    link = getattr(engine.optimizer, "_link_all_hp_params", None)
+    if link:  # a plain (non-universal) ZeRO load leaves the fragment links of the debug API stale
+        link()
+    out = {}
+    for name, p in engine.module.named_parameters():
+        out[name] = {"param": safe_get_full_fp32_param(p).detach().clone(),
+                     "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").detach().clone(),
+                     "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").detach().clone()}
+    return out
+
+
+def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: str, work: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import deepspeed
+
+    from spotfill.batching import batch_shape
+    from spotfill.checkpoint import Checkpointer, RestorePlan, prepare_node_copy
+    from spotfill.checkpoint_store import CheckpointStore
+    from spotfill.config import JobConfig, from_mapping
+    from spotfill.model import build_model
+    from spotfill.storage import open_storage
+    from spotfill.worker_loop import ds_config
+
+    job = from_mapping(JobConfig, {"storage": storage_uri, "data": {"path": "/unused"},
+                                   "training": {"workers": [1, 3], "global_batch": 6, "zero_stage": stage,
+                                                "steps": 20, "warmup_steps": 2, "max_micro_batch": 1}})
+    shape = batch_shape(6, world, 1)
+    store = CheckpointStore(open_storage(storage_uri))
+    plan = RestorePlan()
+    if mode == "load":
+        node_dir = os.path.join(work, f"node-w{world}")
+        plan = prepare_node_copy(store, None, node_dir, world, stage) if rank == 0 else None
+        buf = [plan]
+        dist.broadcast_object_list(buf, src=0)
+        plan = buf[0]
+        dist.barrier()
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(job, shape.micro_batch, shape.accum, "fp32", plan.universal))
+    if mode == "save":
+        g = torch.Generator().manual_seed(1234 + rank)
+        for _ in range(3):
+            for _ in range(shape.accum):
+                x = torch.randint(0, 257, (shape.micro_batch, 64), generator=g)
+                loss = F.cross_entropy(engine(x).reshape(-1, 257), x.reshape(-1))
+                engine.backward(loss)
+                engine.step()
+        ckpt = Checkpointer(store, os.path.join(work, f"save-r{rank}"), rank, world, attempt="0")
+        ckpt.save(engine, 3, {"note": "test"}, sync=True)
+        ckpt.close()
+    else:
+        _, client = engine.load_checkpoint(os.path.join(work, f"node-w{world}", "ds"), tag=plan.load_tag)
+        assert client["step"] == 3, client
+    state = full_state(engine)
+    if rank == 0:
+        result = {"state": state, "global_steps": engine.global_steps, "lr": engine.get_lr()[0],
+                  "sched": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+                  "universal": plan.universal}
+        with open(os.path.join(work, f"{mode}-w{world}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,247 @@
+"""jobs/*.py through the real `ray job submit` CLI against a head this module starts with `ray start --head`.
+
+The head runs with its own --temp-dir, ports and auth token (RAY_AUTH_MODE=token, as Ray 2.60 turns on
+for local clusters when ~/.ray/auth_token exists), so it never touches other Ray clusters on the machine.
+Its processes inherit a marker environment variable; teardown ends only the processes that carry it or
+name the temp dir (`ray stop` would end every Ray process of the user; agents rename themselves, so the
+command line alone misses some). The jobs are submitted from a small staged copy of the repo
+(platform/spotfill, jobs/, examples/, pyproject.toml) and every process of the head runs with a
+sitecustomize that removes the editable install's `platform/` from sys.path: spotfill is "not installed",
+so the driver must import the copy in its working dir and the Ray workers the one shipped as py_modules.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PLATFORM = str(REPO / "platform")
+RAY = str(Path(sys.executable).with_name("ray")) if Path(sys.executable).with_name("ray").exists() \
+    else (shutil.which("ray") or "ray")
+HIDE_INSTALL = """\
+# test only: hide the editable spotfill install from every process of this Ray head
+import os, sys
+_hide = {p for p in os.environ.get("SPOTFILL_TEST_HIDE", "").split(os.pathsep) if p}
+sys.path[:] = [p for p in sys.path if not (p and os.path.abspath(p) in _hide)]
+"""
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+MARK = "SPOTFILL_TEST_RAY_HEAD"
+
+
+def _head_processes(temp_dir: str) -> list:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "cwd", "environ", "status"]):
+        try:
+            if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(p.info["cmdline"] or [])
+            if (p.info["environ"] or {}).get(MARK) == temp_dir or temp_dir in cmd \
+                    or (p.info["cwd"] or "").startswith(temp_dir):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _stop_head(temp_dir: str) -> list[int]:
+    """End this head's processes only (marker env var, cmdline or cwd under temp_dir): TERM, then KILL."""
+    import psutil
+
+    ended = []
+    for _ in range(3):              # a second pass catches what was spawned while the first one ran
+        procs = _head_processes(temp_dir)
+        if not procs:
+            break
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=4)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(alive, timeout=5)
+        ended += [p.pid for p in procs]
+    return ended
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A real Ray head: 2 CPUs, 2 GPU_SLOTs, dashboard on 127.0.0.1; yields (job API address, env)."""
+    temp_dir = tempfile.mkdtemp(prefix="sfray-", dir="/tmp")   # short: unix socket paths have a limit
+    hook = os.path.join(temp_dir, "hook")
+    os.makedirs(hook)
+    Path(hook, "sitecustomize.py").write_text(HIDE_INSTALL)
+    token = uuid.uuid4().hex + uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [hook, env.get("PYTHONPATH")])),
+               SPOTFILL_TEST_HIDE=PLATFORM, RAY_USAGE_STATS_ENABLED="0", PYTHONNOUSERSITE="1",
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, **{MARK: temp_dir})
+    hidden = subprocess.run([sys.executable, "-c", "import spotfill"], env=env, cwd=temp_dir,
+                            capture_output=True).returncode != 0
+    gcs, dash, client, nm, om, agent, agent_grpc, renv, metrics = _free_ports(9)
+    cmd = [RAY, "start", "--head", f"--port={gcs}", "--num-cpus=2", '--resources={"GPU_SLOT": 2}',
+           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+           f"--ray-client-server-port={client}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
+           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+           f"--runtime-env-agent-port={renv}", f"--metrics-export-port={metrics}",
+           "--object-store-memory=200000000", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    try:
+        out = subprocess.run(cmd, env=env, cwd=temp_dir, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        address = f"http://127.0.0.1:{dash}"
+        _wait_jobs_api(address, env)
+        yield {"address": address, "env": env, "hidden": hidden, "temp_dir": temp_dir,
+               "headers": {"Authorization": f"Bearer {token}"}}
+    finally:
+        _stop_head(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _wait_jobs_api(address: str, env: dict, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while True:
+        r = subprocess.run([RAY, "job", "list", "--address", address], env=env, capture_output=True, text=True)
+        if r.returncode == 0:
+            return
+        assert time.time() < deadline, f"jobs API at {address} not up: {r.stderr[-500:]}"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    """The files a user's `--working-dir .` needs, without tests/, .git, runs/ or caches."""
+    root = tmp_path_factory.mktemp("repo")
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    shutil.copytree(REPO / "platform" / "spotfill", root / "platform" / "spotfill", ignore=skip)
+    shutil.copytree(REPO / "jobs", root / "jobs", ignore=skip)
+    shutil.copytree(REPO / "examples", root / "examples", ignore=skip)
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    bad = (root / "examples" / "tiny-cpu.yaml").read_text().replace("workers: [1, 2]", "workers: [3, 1]")
+    assert "workers: [3, 1]" in bad
+    (root / "examples" / "bad-workers.yaml").write_text(bad)
+    return root
+
+
+def submit(head, staged, *entrypoint: str, wait: bool = True, timeout: float = 300):
+    job_id = f"sf-{uuid.uuid4().hex[:8]}"
+    cmd = [RAY, "job", "submit", "--address", head["address"], "--submission-id", job_id,
+           "--working-dir", str(staged), *([] if wait else ["--no-wait"]), "--", "python", *entrypoint]
+    r = subprocess.run(cmd, env=head["env"], cwd=str(staged), capture_output=True, text=True, timeout=timeout)
+    return job_id, r
+
+
+def summary_line(output: str) -> dict:
+    lines = [ln for ln in output.splitlines() if ln.startswith('{"ok"')]
+    assert lines, f"no JSON summary line in:\n{output[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def job_info(head, job_id: str, wait_s: float = 120) -> tuple[str, str]:
+    """(status, message) once the job is terminal."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(head["address"], headers=head["headers"])
+    deadline = time.time() + wait_s
+    while True:
+        info = client.get_job_info(job_id)
+        if info.status.is_terminal() or time.time() > deadline:
+            return str(info.status), info.message or ""
+        time.sleep(1)
+
+
+def test_prepare_then_pretrain_through_ray_job_submit(head, staged, tmp_path):
+    t0 = time.time()
+    data, ckpt, run_dir = tmp_path / "data", tmp_path / "ckpt", tmp_path / "run"
+    bad_id, bad = submit(head, staged, "jobs/pretrain.py", "--config", "examples/bad-workers.yaml",
+                         "--storage", str(ckpt), "--run-dir", str(tmp_path / "bad"), wait=False)
+    assert bad.returncode == 0, bad.stdout + bad.stderr
+
+    _, prep = submit(head, staged, "jobs/prepare_data.py", "--config", "examples/prepare-stdlib.yaml",
+                     "--output", str(data))
+    assert prep.returncode == 0, prep.stdout[-4000:] + prep.stderr[-2000:]
+    p = summary_line(prep.stdout)
+    assert p["samples"] >= 160 and (data / "manifest.json").is_file()
+    assert p["shipped"] and p["spotfill"].startswith(head["temp_dir"]), p   # the working-dir copy
+    t_prep = time.time() - t0
+
+    train_id, train = submit(head, staged, "jobs/pretrain.py", "--config", "examples/tiny-cpu.yaml",
+                             "--steps", "10", "--storage", str(ckpt), "--run-dir", str(run_dir),
+                             "--data", str(data))
+    assert train.returncode == 0, train.stdout[-6000:] + train.stderr[-2000:]
+    s = summary_line(train.stdout)
+    assert s["ok"] and s["steps_completed"] == 10 and s["checkpoints"] >= 2, s
+    assert s["spotfill"].startswith(head["temp_dir"]) and "working_dir" in s["spotfill"], s
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["ok"] is True and report["training"]["steps_completed"] == 10
+    assert (run_dir / "events.jsonl").is_file()
+    assert job_info(head, train_id)[0] == "SUCCEEDED"
+    if not head["hidden"]:
+        pytest.fail("could not hide the installed spotfill from the head; the job may have used it")
+
+    status, message = job_info(head, bad_id)
+    assert status == "FAILED" and "exit code 2" in message, (status, message)
+    logs = subprocess.run([RAY, "job", "logs", "--address", head["address"], bad_id], env=head["env"],
+                          capture_output=True, text=True).stdout
+    errors = [ln for ln in logs.splitlines() if "error:" in ln]
+    assert errors == ["pretrain.py: error: training.workers: min > max (got [3, 1]); "
+                      "accepted: [min, max] with min <= max"], logs
+    assert "Traceback" not in logs
+    print(f"\nprepare job {t_prep:.1f}s, prepare+pretrain {time.time() - t0:.1f}s")
+
+
+@pytest.mark.parametrize("content, field", [
+    (None, "--config: no such file"),
+    ("name: x\nstorage: /tmp/x\nbogus: 1\n", "bogus: unknown key"),
+    ("training: {workers: [3, 1]}\nstorage: /tmp/x\ndata: {path: /tmp/x}\n", "training.workers: min > max"),
+])
+def test_pretrain_config_errors_exit_2_one_line(tmp_path, content, field):
+    cfg = tmp_path / "job.yaml"
+    if content is not None:
+        cfg.write_text(content)
+    r = subprocess.run([sys.executable, str(REPO / "jobs" / "pretrain.py"), "--config", str(cfg)],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"pretrain.py: error: {field}"), r.stderr
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--config", "missing.yaml"], "--config: no such file"),
+    ([], "the following arguments are required: --config"),
+    (["--config", "x.yaml", "--seq-len", "many"], "argument --seq-len"),
+    (["--config", "job.yaml"], "training: unknown key"),
+])
+def test_prepare_usage_errors_exit_2_one_line(tmp_path, args, field):
+    (tmp_path / "job.yaml").write_text("training: {steps: 3}\n")
+    r = subprocess.run([sys.executable, str(REPO / "jobs" / "prepare_data.py"), *args],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"prepare_data.py: error: {field}"), r.stderr
