@@ -8,9 +8,13 @@ import pickle
 def full_state(engine) -> dict:
     """Full (gathered) fp32 params and Adam moments per parameter name, on every rank."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    link = getattr(engine.optimizer, "_link_all_hp_params", None)
-    if link:  # a plain (non-universal) ZeRO load leaves the fragment links of the debug API stale
-        link()
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        # ZeRO 1/2: after a plain (non-universal) load the debug API's optimizer-state links are stale;
+        # rebuild them the way DeepSpeed does after a universal load.
+        opt._link_all_hp_params()
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
     out = {}
     for name, p in engine.module.named_parameters():
         out[name] = {"param": safe_get_full_fp32_param(p).detach().clone(),
