@@ -1,11 +1,78 @@
-"""`spotfill bench`: side-by-side benchmarks (benchmarks/)."""
+"""`spotfill bench`: side-by-side benchmarks (the repo's benchmarks/ folder), JSON out.
+
+    spotfill bench [--quick] [--json PATH] [--only checkpoint,overhead,gpu,upload]
+
+The benchmark code lives in the top-level benchmarks/ folder of a spotfill checkout (runnable scripts, not
+part of the installed package); this command finds it next to the package (`pip install -e .`), in the
+current directory, or where SPOTFILL_BENCHMARKS_DIR points.
+"""
 from __future__ import annotations
 
-from spotfill.cli import pending
+import argparse
+import importlib
+import os
+import sys
+
+from spotfill.errors import ConfigError
+
+SECTIONS = ("checkpoint", "overhead", "gpu", "upload")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="side-by-side benchmarks, JSON out")
-    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    p = sub.add_parser("bench", help="side-by-side benchmarks, JSON out",
+                       description="Measure spotfill against stock Ray Train / plain DeepSpeed / raw boto3 "
+                       "on this machine, in one run: checkpoint stall and upload, training overhead, GPU MFU.")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (~4 minutes)")
     p.add_argument("--json", metavar="PATH", help="write the benchmark JSON here")
-    p.set_defaults(func=pending("spotfill bench", "issue #3"))
+    p.add_argument("--only", metavar="SECTION,...",
+                   help=f"run only these sections ({', '.join(SECTIONS)}; default all but upload)")
+    p.set_defaults(func=run)
+
+
+def benchmarks_root() -> str:
+    """The checkout folder holding benchmarks/run.py (ConfigError when there is none)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = [os.environ.get("SPOTFILL_BENCHMARKS_DIR", ""), os.path.join(here, "..", "..", "benchmarks"),
+                  os.path.join(os.getcwd(), "benchmarks")]
+    for cand in candidates:
+        if cand and os.path.isfile(os.path.join(cand, "run.py")):
+            return os.path.dirname(os.path.abspath(cand))
+    raise ConfigError("spotfill bench", reason="benchmarks/ not found: run it from a spotfill checkout "
+                      "(pip install -e .) or set SPOTFILL_BENCHMARKS_DIR to its benchmarks/ folder")
+
+
+def parse_sections(value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    names = [s.strip() for s in value.split(",") if s.strip()]
+    bad = [s for s in names if s not in SECTIONS]
+    if not names or bad:
+        raise ConfigError("--only", value, accepted=", ".join(SECTIONS))
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    sections = parse_sections(args.only)
+    if args.json:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent):
+            raise ConfigError("--json", args.json, reason="its folder does not exist")
+    root = benchmarks_root()
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    bench_run = importlib.import_module("benchmarks.run")
+    result = bench_run.run_all(args.quick, sections,
+                               progress=lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
+    print(bench_run.summary(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    if result.get("errors"):
+        print(f"spotfill: failed: {len(result['errors'])} section(s) failed: {', '.join(result['errors'])}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -5,6 +5,9 @@ import os
 
 # Where workers keep node-local snapshots and caches (checkpoint staging, data shards).
 LOCAL_DIR = os.environ.get("SPOTFILL_LOCAL_DIR", "/tmp/spotfill")
+# Where checkpoint snapshots are staged before their background upload: "auto" (tmpfs /dev/shm when it has
+# room for two snapshots per local rank with margin, else under LOCAL_DIR), or a folder path.
+SNAPSHOT_DIR = os.environ.get("SPOTFILL_SNAPSHOT_DIR", "auto")
 # Logging level for spotfill's own loggers.
 LOG_LEVEL = os.environ.get("SPOTFILL_LOG_LEVEL", "INFO")
 

@@ -76,6 +76,22 @@ class _Comms:
         self.dist.barrier()
 
 
+def local_preemption_info():
+    """This worker's preemption notice (a PreemptionInfo or None), read locally: no collective.
+
+    Private Ray API, isolated here. ray.train.get_preemption_info() reads this same field
+    (ray/train/v2/_internal/execution/train_fn_utils.py, DistributedTrainFnUtils.get_preemption_info) and then
+    broadcasts rank 0's value through Ray Train's SynchronizationActor: an actor round trip on every step.
+    The step's flags all_reduce already makes every rank act on any rank's notice, so the local value is
+    enough. Falls back to the public call if Ray's internals move."""
+    import ray.train
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+        return get_train_context().preemption_context.preemption_info
+    except (ImportError, AttributeError, RuntimeError):
+        return ray.train.get_preemption_info()
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     import ray
     import ray.train
@@ -177,7 +193,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 engine.backward(loss)
                 engine.step()
                 loss_sum += loss.item()
-            preempt = ray.train.get_preemption_info()
+            preempt = local_preemption_info()
             grow = 0
             if (rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers
                     and time.monotonic() - last_grow_check > grow_every):
@@ -185,7 +201,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 fit = count_workers(schedulable_node_resources(), per_worker, t.max_workers)
                 grow = max(0, fit - world)
             flags = torch.tensor([loss_sum / shape.accum, 1.0 if preempt else 0.0, float(grow)],
-                                 dtype=torch.float64)
+                                 dtype=torch.float64, device=device)
             comms.dist.all_reduce(flags)
             tc = time.perf_counter()
             done = step + 1

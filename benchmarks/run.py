@@ -1,0 +1,218 @@
+"""All benchmark sections -> the CONTRACTS "Benchmarks JSON" (what `spotfill bench` runs).
+
+    python benchmarks/run.py [--quick] [--json PATH] [--only checkpoint,overhead,gpu,upload]
+
+Each section runs in a fresh interpreter (its own torch.distributed group, DeepSpeed globals, Ray cluster
+and memory), one after the other on this machine, in the same run. A section whose capability is not
+built here is left out (recovery, preemption and fill-in come from other work); "gpu" is null without
+CUDA. A section that fails is left out too and named under "errors" with its one-line reason.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `spotfill` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._common import REPO, machine, subprocess_env  # noqa: E402
+
+# name -> (module, function); called as fn(quick) in the child, or fn(quick, progress=...) when it takes one
+SECTIONS: dict[str, tuple[str, str]] = {
+    "checkpoint": ("benchmarks.checkpoint", "bench_checkpoint"),
+    "overhead": ("benchmarks.overhead", "bench_overhead"),
+    "gpu": ("benchmarks.gpu", "bench_gpu"),
+    "upload": ("benchmarks.upload", "bench_upload_section"),
+}
+DEFAULT_SECTIONS = ("checkpoint", "overhead", "gpu")
+TARGETS = {("checkpoint", "stall_ratio"): ("<=", 0.10), ("checkpoint", "upload_ratio"): (">=", 0.70),
+           ("overhead", "ratio"): (">=", 0.95)}
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("ray", "torch", "deepspeed", "boto3", "moto"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _run_child(name: str, quick: bool, say: Callable[[str], None], timeout_s: float) -> tuple[object, str | None]:
+    """Run one section in a fresh interpreter; (result, None) or (None, one-line error)."""
+    work = tempfile.mkdtemp(prefix=f"spotfill-bench-{name}-")
+    out, progress, logpath = (os.path.join(work, f) for f in ("out.json", "progress.txt", "log.txt"))
+    cmd = [sys.executable, "-m", "benchmarks.run", "--child", name, "--out", out, "--progress", progress]
+    if quick:
+        cmd.append("--quick")
+    seen = 0
+    with open(logpath, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = proc.poll() is not None
+            if os.path.exists(progress):
+                with open(progress) as f:
+                    lines = f.read().splitlines()
+                for line in lines[seen:]:
+                    say(f"{name}: {line}")
+                seen = len(lines)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                return None, f"timed out after {timeout_s:.0f}s (log: {logpath})"
+            time.sleep(0.5)
+    if proc.returncode != 0 or not os.path.exists(out):
+        with open(logpath, errors="replace") as f:
+            tail = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+        reason = next((ln for ln in reversed(tail) if "Error" in ln or "error" in ln), tail[-1] if tail else "")
+        return None, f"exit {proc.returncode}: {reason[:300]} (log: {logpath})"
+    with open(out) as f:
+        result = json.load(f)
+    import shutil
+    shutil.rmtree(work, ignore_errors=True)
+    return result, None
+
+
+def run_all(quick: bool, sections=None, progress: Callable[[str], None] | None = None,
+            timeout_s: float | None = None) -> dict:
+    """Run `sections` (default: checkpoint, overhead, gpu) and return the benchmark JSON dict."""
+    sections = list(sections or DEFAULT_SECTIONS)
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown section(s) {unknown}; accepted: {list(SECTIONS)}")
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    result: dict = {"machine": machine(),
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "quick": bool(quick), "versions": _versions()}
+    errors = {}
+    for name in sections:
+        say(f"{name}: running")
+        t1 = time.perf_counter()
+        value, error = _run_child(name, quick, say, timeout_s or (900 if quick else 3600))
+        if error:
+            errors[name] = error
+            say(f"{name}: FAILED {error}")
+            continue
+        result[name] = value
+        say(f"{name}: done in {time.perf_counter() - t1:.0f}s")
+    if errors:
+        result["errors"] = errors
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def targets(result: dict) -> dict[str, bool]:
+    """"section.key" -> whether the measured value meets its target, for the sections present."""
+    out = {}
+    for (section, key), (op, bound) in TARGETS.items():
+        value = (result.get(section) or {}).get(key)
+        if isinstance(value, (int, float)):
+            out[f"{section}.{key}"] = value <= bound if op == "<=" else value >= bound
+    return out
+
+
+def summary(result: dict) -> str:
+    """A readable multi-line summary of a benchmark JSON dict."""
+    met = targets(result)
+
+    def mark(key: str) -> str:
+        op, bound = TARGETS[tuple(key.split("."))]
+        return f"(target {op} {bound:g}: {'ok' if met[key] else 'MISSED'})" if key in met else ""
+
+    lines = [f"spotfill bench{' --quick' if result.get('quick') else ''}  {result.get('date', '')}",
+             f"  machine: {result.get('machine', '')}"]
+    c = result.get("checkpoint")
+    if c:
+        lines += [f"checkpoint  {c['params'] / 1e6:.1f}M params ({c.get('preset')}), {c['bytes'] / 1e6:.0f} MB "
+                  f"per checkpoint, median of {c.get('repeats')}",
+                  f"  stall per save {c['stall_s']:.3f}s (snapshot to {c.get('snapshot_dir')}) vs sync "
+                  f"save+upload {c['sync_save_upload_s']:.2f}s -> stall_ratio {c['stall_ratio']:.3f} "
+                  f"{mark('checkpoint.stall_ratio')}",
+                  f"  upload {c['upload_mb_s']:.1f} MB/s vs raw boto3 {c['raw_boto3_mb_s']:.1f} MB/s -> "
+                  f"upload_ratio {c['upload_ratio']:.2f} {mark('checkpoint.upload_ratio')}"]
+        if c.get("snapshot_s_by_dir"):
+            lines.append("  snapshot by folder: " + ", ".join(
+                f"{k} {v:.3f}s" for k, v in c["snapshot_s_by_dir"].items()))
+    o = result.get("overhead")
+    if o:
+        lines += [f"overhead    {o.get('model')} ({o.get('params')} params), global batch {o.get('global_batch')}"
+                  f" = {o.get('micro_batch')} x {o.get('accum')}, {o.get('steady_steps')} steady steps",
+                  f"  spotfill {o['spotfill_tokens_s']:.0f} tokens/s vs plain DeepSpeed "
+                  f"{o['plain_deepspeed_tokens_s']:.0f} tokens/s -> ratio {o['ratio']:.3f} "
+                  f"{mark('overhead.ratio')}",
+                  f"  per-step overhead {o.get('per_step_overhead_ms')} ms on a "
+                  f"{(o.get('plain_ms') or {}).get('step')} ms step"]
+    if "gpu" in result:
+        g = result["gpu"]
+        if g is None:
+            lines.append("gpu         none (CUDA unavailable)")
+        else:
+            mfu = f"{g['mfu']:.3f}" if g.get("mfu") is not None else "n/a (device not in catalogue)"
+            lines.append(f"gpu         {g['device']}: {g['preset']} ({g['params'] / 1e9:.2f}B params) "
+                         f"{g['tokens_s']:.0f} tokens/s, MFU {mfu}")
+    u = result.get("upload")
+    if u:
+        lines.append(f"upload      {u['bytes'] / 1e6:.0f} MB synthetic: {u['upload_mb_s']:.1f} MB/s vs raw "
+                     f"boto3 {u['raw_boto3_mb_s']:.1f} MB/s -> {u['upload_ratio']:.2f}")
+    for name, err in (result.get("errors") or {}).items():
+        lines.append(f"{name:<11} FAILED: {err}")
+    lines.append(f"total {result.get('seconds', 0):.0f}s")
+    return "\n".join(lines)
+
+
+def _child(name: str, quick: bool, out: str, progress_path: str | None) -> int:
+    import importlib
+    import inspect
+
+    module, fn_name = SECTIONS[name]
+    fn = getattr(importlib.import_module(module), fn_name)
+    kwargs = {}
+    if progress_path and "progress" in inspect.signature(fn).parameters:
+        def progress(msg: str) -> None:
+            with open(progress_path, "a") as f:
+                f.write(msg + "\n")
+        kwargs["progress"] = progress
+    result = fn(quick, **kwargs)
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/run.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller runs, fewer repeats (~4 min)")
+    parser.add_argument("--json", metavar="PATH", help="write the benchmark JSON here")
+    parser.add_argument("--only", metavar="SECTION,...", help=f"run only these of {', '.join(SECTIONS)}")
+    parser.add_argument("--child", choices=list(SECTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--progress", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child(args.child, args.quick, args.out, args.progress)
+    sections = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    if sections and any(s not in SECTIONS for s in sections):
+        parser.error(f"--only: unknown section in {args.only!r}; accepted: {', '.join(SECTIONS)}")
+    result = run_all(args.quick, sections, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(summary(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 1 if result.get("errors") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
