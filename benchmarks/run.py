@@ -4,7 +4,7 @@
 
 Each section runs in a fresh interpreter (its own torch.distributed group, DeepSpeed globals, Ray cluster
 and memory), one after the other on this machine, in the same run. A section whose capability is not
-built here is left out (recovery, preemption and fill-in come from other work); "gpu" is null without
+built here is left out (fill-in comes from other work); "gpu" is null without
 CUDA. A section that fails is left out too and named under "errors" with its one-line reason.
 """
 from __future__ import annotations
@@ -30,10 +30,13 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "overhead": ("benchmarks.overhead", "bench_overhead"),
     "gpu": ("benchmarks.gpu", "bench_gpu"),
     "upload": ("benchmarks.upload", "bench_upload_section"),
+    "recovery": ("benchmarks.recovery", "bench_recovery"),
+    "preemption": ("benchmarks.recovery", "bench_preemption"),
 }
-DEFAULT_SECTIONS = ("checkpoint", "overhead", "gpu")
+DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu")
 TARGETS = {("checkpoint", "stall_ratio"): ("<=", 0.10), ("checkpoint", "upload_ratio"): (">=", 0.70),
-           ("overhead", "ratio"): (">=", 0.95)}
+           ("overhead", "ratio"): (">=", 0.95), ("recovery", "speedup"): (">=", 4.0),
+           ("preemption", "lost_steps"): ("<=", 0)}
 
 
 def _versions() -> dict:
@@ -134,6 +137,16 @@ def summary(result: dict) -> str:
 
     lines = [f"spotfill bench{' --quick' if result.get('quick') else ''}  {result.get('date', '')}",
              f"  machine: {result.get('machine', '')}"]
+    r = result.get("recovery")
+    if r:
+        lines.append(f"recovery    hard node loss -> stepping again: spotfill {r['spotfill_s']}s vs stock Ray "
+                     f"{r['stock_ray_s']}s -> {r['speedup']}x {mark('recovery.speedup')}; lost "
+                     f"{r['lost_steps']} steps")
+    p = result.get("preemption")
+    if p:
+        lines.append(f"preemption  drain with {p['deadline_s']}s deadline: lost {p['lost_steps']} steps "
+                     f"{mark('preemption.lost_steps')}, stepping again after {p['resume_s']}s vs stock "
+                     f"{p['stock_resume_s']}s")
     c = result.get("checkpoint")
     if c:
         lines += [f"checkpoint  {c['params'] / 1e6:.1f}M params ({c.get('preset')}), {c['bytes'] / 1e6:.0f} MB "

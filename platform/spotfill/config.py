@@ -154,6 +154,8 @@ class TrainingConfig:
     # "spotfill": restarts size the group from alive, non-draining nodes and grow gracefully;
     # "stock": Ray Train's defaults (kept for side-by-side benchmarks).
     elastic_restarts: str = "spotfill"
+    # How often rank 0 checks whether more workers fit now (graceful grow), seconds.
+    resize_check_s: float = 1.0
 
     @property
     def min_workers(self) -> int:
@@ -176,6 +178,7 @@ class TrainingConfig:
             raise ConfigError(_join(path, "model"), self.model, accepted=[*PRESETS, "hf:/local/path"])
         for name in ("steps", "global_batch", "max_micro_batch", "checkpoint_every", "keep_checkpoints", "lr"):
             _positive(path, name, getattr(self, name))
+        _positive(path, "resize_check_s", self.resize_check_s)
         for name in ("warmup_steps", "weight_decay", "grad_clip", "min_lr", "max_failures"):
             _positive(path, name, getattr(self, name), allow_zero=True)
         _positive(path, "seq_len", self.seq_len)

@@ -81,8 +81,6 @@ IMDS_TIMEOUT_S = os.environ.get("SPOTFILL_IMDS_TIMEOUT_S", "1")
 SPOT_ON_REBALANCE = os.environ.get("SPOTFILL_SPOT_ON_REBALANCE", "log")
 
 # --- elastic training ---
-# How often rank 0 checks whether more workers would fit (graceful grow), seconds.
-GROW_CHECK_S = env_float("SPOTFILL_GROW_CHECK_S", 1.0)
 # Ray Train waits this long for a worker group to start before it gives up on that size (stock: 60 s).
 # spotfill lowers it so a group that asks for a lost node's slots falls back to the live size quickly.
 WORKER_GROUP_START_TIMEOUT_S = env_float("SPOTFILL_WORKER_GROUP_START_TIMEOUT_S", 8.0)

@@ -179,3 +179,42 @@ DEFAULT_SCENARIO = {
         {"at_step": 170, "action": "kill_node", "node": 0},
     ],
 }
+
+
+def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 2, gpus: int = 2,
+                   outage: bool = True) -> dict:
+    """A seeded random timeline of drains, hard kills, returning nodes and (optionally) a storage outage.
+
+    Events are spaced evenly over the run; node choices keep at least one node alive, and the node
+    numbering follows the scenario rules (added nodes get the next index in firing order)."""
+    import random
+
+    rng = random.Random(seed)
+    alive, next_index = list(range(nodes)), nodes
+    events: list[dict] = []
+    gap = steps // (n_events + 1)
+    for i in range(n_events):
+        at_step = gap * (i + 1)
+        choices = ["add_node"] + (["drain_node", "kill_node"] if len(alive) > 1 else [])
+        if outage and not any(e["action"] == "storage_outage" for e in events):
+            choices.append("storage_outage")
+        action = rng.choice(choices)
+        if action == "add_node":
+            events.append({"at_step": at_step, "action": action, "gpus": gpus})
+            alive.append(next_index)
+            next_index += 1
+        elif action == "storage_outage":
+            events.append({"at_step": at_step, "action": action, "duration_s": rng.choice([5, 10])})
+        else:
+            node = rng.choice(alive)
+            alive.remove(node)
+            event = {"at_step": at_step, "action": action, "node": node}
+            if action == "drain_node":
+                event["deadline_s"] = rng.choice([15, 30])
+            events.append(event)
+    return {
+        "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": gpus}] * nodes},
+        "training": {"model": "tiny", "workers": [1, 4], "steps": steps, "global_batch": 12,
+                     "max_micro_batch": 3, "checkpoint_every": 20, "seed": seed},
+        "events": events,
+    }

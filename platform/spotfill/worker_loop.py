@@ -176,7 +176,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     device = engine.device
     vocab = model.cfg.vocab_size
     events: list[dict] = []
-    last_grow_check, grow_every = time.monotonic(), constants.GROW_CHECK_S
+    last_grow_check, grow_every = time.monotonic(), t.resize_check_s
     per_worker = {job.cluster.gpu_resource: job.cluster.gpus_per_worker, "CPU": job.cluster.cpus_per_worker}
     tokens_per_step = t.global_batch * reader.seq_len
     try:

@@ -1,0 +1,55 @@
+"""Scenario files: parsing, one-line errors, and the chaos generator (pure)."""
+from __future__ import annotations
+
+import pytest
+
+from spotfill.errors import ConfigError
+from spotfill.scenario import DEFAULT_SCENARIO, chaos_scenario, parse_scenario
+
+
+def test_default_scenario_parses():
+    s = parse_scenario(DEFAULT_SCENARIO)
+    assert [e.action for e in s.events] == ["drain_node", "add_node", "kill_node"]
+    assert not s.needs_controlled_storage()
+
+
+@pytest.mark.parametrize("events, field", [
+    ([{"at_step": 3, "action": "explode"}], "events[0].action"),
+    ([{"at_step": 3, "action": "kill_node"}], "events[0].node"),
+    ([{"at_step": 3, "at": 2, "action": "add_node"}], "events[0]"),
+    ([{"at_step": 3, "action": "kill_node", "node": 7}], "events[0].node"),
+    ([{"at_step": 3, "action": "drain_node", "node": 0, "deadline": 5}], "events[0].deadline"),
+    ([{"at_step": -1, "action": "add_node"}], "events[0].at_step"),
+])
+def test_bad_events_name_the_field(events, field):
+    with pytest.raises(ConfigError) as err:
+        parse_scenario({"events": events})
+    assert str(err.value).startswith(field)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError, match="^clusterr: unknown key"):
+        parse_scenario({"clusterr": {}})
+
+
+def test_fillin_not_built_is_rejected():
+    with pytest.raises(ConfigError, match="fillin.serve.enabled"):
+        parse_scenario({"fillin": {"serve": {"enabled": True}}})
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_chaos_scenarios_are_valid_and_keep_a_node(seed):
+    data = chaos_scenario(seed)
+    s = parse_scenario(data)
+    alive = set(range(len(data["cluster"]["nodes"])))
+    nxt = len(alive)
+    for e in s.events:
+        if e.action == "add_node":
+            alive.add(nxt)
+            nxt += 1
+        elif e.action in ("drain_node", "kill_node"):
+            assert e.node in alive
+            alive.discard(e.node)
+        assert alive, "a chaos timeline must keep at least one node"
+    assert chaos_scenario(seed) == data
