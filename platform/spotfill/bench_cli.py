@@ -1,6 +1,6 @@
 """`spotfill bench`: side-by-side benchmarks (the repo's benchmarks/ folder), JSON out.
 
-    spotfill bench [--quick] [--json PATH] [--only checkpoint,overhead,gpu,upload]
+    spotfill bench [--quick] [--json PATH] [--only recovery,preemption,checkpoint,overhead,gpu,upload]
 
 The benchmark code lives in the top-level benchmarks/ folder of a spotfill checkout (runnable scripts, not
 part of the installed package); this command finds it next to the package (`pip install -e .`), in the
@@ -15,14 +15,14 @@ import sys
 
 from spotfill.errors import ConfigError
 
-SECTIONS = ("checkpoint", "overhead", "gpu", "upload")
+SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "upload")
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks, JSON out",
                        description="Measure spotfill against stock Ray Train / plain DeepSpeed / raw boto3 "
-                       "on this machine, in one run: checkpoint stall and upload, training overhead, GPU MFU.")
-    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (~4 minutes)")
+                       "on this machine, in one run: recovery after node loss and preemption, checkpoint stall and upload, training overhead, GPU MFU.")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about 10 minutes on 2 cores)")
     p.add_argument("--json", metavar="PATH", help="write the benchmark JSON here")
     p.add_argument("--only", metavar="SECTION,...",
                    help=f"run only these sections ({', '.join(SECTIONS)}; default all but upload)")
