@@ -160,3 +160,13 @@ def machine() -> str:
             mem = f", {kb / 1e6:.0f} GB RAM"
     u = _stdlib_platform.uname()
     return f"{u.node}: {u.system} {u.release} {u.machine}, {cpu or 'cpu'} x{os.cpu_count()}{mem}"
+
+
+def emit(result, json_path: str | None) -> int:
+    """Print a benchmark result as JSON and also write it to `json_path` when given; exit code 0."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
+    return 0

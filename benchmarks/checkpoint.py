@@ -25,7 +25,6 @@ snapshots should go. A quick run takes the median of 3 rounds, a full one of 5.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -37,7 +36,7 @@ import uuid
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `spotfill` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import (median, quiet_deepspeed, rnd, s3_endpoint, scoped_env,  # noqa: E402
+from benchmarks._common import (emit, median, quiet_deepspeed, rnd, s3_endpoint, scoped_env,  # noqa: E402
                                 single_rank_dist)
 
 SHM = "/dev/shm"
@@ -228,12 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     result = bench_checkpoint(args.quick, args.preset, args.repeats, snapshot_root=args.snapshot_root,
                               train_during_upload=args.train_during_upload,
                               progress=lambda m: print(f"checkpoint: {m}", file=sys.stderr, flush=True))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ is not in the catalogue). HFU equals MFU: the presets recompute no activations.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -20,7 +19,7 @@ import time
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `spotfill` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import free_port, quiet_deepspeed, rnd, scoped_env  # noqa: E402
+from benchmarks._common import emit, free_port, quiet_deepspeed, rnd, scoped_env  # noqa: E402
 
 
 def catalogue_name(device_name: str) -> str | None:
@@ -154,12 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args(argv)
-    text = json.dumps(bench_gpu(args.quick, args.preset), indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return emit(bench_gpu(args.quick, args.preset), args.json)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def batch_shape(global_batch: int, world_size: int, max_micro_batch: int) -> Bat
     if global_batch % world_size:
         raise ConfigError("training.global_batch", global_batch,
                           reason=f"not divisible by world size {world_size}",
-                          accepted=f"a multiple of every worker count in the elastic range")
+                          accepted="a multiple of every worker count in the elastic range")
     per_rank = global_batch // world_size
     micro = max(d for d in range(1, min(per_rank, max_micro_batch) + 1) if per_rank % d == 0)
     return BatchShape(global_batch, world_size, micro, per_rank // micro)
