@@ -25,7 +25,10 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
     for e in sorted(steps, key=lambda e: e["t"]):
         if not timeline or timeline[-1][1] != e["world_size"]:
             timeline.append([round(e["t"], 3), e["world_size"]])
-    compute = sum(e["step_s"] for e in lineage)
+    lineage_keys = {(e["attempt"], e["step"]) for e in lineage}
+    stall = sum(e["stall_s"] for e in events if e["kind"] == "checkpoint_save"
+                and (e["attempt"], e["step"]) in lineage_keys)
+    compute = sum(e["step_s"] for e in lineage) + stall
     tokens = sum(e["tokens"] for e in lineage)
     tokens_per_s = tokens / compute if compute > 0 else None
     mfu = None
@@ -46,7 +49,7 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
         "step_time_split_s": {
             "data_wait": round(sum(e["data_wait_s"] for e in lineage), 3),
             "compute": round(sum(e["compute_s"] for e in lineage), 3),
-            "checkpoint_stall": round(sum(e["checkpoint_stall_s"] for e in lineage), 3),
+            "checkpoint_stall": round(stall, 3),
         },
     }
 

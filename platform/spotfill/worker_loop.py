@@ -208,25 +208,25 @@ def train_loop_per_worker(loop_config: dict) -> None:
             emergency, grow_now = flags[1].item() > 0, flags[2].item() > 0
             events.append({"t": time.time(), "kind": "samples", "attempt": attempt, "step": step,
                            "rank": rank, "ids": batch.stream_indices})
-            stall = {}
+            if rank == 0:
+                # Sent now (fire-and-forget, ordered): a step is on record even if the node dies next,
+                # and always before a checkpoint that contains it commits.
+                sink.log.remote([{"t": time.time(), "kind": "step", "step": done, "attempt": attempt,
+                                  "loss": flags[0].item() / world, "world_size": world,
+                                  "tokens": tokens_per_step, "lr": engine.get_lr()[0],
+                                  "step_s": tc - ts, "data_wait_s": td - ts, "compute_s": tc - td}])
             if emergency or grow_now or done % t.checkpoint_every == 0 or done == t.steps:
                 ray.get(sink.log.remote(events))          # sample records land before the commit
                 events = []
                 sync = emergency or grow_now or done == t.steps
                 stall = ckpt.save(engine, done, {"attempt": attempt}, sync=sync)
-            tend = time.perf_counter()
-            if rank == 0:
-                events.append({"t": time.time(), "kind": "step", "step": done, "attempt": attempt,
-                               "loss": flags[0].item() / world, "world_size": world,
-                               "tokens": tokens_per_step, "lr": engine.get_lr()[0],
-                               "step_s": tend - ts, "data_wait_s": td - ts, "compute_s": tc - td,
-                               "checkpoint_stall_s": stall.get("stall_s", 0.0)})
-                for c in ckpt.pop_committed():
-                    events.append({"t": c["t"], "kind": "checkpoint", "attempt": attempt, **c})
-                if stall:
+                if rank == 0:
                     events.append({"t": time.time(), "kind": "checkpoint_save", "attempt": attempt,
                                    "emergency": emergency, "grow": grow_now, **stall,
                                    "deadline_ms": getattr(preempt, "deadline_ms", None)})
+            if rank == 0:
+                for c in ckpt.pop_committed():
+                    events.append({"t": c["t"], "kind": "checkpoint", "attempt": attempt, **c})
             if len(events) >= 32:
                 sink.log.remote(events)
                 events = []
