@@ -167,7 +167,7 @@ class TrainingConfig:
 
     def validate(self, path: str) -> None:
         from spotfill.batching import check_elastic_range
-        from spotfill.model import PRESETS
+        from spotfill.presets import PRESETS
 
         if len(self.workers) not in (1, 2) or any(w < 1 for w in self.workers):
             raise ConfigError(_join(path, "workers"), self.workers, accepted="[n] or [min, max] with 1 <= min")

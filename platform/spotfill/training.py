@@ -16,7 +16,7 @@ import uuid
 
 from spotfill import constants
 from spotfill.config import JobConfig
-from spotfill.errors import ConfigError, JobFailed
+from spotfill.errors import JobFailed
 from spotfill.events import read_events
 from spotfill.storage import open_storage
 from spotfill.summary import checkpoints_section, training_section
@@ -51,14 +51,8 @@ class TrainingJob:
         open_storage(cfg.storage).check()
         data = open_storage(cfg.data.path)
         data.check(write=False)
-        manifest = read_manifest(data)
-        if not cfg.training.model.startswith("hf:"):
-            from spotfill.model import PRESETS
-            vocab = PRESETS[cfg.training.model].vocab_size
-            if manifest["vocab_size"] > vocab and cfg.training.model in ("125m", "1b"):
-                raise ConfigError("training.model", cfg.training.model,
-                                  reason=f"vocabulary {vocab} smaller than the dataset's {manifest['vocab_size']}")
-        return manifest
+        # Preset models take their vocabulary from the dataset (worker_loop builds them with it).
+        return read_manifest(data)
 
     def _trainer(self, sink_name: str, namespace: str):
         from ray.train import FailureConfig, RunConfig, ScalingConfig

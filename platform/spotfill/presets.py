@@ -1,0 +1,43 @@
+"""Model presets as plain data (no torch import), so config validation stays fast.
+
+The modules themselves are in model.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from spotfill.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 257          # 256 bytes + end-of-document
+    seq_len: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    dropout: float = 0.0
+
+    @property
+    def approx_params(self) -> int:
+        per_layer = 12 * self.n_embd ** 2 + 13 * self.n_embd
+        return self.n_layer * per_layer + (self.vocab_size + self.seq_len) * self.n_embd + 2 * self.n_embd
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(seq_len=64, n_layer=2, n_head=2, n_embd=64),
+    "50m": GPTConfig(seq_len=256, n_layer=8, n_head=12, n_embd=768),
+    "125m": GPTConfig(vocab_size=32000, seq_len=1024, n_layer=12, n_head=12, n_embd=768),
+    "1b": GPTConfig(vocab_size=32000, seq_len=2048, n_layer=22, n_head=16, n_embd=2048),
+}
+
+
+def preset(name: str, seq_len: int | None = None, vocab_size: int | None = None) -> GPTConfig:
+    if name not in PRESETS:
+        raise ConfigError("training.model", name, accepted=[*PRESETS, "hf:/local/path"])
+    cfg = PRESETS[name]
+    if seq_len:
+        cfg = replace(cfg, seq_len=seq_len)
+    if vocab_size:
+        cfg = replace(cfg, vocab_size=vocab_size)
+    return cfg
