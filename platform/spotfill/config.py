@@ -85,20 +85,20 @@ def from_mapping(cls: type, data: Any, path: str = "") -> Any:
     return obj
 
 
-def load_yaml(path: str) -> dict:
+def load_yaml(path: str, field: str = "--config") -> dict:
     if not os.path.isfile(path):
-        raise ConfigError("--config", path, reason="no such file")
+        raise ConfigError(field, path, reason="no such file")
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
     except UnicodeDecodeError:
-        raise ConfigError("--config", path, reason="not UTF-8 text") from None
+        raise ConfigError(field, path, reason="not UTF-8 text") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError("--config", path, reason=f"not valid YAML{where}") from None
+        raise ConfigError(field, path, reason=f"not valid YAML{where}") from None
     if not isinstance(data, dict):
-        raise ConfigError("--config", path, reason="top level must be a mapping")
+        raise ConfigError(field, path, reason="top level must be a mapping")
     return data
 
 

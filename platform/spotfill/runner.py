@@ -62,7 +62,14 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
     if scenario.needs_controlled_storage() and storage:
         raise ConfigError("--storage", storage, reason="the scenario has a storage_outage event, which needs "
                           "the loopback S3 endpoint the runner starts itself", accepted="leave --storage out")
+    if storage:  # bad URI, bucket or credentials: one line and exit 2 before any cluster starts
+        from spotfill.storage import open_storage
+        open_storage(storage).check()
     out_dir = os.path.abspath(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("--out", out_dir, reason=f"cannot create it ({exc.strerror})") from None
     for name in ("events.jsonl", "report.json"):
         if os.path.exists(os.path.join(out_dir, name)):
             os.unlink(os.path.join(out_dir, name))

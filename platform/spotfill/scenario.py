@@ -166,7 +166,7 @@ def parse_scenario(data: dict, name: str = "scenario") -> Scenario:
 
 def load_scenario(path: str) -> Scenario:
     import os
-    return parse_scenario(load_yaml(path), name=os.path.splitext(os.path.basename(path))[0])
+    return parse_scenario(load_yaml(path, "--scenario"), name=os.path.splitext(os.path.basename(path))[0])
 
 
 DEFAULT_SCENARIO = {
