@@ -82,3 +82,12 @@ def invariants(report: dict, checkpoint_every: int) -> dict:
             "ok": all(p["lost_steps"] <= checkpoint_every for p in hard),
             "detail": f"lost steps {[p['lost_steps'] for p in hard]} <= checkpoint_every {checkpoint_every}"}
     return inv
+
+
+def digest(report: dict) -> str:
+    """A failed run in one JSON line: the error, the invariants, what each event did and how each attempt
+    ended -- enough to diagnose it from a log alone."""
+    import json
+    keep = {k: report.get(k) for k in ("error", "invariants", "preemptions", "events")}
+    keep["attempt_history"] = report.get("training", {}).get("attempt_history")
+    return json.dumps(keep, default=str)

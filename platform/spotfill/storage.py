@@ -214,14 +214,24 @@ class LocalStorage(Storage):
         return None
 
     @staticmethod
-    def _atomic_write(path: str, writer: Callable[[str], None]) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = os.path.join(os.path.dirname(path), f"{TMP_MARK}{uuid.uuid4().hex}-{os.path.basename(path)}")
+    def _atomic_write(path: str, writer: Callable[[str], None], tries: int = 20) -> None:
+        """Write via a temp file in the target folder, then os.replace. delete() prunes folders that it
+        leaves empty, so a concurrent delete (another rank clearing its marker in the same checkpoint
+        folder) can remove a folder between our makedirs and our first file in it: make it again."""
+        folder = os.path.dirname(path)
+        tmp = os.path.join(folder, f"{TMP_MARK}{uuid.uuid4().hex}-{os.path.basename(path)}")
         try:
-            writer(tmp)
+            for attempt in range(tries):
+                try:
+                    os.makedirs(folder, exist_ok=True)
+                    writer(tmp)
+                    break
+                except FileNotFoundError:
+                    if os.path.isdir(folder) or attempt == tries - 1:
+                        raise  # something else is missing (e.g. the source file)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, path)  # the folder holds tmp, so no prune can remove it now
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)

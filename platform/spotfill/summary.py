@@ -46,12 +46,39 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
         "mfu": mfu,
         "hfu": mfu,   # no activation recompute in the presets: hardware FLOPs == model FLOPs
         "attempts": len({e["attempt"] for e in events if e["kind"] in ("start", "resume")}),
+        "attempt_history": attempt_history(events),
         "step_time_split_s": {
             "data_wait": round(sum(e["data_wait_s"] for e in lineage), 3),
             "compute": round(sum(e["compute_s"] for e in lineage), 3),
             "checkpoint_stall": round(stall, 3),
         },
     }
+
+
+def attempt_history(events: list[dict]) -> list[dict]:
+    """One line per worker-group attempt: its size, the steps it ran, and how it ended -- a planned exit
+    ("preemption" or "grow"), "finished", "failed" (no reason given: a node or process died), or "running"."""
+    out: dict[int, dict] = {}
+    for e in events:
+        kind, a = e["kind"], e.get("attempt")
+        if kind in ("start", "resume"):
+            out[a] = {"attempt": a, "world_size": e["world_size"], "from_step": e["step"], "to_step": e["step"],
+                      "ended": "running", "checkpoints": []}
+        elif a not in out:
+            continue
+        elif kind == "step":
+            out[a]["to_step"] = max(out[a]["to_step"], e["step"])
+        elif kind == "checkpoint":
+            out[a]["checkpoints"].append(e["step"])
+        elif kind == "planned_exit":
+            out[a]["ended"] = e["reason"]
+        elif kind == "finish":
+            out[a]["ended"] = "finished" if e.get("ok") else "gave up"
+    history = [out[a] for a in sorted(out)]
+    for h in history[:-1]:
+        if h["ended"] == "running":
+            h["ended"] = "failed"
+    return history
 
 
 def checkpoints_section(events: list[dict]) -> dict:

@@ -139,3 +139,37 @@ def test_local_check(tmp_path):
     with pytest.raises(ConfigError, match="local path not usable") as info:
         open_storage(str(tmp_path / "afile" / "sub")).check()
     assert "\n" not in str(info.value)
+
+
+def test_local_writes_survive_a_concurrent_delete_pruning_their_directory(tmp_path):
+    """Ranks upload into one checkpoint folder while another rank deletes its own stale marker there:
+    the delete prunes the folder while it is momentarily empty, between a writer's makedirs of the folder
+    and of its subfolder. Every write must still land (found by the elastic scenario test)."""
+    import threading
+
+    st = open_storage(str(tmp_path))
+    errors: list[BaseException] = []
+    rounds = 300
+    start = threading.Barrier(3)
+
+    def writer(rank: int):
+        for i in range(rounds):
+            start.wait()
+            try:
+                st.put_bytes(f"ck/t{i}/rank-{rank}/deep/file", b"x")
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+    def deleter():
+        for i in range(rounds):
+            start.wait()
+            for _ in range(20):
+                st.delete(f"ck/t{i}/rank-0.done.json")
+
+    threads = [threading.Thread(target=writer, args=(r,)) for r in (1, 2)] + [threading.Thread(target=deleter)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(st.list("ck/")) == 2 * rounds

@@ -1,0 +1,107 @@
+"""Per-event outcomes, invariants and the attempt history, computed from a synthetic events.jsonl."""
+from __future__ import annotations
+
+from spotfill.outcomes import grow_outcome, invariants, node_event_outcome
+from spotfill.summary import attempt_history, training_section
+
+
+G = 12
+
+
+def _steps(attempt, first, last, world, t0, dt=0.1):
+    """Steps first..last done (1-based), each with the samples record of the stream indices it consumed."""
+    out = []
+    for i, s in enumerate(range(first, last + 1)):
+        out.append({"t": t0 + i * dt, "kind": "step", "attempt": attempt, "step": s, "world_size": world,
+                    "loss": 1.0, "tokens": 10, "step_s": dt, "data_wait_s": 0.0, "compute_s": dt})
+        out.append({"t": t0 + i * dt, "kind": "samples", "attempt": attempt, "step": s - 1, "rank": 0,
+                    "ids": list(range((s - 1) * G, s * G))})
+    return out
+
+
+def _timeline():
+    """attempt 0: 4 workers, notice at t=102 -> emergency checkpoint at step 25, planned exit;
+    attempt 1: 2 workers from 25, grows at 40 (planned); attempt 2: 4 workers from 40, node killed at 61
+    (last commit 60); attempt 3: 2 workers from 60 to 80, finished."""
+    ev = [{"t": 100.0, "kind": "attempt", "attempt": 0, "world_size": 4},
+          {"t": 100.5, "kind": "start", "attempt": 0, "step": 0, "world_size": 4}]
+    ev += _steps(0, 1, 25, 4, 100.6)
+    ev += [{"t": 103.2, "kind": "checkpoint_save", "attempt": 0, "step": 20, "emergency": False, "stall_s": 0.1},
+           {"t": 103.3, "kind": "checkpoint", "attempt": 0, "step": 20, "tag": "step-00000020", "bytes": 9,
+            "upload_s": 0.1},
+           {"t": 103.4, "kind": "checkpoint_save", "attempt": 0, "step": 25, "emergency": True, "stall_s": 0.2},
+           {"t": 103.5, "kind": "checkpoint", "attempt": 0, "step": 25, "tag": "step-00000025", "bytes": 9,
+            "upload_s": 0.1},
+           {"t": 103.6, "kind": "planned_exit", "attempt": 0, "reason": "preemption", "step": 25},
+           {"t": 110.0, "kind": "attempt", "attempt": 1, "world_size": 2},
+           {"t": 111.0, "kind": "resume", "attempt": 1, "step": 25, "world_size": 2}]
+    ev += _steps(1, 26, 40, 2, 111.1)
+    ev += [{"t": 112.7, "kind": "checkpoint", "attempt": 1, "step": 40, "tag": "step-00000040", "bytes": 9,
+            "upload_s": 0.1},
+           {"t": 112.8, "kind": "planned_exit", "attempt": 1, "reason": "grow", "step": 40},
+           {"t": 120.0, "kind": "attempt", "attempt": 2, "world_size": 4},
+           {"t": 121.0, "kind": "resume", "attempt": 2, "step": 40, "world_size": 4}]
+    ev += _steps(2, 41, 61, 4, 121.1)
+    ev += [{"t": 123.2, "kind": "checkpoint", "attempt": 2, "step": 60, "tag": "step-00000060", "bytes": 9,
+            "upload_s": 0.1},
+           {"t": 130.0, "kind": "attempt", "attempt": 3, "world_size": 2},
+           {"t": 131.0, "kind": "resume", "attempt": 3, "step": 60, "world_size": 2}]
+    ev += _steps(3, 61, 80, 2, 131.1)
+    ev += [{"t": 133.2, "kind": "checkpoint", "attempt": 3, "step": 80, "tag": "step-00000080", "bytes": 9,
+            "upload_s": 0.1},
+           {"t": 133.3, "kind": "finish", "attempt": 3, "ok": True}]
+    return sorted(ev, key=lambda e: e["t"])
+
+
+def test_announced_preemption_outcome():
+    out = node_event_outcome(_timeline(), fired_at=102.0, deadline_s=10)
+    assert out["affected"] and out["lost_steps"] == 0 and out["emergency_checkpoint"]
+    assert out["committed_before_deadline"] and out["commit_seconds_after_notice"] == 1.5
+    assert out["world_size_after"] == 2 and out["planned_exit"] == "preemption"
+    assert out["recovery_seconds"] == round(111.1 - 102.0, 2)
+
+
+def test_announced_preemption_committed_too_late_is_reported():
+    out = node_event_outcome(_timeline(), fired_at=102.0, deadline_s=1)
+    assert out["emergency_checkpoint"] and out["committed_before_deadline"] is False
+
+
+def test_hard_loss_counts_steps_since_the_last_commit():
+    out = node_event_outcome(_timeline(), fired_at=123.3)
+    assert out["lost_steps"] == 1 and not out["emergency_checkpoint"] and out["planned_exit"] is None
+    assert "committed_before_deadline" not in out
+
+
+def test_event_after_the_last_restart_affected_nothing():
+    assert node_event_outcome(_timeline(), fired_at=140.0)["affected"] is False
+
+
+def test_grow_outcome():
+    out = grow_outcome(_timeline(), fired_at=112.0)
+    assert out["grew"] and out["world_size_after"] == 4 and out["lost_steps"] == 0
+
+
+def test_invariants_pass_and_fail():
+    ev = _timeline()
+    report = {"training": training_section(ev, 80, G), "preemptions": [
+        {"kind": "announced", **node_event_outcome(ev, 102.0, 10)},
+        {"kind": "hard", **node_event_outcome(ev, 123.3)}]}
+    inv = invariants(report, checkpoint_every=20)
+    assert all(i["ok"] for i in inv.values()), inv
+    assert report["training"]["samples"] == {"consumed": 80 * G, "duplicates": 0, "missing": 0}
+    report["preemptions"][1]["lost_steps"] = 21
+    assert not invariants(report, checkpoint_every=20)["hard_loss_within_interval"]["ok"]
+    report["preemptions"][0]["committed_before_deadline"] = False
+    assert not invariants(report, checkpoint_every=20)["announced_preemption_loses_nothing"]["ok"]
+
+
+def test_attempt_history_says_how_each_attempt_ended():
+    hist = attempt_history(_timeline())
+    assert [(h["world_size"], h["from_step"], h["to_step"], h["ended"]) for h in hist] == [
+        (4, 0, 25, "preemption"), (2, 25, 40, "grow"), (4, 40, 61, "failed"), (2, 60, 80, "finished")]
+    assert hist[0]["checkpoints"] == [20, 25]
+
+
+def test_attempt_history_of_a_run_still_going():
+    ev = [e for e in _timeline() if e["t"] < 125]
+    assert attempt_history(ev)[-1]["ended"] == "running"
