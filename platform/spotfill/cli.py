@@ -18,7 +18,9 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse that reports usage errors as one line and exit code 2."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        raise ConfigError(self.prog, reason=message)
+        # "spotfill plan" -> field "plan"; the top-level parser names the arguments themselves
+        field = self.prog.split(" ", 1)[1] if " " in self.prog else "arguments"
+        raise ConfigError(field, reason=message, accepted=f"see `{self.prog} --help`")
 
 
 def pending(what: str, brought_by: str) -> Callable[[argparse.Namespace], int]:
@@ -42,7 +44,11 @@ def build_parser() -> OneLineParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # name the subcommand they were given to, not the top-level parser
+            raise ConfigError(args.command, reason=f"unrecognized arguments: {' '.join(extra)}",
+                              accepted=f"see `spotfill {args.command} --help`")
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"spotfill: error: {exc}", file=sys.stderr)

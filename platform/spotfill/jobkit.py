@@ -120,8 +120,7 @@ def run_main(main: Callable[[argparse.Namespace], dict], ap: argparse.ArgumentPa
         setup_logging()
         summary = main(args)
     except ConfigError as exc:
-        msg = str(exc).removeprefix(f"{ap.prog}: ")   # usage errors already name the program
-        print(f"{ap.prog}: error: {msg}", file=sys.stderr, flush=True)
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except SpotfillError as exc:
         print(f"{ap.prog}: failed: {exc}", file=sys.stderr, flush=True)

@@ -52,7 +52,11 @@ class TrainingJob:
         data = open_storage(cfg.data.path)
         data.check(write=False)
         # Preset models take their vocabulary from the dataset (worker_loop builds them with it).
-        return read_manifest(data)
+        manifest = read_manifest(data)
+        if cfg.training.model.startswith("hf:"):
+            from spotfill.presets import check_hf_model
+            check_hf_model(cfg.training.model, int(manifest["vocab_size"]), int(manifest["seq_len"]))
+        return manifest
 
     def _trainer(self, sink_name: str, namespace: str):
         from ray.train import FailureConfig, RunConfig, ScalingConfig

@@ -220,10 +220,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 events = []
                 sync = emergency or grow_now or done == t.steps
                 stall = ckpt.save(engine, done, {"attempt": attempt}, sync=sync)
-                if rank == 0:
-                    events.append({"t": time.time(), "kind": "checkpoint_save", "attempt": attempt,
-                                   "emergency": emergency, "grow": grow_now, **stall,
-                                   "deadline_ms": getattr(preempt, "deadline_ms", None)})
+                if rank == 0:  # sent now, like steps: a hard loss during the upload must find it on record
+                    sink.log.remote([{"t": time.time(), "kind": "checkpoint_save", "attempt": attempt,
+                                      "emergency": emergency, "grow": grow_now, **stall,
+                                      "deadline_ms": getattr(preempt, "deadline_ms", None)}])
             if rank == 0:
                 for c in ckpt.pop_committed():
                     events.append({"t": c["t"], "kind": "checkpoint", "attempt": attempt, **c})

@@ -88,7 +88,7 @@ def test_only_ssh_is_open(cfg):
 
 def test_setup_installs_this_project(cfg):
     assert cfg["file_mounts"].get("~/spotfill") == "."
-    assert any("pip install -e ~/spotfill" in c for c in cfg["setup_commands"])
+    assert any('pip install -e "$HOME/spotfill[hf]"' in c for c in cfg["setup_commands"])
 
 
 def test_dashboard_bound_to_localhost(cfg):

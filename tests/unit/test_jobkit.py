@@ -65,7 +65,8 @@ def test_run_main_prints_one_json_line(capsys):
     assert jobkit.run_main(lambda a: {"ok": True, "config": a.config}, ap, ["--config", "c.yaml"]) == 0
     assert capsys.readouterr().out == '{"ok": true, "config": "c.yaml"}\n'
     assert jobkit.run_main(lambda a: {}, ap, []) == 2
-    assert capsys.readouterr().err == "x.py: error: the following arguments are required: --config\n"
+    assert capsys.readouterr().err == ("x.py: error: arguments: the following arguments are required: --config; "
+                                          "accepted: see `x.py --help`\n")
 
 
 def test_load_prepare_config(tmp_path):

@@ -105,3 +105,24 @@ def test_attempt_history_says_how_each_attempt_ended():
 def test_attempt_history_of_a_run_still_going():
     ev = [e for e in _timeline() if e["t"] < 125]
     assert attempt_history(ev)[-1]["ended"] == "running"
+
+
+def test_hard_loss_while_the_newest_checkpoint_uploads_rolls_back_one_more_interval():
+    """Killed 3 steps after the save at 60, before it committed: resumed from 40, 23 steps lost. That is the
+    interval plus the 3 steps since the save; resuming from 20 would not be."""
+    ev = [e for e in _timeline() if not (e["kind"] == "checkpoint" and e["step"] == 60)]
+    ev.append({"t": 123.2, "kind": "checkpoint_save", "attempt": 2, "step": 60, "emergency": False,
+               "stall_s": 0.1})
+    ev += _steps(2, 62, 63, 4, 123.25, dt=0.01)
+    for e in ev:
+        if e["kind"] == "resume" and e["attempt"] == 3:
+            e["step"] = 40
+    ev.sort(key=lambda e: e["t"])
+    out = node_event_outcome(ev, fired_at=123.3)
+    assert out["upload_in_flight"] and out["steps_since_newest_save"] == 3 and out["lost_steps"] == 23
+    report = {"training": {"steps_completed": 80, "steps_target": 80,
+                           "samples": {"consumed": 0, "duplicates": 0, "missing": 0}},
+              "preemptions": [{"kind": "hard", **out}]}
+    assert invariants(report, 20)["hard_loss_within_interval"]["ok"]
+    report["preemptions"][0]["lost_steps"] = 24
+    assert not invariants(report, 20)["hard_loss_within_interval"]["ok"]
