@@ -19,44 +19,44 @@ def _steps(attempt, first, last, world, t0, dt=0.1):
     return out
 
 
+def _save(t, attempt, step, emergency=False):
+    return {"t": t, "kind": "checkpoint_save", "attempt": attempt, "step": step, "emergency": emergency,
+            "stall_s": 0.1}
+
+
+def _commit(t, attempt, step):
+    return {"t": t, "kind": "checkpoint", "attempt": attempt, "step": step, "tag": f"step-{step:08d}",
+            "bytes": 9, "upload_s": 0.1}
+
+
+def _restart(t, attempt, step, world):
+    return [{"t": t, "kind": "attempt", "attempt": attempt, "world_size": world},
+            {"t": t + 1, "kind": "resume" if attempt else "start", "attempt": attempt, "step": step,
+             "world_size": world}]
+
+
 def _timeline():
     """attempt 0: 4 workers, notice at t=102 -> emergency checkpoint at step 25, planned exit;
     attempt 1: 2 workers from 25, grows at 40 (planned); attempt 2: 4 workers from 40, node killed at 61
     (last commit 60); attempt 3: 2 workers from 60 to 80, finished."""
-    ev = [{"t": 100.0, "kind": "attempt", "attempt": 0, "world_size": 4},
-          {"t": 100.5, "kind": "start", "attempt": 0, "step": 0, "world_size": 4}]
-    ev += _steps(0, 1, 25, 4, 100.6)
-    ev += [{"t": 103.2, "kind": "checkpoint_save", "attempt": 0, "step": 20, "emergency": False, "stall_s": 0.1},
-           {"t": 103.3, "kind": "checkpoint", "attempt": 0, "step": 20, "tag": "step-00000020", "bytes": 9,
-            "upload_s": 0.1},
-           {"t": 103.4, "kind": "checkpoint_save", "attempt": 0, "step": 25, "emergency": True, "stall_s": 0.2},
-           {"t": 103.5, "kind": "checkpoint", "attempt": 0, "step": 25, "tag": "step-00000025", "bytes": 9,
-            "upload_s": 0.1},
-           {"t": 103.6, "kind": "planned_exit", "attempt": 0, "reason": "preemption", "step": 25},
-           {"t": 110.0, "kind": "attempt", "attempt": 1, "world_size": 2},
-           {"t": 111.0, "kind": "resume", "attempt": 1, "step": 25, "world_size": 2}]
-    ev += _steps(1, 26, 40, 2, 111.1)
-    ev += [{"t": 112.7, "kind": "checkpoint", "attempt": 1, "step": 40, "tag": "step-00000040", "bytes": 9,
-            "upload_s": 0.1},
-           {"t": 112.8, "kind": "planned_exit", "attempt": 1, "reason": "grow", "step": 40},
-           {"t": 120.0, "kind": "attempt", "attempt": 2, "world_size": 4},
-           {"t": 121.0, "kind": "resume", "attempt": 2, "step": 40, "world_size": 4}]
-    ev += _steps(2, 41, 61, 4, 121.1)
-    ev += [{"t": 123.2, "kind": "checkpoint", "attempt": 2, "step": 60, "tag": "step-00000060", "bytes": 9,
-            "upload_s": 0.1},
-           {"t": 130.0, "kind": "attempt", "attempt": 3, "world_size": 2},
-           {"t": 131.0, "kind": "resume", "attempt": 3, "step": 60, "world_size": 2}]
-    ev += _steps(3, 61, 80, 2, 131.1)
-    ev += [{"t": 133.2, "kind": "checkpoint", "attempt": 3, "step": 80, "tag": "step-00000080", "bytes": 9,
-            "upload_s": 0.1},
-           {"t": 133.3, "kind": "finish", "attempt": 3, "ok": True}]
+    ev = _restart(100.0, 0, 0, 4) + _steps(0, 1, 25, 4, 101.1)
+    ev += [_save(103.7, 0, 20), _commit(103.75, 0, 20), _save(103.8, 0, 25, emergency=True),
+           _commit(103.9, 0, 25),
+           {"t": 104.0, "kind": "planned_exit", "attempt": 0, "reason": "preemption", "step": 25}]
+    ev += _restart(110.0, 1, 25, 2) + _steps(1, 26, 40, 2, 111.1)
+    ev += [_save(112.7, 1, 40), _commit(112.75, 1, 40),
+           {"t": 112.8, "kind": "planned_exit", "attempt": 1, "reason": "grow", "step": 40}]
+    ev += _restart(120.0, 2, 40, 4) + _steps(2, 41, 61, 4, 121.1)
+    ev += [_save(123.15, 2, 60), _commit(123.2, 2, 60)]
+    ev += _restart(130.0, 3, 60, 2) + _steps(3, 61, 80, 2, 131.1)
+    ev += [_save(133.15, 3, 80), _commit(133.2, 3, 80), {"t": 133.3, "kind": "finish", "attempt": 3, "ok": True}]
     return sorted(ev, key=lambda e: e["t"])
 
 
 def test_announced_preemption_outcome():
     out = node_event_outcome(_timeline(), fired_at=102.0, deadline_s=10)
     assert out["affected"] and out["lost_steps"] == 0 and out["emergency_checkpoint"]
-    assert out["committed_before_deadline"] and out["commit_seconds_after_notice"] == 1.5
+    assert out["committed_before_deadline"] and out["commit_seconds_after_notice"] == 1.9
     assert out["world_size_after"] == 2 and out["planned_exit"] == "preemption"
     assert out["recovery_seconds"] == round(111.1 - 102.0, 2)
 
@@ -111,8 +111,6 @@ def test_hard_loss_while_the_newest_checkpoint_uploads_rolls_back_one_more_inter
     """Killed 3 steps after the save at 60, before it committed: resumed from 40, 23 steps lost. That is the
     interval plus the 3 steps since the save; resuming from 20 would not be."""
     ev = [e for e in _timeline() if not (e["kind"] == "checkpoint" and e["step"] == 60)]
-    ev.append({"t": 123.2, "kind": "checkpoint_save", "attempt": 2, "step": 60, "emergency": False,
-               "stall_s": 0.1})
     ev += _steps(2, 62, 63, 4, 123.25, dt=0.01)
     for e in ev:
         if e["kind"] == "resume" and e["attempt"] == 3:
