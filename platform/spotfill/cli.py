@@ -18,9 +18,19 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse that reports usage errors as one line and exit code 2."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        # "spotfill plan" -> field "plan"; the top-level parser names the arguments themselves
-        field = self.prog.split(" ", 1)[1] if " " in self.prog else "arguments"
-        raise ConfigError(field, reason=message, accepted=f"see `{self.prog} --help`")
+        raise usage_error(self.prog, message)
+
+
+def usage_error(prog: str, message: str) -> ConfigError:
+    """argparse's message as a ConfigError that names the argument first:
+    "argument --seq-len: invalid int value: 'x'" -> "--seq-len: invalid int value: 'x'"."""
+    field, reason = (prog.split(" ", 1)[1] if " " in prog else "arguments"), message
+    if message.startswith("argument ") and ": " in message:
+        field, reason = message[len("argument "):].split(": ", 1)
+        field = field.split("/")[-1]           # "-o/--out" -> "--out"
+    elif message.startswith("the following arguments are required: "):
+        field, reason = message.split(": ", 1)[1], "required"
+    return ConfigError(field, reason=reason, accepted=f"see `{prog} --help`")
 
 
 def pending(what: str, brought_by: str) -> Callable[[argparse.Namespace], int]:

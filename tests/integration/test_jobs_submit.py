@@ -234,8 +234,8 @@ def test_pretrain_config_errors_exit_2_one_line(tmp_path, content, field):
 
 @pytest.mark.parametrize("args, field", [
     (["--config", "missing.yaml"], "--config: no such file"),
-    ([], "the following arguments are required: --config"),
-    (["--config", "x.yaml", "--seq-len", "many"], "argument --seq-len"),
+    ([], "--config: required"),
+    (["--config", "x.yaml", "--seq-len", "many"], "--seq-len: invalid int value: 'many'"),
     (["--config", "job.yaml"], "training: unknown key"),
 ])
 def test_prepare_usage_errors_exit_2_one_line(tmp_path, args, field):

@@ -65,8 +65,7 @@ def test_run_main_prints_one_json_line(capsys):
     assert jobkit.run_main(lambda a: {"ok": True, "config": a.config}, ap, ["--config", "c.yaml"]) == 0
     assert capsys.readouterr().out == '{"ok": true, "config": "c.yaml"}\n'
     assert jobkit.run_main(lambda a: {}, ap, []) == 2
-    assert capsys.readouterr().err == ("x.py: error: arguments: the following arguments are required: --config; "
-                                          "accepted: see `x.py --help`\n")
+    assert capsys.readouterr().err == "x.py: error: --config: required; accepted: see `x.py --help`\n"
 
 
 def test_load_prepare_config(tmp_path):
@@ -83,3 +82,14 @@ def test_load_prepare_config(tmp_path):
     f.write_text("data: {source: /corpus}\n")
     with pytest.raises(ConfigError, match=r"^data.output: "):
         load_prepare_config(str(f))
+
+
+def test_usage_errors_name_the_argument_first():
+    from spotfill.cli import main, usage_error
+
+    assert str(usage_error("spotfill plan", "argument --gpus: invalid int value: 'x'")) == (
+        "--gpus: invalid int value: 'x'; accepted: see `spotfill plan --help`")
+    assert str(usage_error("x.py", "argument -o/--out: expected one argument")).startswith("--out: expected")
+    assert str(usage_error("spotfill", "the following arguments are required: COMMAND")).startswith(
+        "COMMAND: required")
+    assert main(["plan", "--no-such-flag"]) == 2
