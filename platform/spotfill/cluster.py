@@ -66,6 +66,31 @@ class EmbeddedCluster:
             self.cluster.shutdown()
 
 
+def quiet_expected_node_deaths() -> None:
+    """On the embedded cluster nodes die on purpose (scenario kills and deadline removals), and Ray's driver
+    prints each raylet's last 20 log lines to stdout when it does, burying the run's own output. Keep the
+    first line of such messages, as one log line; every other message prints as before.
+
+    PRIVATE RAY API, isolated here: ray._private.worker.print_to_stdstream, which the driver's
+    error-listener thread looks up at each message (ray 2.60). A no-op if it moves."""
+    from ray._private import worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "_spotfill_quiet", False):
+        return
+
+    def print_to_stdstream(data, ignore_prefix: bool):
+        lines = data.get("lines") or []
+        if data.get("pid") == "raylet" and lines and any(
+                marker in lines[0] for marker in ("Raylet is terminated", "has been marked dead")):
+            log.warning("ray: %s", lines[0].splitlines()[0][:300])
+            return
+        original(data, ignore_prefix)
+
+    print_to_stdstream._spotfill_quiet = True
+    ray_worker.print_to_stdstream = print_to_stdstream
+
+
 def worker_env() -> dict[str, str]:
     """Environment for workers of the embedded cluster: find the library where this process found it."""
     import spotfill

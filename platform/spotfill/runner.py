@@ -55,7 +55,7 @@ def _say(msg: str) -> None:
 
 
 def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, quiet: bool = False) -> dict:
-    from spotfill.cluster import EmbeddedCluster, worker_env
+    from spotfill.cluster import EmbeddedCluster, quiet_expected_node_deaths, worker_env
     from spotfill.training import TrainingJob
 
     say = (lambda m: None) if quiet else _say
@@ -95,6 +95,7 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
         import ray
         ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level=logging.WARNING,
                  log_to_driver=False)
+        quiet_expected_node_deaths()
         from spotfill.prepare import prepare
         data_dir = os.path.join(out_dir, "data")
         say("preparing token shards from the Python standard library with Ray Data")

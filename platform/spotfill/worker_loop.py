@@ -224,9 +224,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
                     sink.log.remote([{"t": time.time(), "kind": "checkpoint_save", "attempt": attempt,
                                       "emergency": emergency, "grow": grow_now, **stall,
                                       "deadline_ms": getattr(preempt, "deadline_ms", None)}])
-            if rank == 0:
-                for c in ckpt.pop_committed():
-                    events.append({"t": c["t"], "kind": "checkpoint", "attempt": attempt, **c})
+            if rank == 0 and ckpt.committed:  # commits too go on record at once (a kill may come next)
+                sink.log.remote([{"kind": "checkpoint", "attempt": attempt, **c} for c in ckpt.pop_committed()])
             if len(events) >= 32:
                 sink.log.remote(events)
                 events = []

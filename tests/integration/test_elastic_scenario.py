@@ -2,6 +2,8 @@
 an announced preemption (drain with deadline), capacity returning, and a hard node loss."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -31,7 +33,10 @@ SCENARIO = {
 @pytest.fixture(scope="module")
 def scenario_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("scenario")
-    report = run_scenario(parse_scenario(SCENARIO, "itest"), str(out), quiet=True)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):   # what Ray's driver prints while nodes die on purpose
+        report = run_scenario(parse_scenario(SCENARIO, "itest"), str(out), quiet=True)
+    (out / "stdout.txt").write_text(printed.getvalue())
     return report, out
 
 
@@ -93,6 +98,12 @@ def test_elastic_loss_curve_matches_fixed_size(scenario_run, tmp_path):
     diffs = [abs(elastic[s] - fixed_l[s]) for s in common]
     # fp32 sums reordered across world sizes: tiny drift, far below the loss's own step-to-step change
     assert max(diffs) < 0.05 and sum(diffs) / len(diffs) < 0.01, max(diffs)
+
+
+def test_deliberate_node_deaths_do_not_flood_stdout(scenario_run):
+    """Ray prints a dying raylet's last 20 log lines on the driver; the embedded cluster keeps them out."""
+    printed = (scenario_run[1] / "stdout.txt").read_text()
+    assert "[state-dump]" not in printed and "Raylet is terminated" not in printed, printed[:2000]
 
 
 def test_bad_scenario_is_one_line_exit_2(tmp_path):
