@@ -19,6 +19,8 @@ for _p in (PLATFORM, REPO):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from spotfill.constants import scoped_env  # noqa: E402,F401 - re-exported for the benchmark modules
+
 log = logging.getLogger("spotfill.bench")
 
 
@@ -44,25 +46,6 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         os.pathsep) if p])
     env.update(extra)
     return env
-
-
-@contextlib.contextmanager
-def scoped_env(**values: str | None) -> Iterator[None]:
-    """Set (or, with None, unset) environment variables inside the block; restore them after."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class S3Process:

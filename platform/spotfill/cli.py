@@ -57,8 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
         if extra:  # name the subcommand they were given to, not the top-level parser
-            raise ConfigError(args.command, reason=f"unrecognized arguments: {' '.join(extra)}",
-                              accepted=f"see `spotfill {args.command} --help`")
+            raise usage_error(f"spotfill {args.command}", f"unrecognized arguments: {' '.join(extra)}")
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"spotfill: error: {exc}", file=sys.stderr)

@@ -1,6 +1,9 @@
 """Every environment variable spotfill reads, with its default, in one place."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import os
 
 # Where workers keep node-local snapshots and caches (checkpoint staging, data shards).
@@ -86,3 +89,22 @@ SPOT_ON_REBALANCE = os.environ.get("SPOTFILL_SPOT_ON_REBALANCE", "log")
 WORKER_GROUP_START_TIMEOUT_S = env_float("SPOTFILL_WORKER_GROUP_START_TIMEOUT_S", 8.0)
 # Universal-checkpoint conversion runs in-process below this size (bytes), in a subprocess pool above.
 UNIVERSAL_INPROCESS_MAX_BYTES = env_int("SPOTFILL_UNIVERSAL_INPROCESS_MAX_BYTES", 1 << 30)
+
+
+@contextlib.contextmanager
+def scoped_env(**values: str | None) -> Iterator[None]:
+    """Set (or, with None, unset) environment variables inside the block; restore them after."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

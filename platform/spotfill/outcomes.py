@@ -6,6 +6,8 @@ recovery_seconds = the recovery's first finished step - T (notice or loss to ste
 """
 from __future__ import annotations
 
+import json
+
 
 def _attempt_after(events: list[dict], t: float) -> int | None:
     for e in events:
@@ -98,7 +100,6 @@ def invariants(report: dict, checkpoint_every: int) -> dict:
 def digest(report: dict) -> str:
     """A failed run in one JSON line: the error, the invariants, what each event did and how each attempt
     ended -- enough to diagnose it from a log alone."""
-    import json
     keep = {k: report.get(k) for k in ("error", "invariants", "preemptions", "events")}
     keep["attempt_history"] = report.get("training", {}).get("attempt_history")
     return json.dumps(keep, default=str)

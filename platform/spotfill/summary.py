@@ -18,6 +18,7 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
         if e["step"] not in newest or e["attempt"] >= newest[e["step"]]["attempt"]:
             newest[e["step"]] = e
     lineage = [newest[s] for s in sorted(newest)]
+    history = attempt_history(events)
     records = [(e["attempt"], e["step"], e["ids"]) for e in events if e["kind"] == "samples"]
     completed = max(newest) if newest else 0
     samples = audit_samples(records, completed, global_batch)
@@ -45,8 +46,8 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
         "tokens_per_s": round(tokens_per_s, 2) if tokens_per_s else None,
         "mfu": mfu,
         "hfu": mfu,   # no activation recompute in the presets: hardware FLOPs == model FLOPs
-        "attempts": len({e["attempt"] for e in events if e["kind"] in ("start", "resume")}),
-        "attempt_history": attempt_history(events),
+        "attempts": len(history),
+        "attempt_history": history,
         "step_time_split_s": {
             "data_wait": round(sum(e["data_wait_s"] for e in lineage), 3),
             "compute": round(sum(e["compute_s"] for e in lineage), 3),

@@ -112,26 +112,17 @@ class TrainingJob:
         ray.get(sink.event.remote("job_start", name=self.config.name, steps=self.config.training.steps,
                                   global_batch=self.config.training.global_batch,
                                   workers=self.config.training.workers, dataset_samples=manifest["num_samples"]))
-        # Ray Train propagates these from the driver's environment to its controller and workers.
-        saved = {k: os.environ.get(k) for k in ray_train_env()}
-        if self.config.training.elastic_restarts == "spotfill":
-            for key, value in ray_train_env().items():
-                os.environ.setdefault(key, value)
-        else:
-            for key in saved:
-                os.environ.pop(key, None)
+        # Ray Train propagates these from the driver's environment to its controller and workers; a value
+        # the user set wins. The stock policy runs with Ray's own defaults.
+        spotfill = self.config.training.elastic_restarts == "spotfill"
+        knobs = {k: (os.environ.get(k, v) if spotfill else None) for k, v in ray_train_env().items()}
         t0 = time.time()
         error = None
-        try:
-            self._trainer(sink_name, namespace).fit()
-        except Exception as exc:  # Ray Train raised: the job ran and failed
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        with constants.scoped_env(**knobs):
+            try:
+                self._trainer(sink_name, namespace).fit()
+            except Exception as exc:  # Ray Train raised: the job ran and failed
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         verdict = ray.get(sink.verdict.remote())
         ray.get(sink.event.remote("job_end", seconds=round(time.time() - t0, 3)))
         ray.get(sink.close.remote())

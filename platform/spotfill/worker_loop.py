@@ -172,6 +172,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
         return StepBatch(step, np.split(rows, len(mbs)), flat)
 
     ckpt = Checkpointer(store, local_root, rank, world, attempt=f"{attempt}")
+
+    def record_commits() -> None:
+        """Send the checkpoints committed since the last call (fire-and-forget, in order)."""
+        if ckpt.committed:
+            sink.log.remote([{"kind": "checkpoint", "attempt": attempt, **c} for c in ckpt.pop_committed()])
     prefetch = Prefetcher(make, start_step, t.steps, depth=job.data.prefetch)
     device = engine.device
     vocab = model.cfg.vocab_size
@@ -224,8 +229,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
                     sink.log.remote([{"t": time.time(), "kind": "checkpoint_save", "attempt": attempt,
                                       "emergency": emergency, "grow": grow_now, **stall,
                                       "deadline_ms": getattr(preempt, "deadline_ms", None)}])
-            if rank == 0 and ckpt.committed:  # commits too go on record at once (a kill may come next)
-                sink.log.remote([{"kind": "checkpoint", "attempt": attempt, **c} for c in ckpt.pop_committed()])
+            if rank == 0:  # commits too go on record at once (a kill may come next)
+                record_commits()
             if len(events) >= 32:
                 sink.log.remote(events)
                 events = []
@@ -237,8 +242,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                   f" at step {done}: checkpoint committed; restarting the worker group")
         ckpt.uploader.wait()
         if rank == 0:
-            for c in ckpt.pop_committed():
-                events.append({"t": c["t"], "kind": "checkpoint", "attempt": attempt, **c})
+            record_commits()
     finally:
         prefetch.close()
         if events:
