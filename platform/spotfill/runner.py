@@ -22,6 +22,7 @@ from spotfill.scenario import Event, Scenario
 
 log = logging.getLogger(__name__)
 CORPUS_PACKAGES = ("json", "http", "logging", "urllib")
+SEQ_LEN = 64          # the runner prepares byte-level shards of this length
 
 
 def default_corpus() -> str:
@@ -62,6 +63,10 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
     if scenario.needs_controlled_storage() and storage:
         raise ConfigError("--storage", storage, reason="the scenario has a storage_outage event, which needs "
                           "the loopback S3 endpoint the runner starts itself", accepted="leave --storage out")
+    if scenario.training.model.startswith("hf:"):  # checked against the shards the runner will prepare
+        from spotfill.data import BYTE_VOCAB
+        from spotfill.presets import check_hf_model
+        check_hf_model(scenario.training.model, BYTE_VOCAB, SEQ_LEN)
     if storage:  # bad URI, bucket or credentials: one line and exit 2 before any cluster starts
         from spotfill.storage import open_storage
         open_storage(storage).check()
@@ -105,7 +110,7 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
                 shutil.copytree(os.path.join(default_corpus(), pkg), os.path.join(corpus, pkg),
                                 ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         manifest = prepare(from_mapping(PrepareConfig, {
-            "source": corpus, "output": data_dir, "seq_len": 64, "suffixes": [".py"]}))
+            "source": corpus, "output": data_dir, "seq_len": SEQ_LEN, "suffixes": [".py"]}))
         say(f"{manifest['num_samples']} sequences of 65 tokens in {manifest['seconds']:.1f}s")
         job_cfg = from_mapping(JobConfig, {
             "name": scenario.name.replace(".", "-"), "run_dir": out_dir, "storage": storage,

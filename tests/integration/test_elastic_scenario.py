@@ -114,3 +114,12 @@ def test_bad_scenario_is_one_line_exit_2(tmp_path):
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert "events[0].action" in proc.stderr and "drain_node" in proc.stderr
+
+
+def test_missing_hf_model_is_one_line_exit_2_before_any_cluster(tmp_path):
+    bad = tmp_path / "hf.yaml"
+    bad.write_text(f"training: {{model: 'hf:{tmp_path}/no-model'}}\n")
+    proc = subprocess.run([sys.executable, "-m", "spotfill", "demo", "--scenario", str(bad), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "training.model: not a local directory" in proc.stderr
