@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from urllib.parse import urlsplit
 
 from spotfill import constants
 from spotfill.errors import ConfigError, StorageError
@@ -55,6 +56,26 @@ class S3Storage(Storage):
 
     def _key(self, key: str) -> str:
         return join_key(self.prefix, _check_key(key))
+
+    # -- for readers that take a pyarrow filesystem (Ray Data) --------------------------------------------
+    def pyarrow_path(self, key: str) -> str:
+        """`bucket/prefix/key`, the path form pyarrow.fs.S3FileSystem takes."""
+        return join_key(self.bucket, self._key(key))
+
+    def pyarrow_filesystem(self):
+        """A pyarrow S3FileSystem for the same endpoint, region and credentials (none given: the standard
+        AWS chain, as boto3 uses). It pickles, so Ray Data tasks on other nodes open the same bucket."""
+        from pyarrow import fs
+
+        kwargs = {"region": self.region}
+        if self.endpoint_url:
+            parts = urlsplit(self.endpoint_url)
+            kwargs.update(endpoint_override=parts.netloc or parts.path, scheme=parts.scheme or "https")
+        creds = self._credentials
+        if creds.get("access_key"):
+            kwargs.update(access_key=creds["access_key"], secret_key=creds.get("secret_key"),
+                          session_token=creds.get("session_token"))
+        return fs.S3FileSystem(**kwargs)
 
     def _scrub(self, text: str) -> str:
         secrets = [v for v in self._credentials.values() if v]
