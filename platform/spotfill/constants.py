@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
-
 import os
+from typing import Iterator
 
 # Where workers keep node-local snapshots and caches (checkpoint staging, data shards).
 LOCAL_DIR = os.environ.get("SPOTFILL_LOCAL_DIR", "/tmp/spotfill")
@@ -15,24 +14,25 @@ SNAPSHOT_DIR = os.environ.get("SPOTFILL_SNAPSHOT_DIR", "auto")
 LOG_LEVEL = os.environ.get("SPOTFILL_LOG_LEVEL", "INFO")
 
 
-def env_float(name: str, default: float) -> float:
-    """Read a float environment variable, falling back to `default` when unset or empty."""
-    raw = os.environ.get(name, "")
-    return float(raw) if raw.strip() else default
-
-
-def env_int(name: str, default: int) -> int:
-    """Read an int environment variable, falling back to `default` when unset or empty.
-
-    A malformed value is a ConfigError naming the variable (one line, exit 2 at the CLI)."""
+def _env_number(name: str, default, kind, accepted: str):
+    """Read a number from the environment, `default` when unset or empty. A malformed value is a
+    ConfigError naming the variable (one line, exit 2 at the CLI)."""
     raw = os.environ.get(name, "")
     if not raw.strip():
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
         from spotfill.errors import ConfigError
-        raise ConfigError(name, raw, accepted="an integer") from None
+        raise ConfigError(name, raw, accepted=accepted) from None
+
+
+def env_float(name: str, default: float) -> float:
+    return _env_number(name, default, float, "a number")
+
+
+def env_int(name: str, default: int) -> int:
+    return _env_number(name, default, int, "an integer")
 
 
 # --- Object storage (storage.py, checkpoint_store.py) ---------------------------------------------

@@ -240,3 +240,13 @@ def test_load_job_config_bad_override_is_validated():
     with pytest.raises(ConfigError) as err:
         load_job_config(None, {"storage": "/c", "data.path": "/d", "training.nope": 1})
     assert err.value.field == "training.nope"
+
+
+@pytest.mark.parametrize("reader, raw, accepted", [("env_float", "fast", "a number"), ("env_int", "2.5", "an integer")])
+def test_bad_numeric_environment_variables_are_one_line_config_errors(monkeypatch, reader, raw, accepted):
+    from spotfill import constants
+    monkeypatch.setenv("SPOTFILL_TEST_KNOB", raw)
+    with pytest.raises(ConfigError, match=f"^SPOTFILL_TEST_KNOB: bad value '{raw}'; accepted: {accepted}$"):
+        getattr(constants, reader)("SPOTFILL_TEST_KNOB", 1)
+    monkeypatch.setenv("SPOTFILL_TEST_KNOB", " ")
+    assert getattr(constants, reader)("SPOTFILL_TEST_KNOB", 7) == 7
