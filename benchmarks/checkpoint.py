@@ -80,10 +80,6 @@ def build_engine(preset: str):
     return engine, step, count_params(model)
 
 
-def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
-
-
 def snapshot_roots(nbytes_hint: int = 0) -> dict[str, str]:
     """Candidate snapshot parents: disk-backed /tmp, and /dev/shm when it is tmpfs with room to spare."""
     roots = {"tmp": tempfile.gettempdir()}

@@ -219,12 +219,22 @@ def main(argv: list[str] | None = None) -> int:
     if sections and any(s not in SECTIONS for s in sections):
         parser.error(f"--only: unknown section in {args.only!r}; accepted: {', '.join(SECTIONS)}")
     result = run_all(args.quick, sections, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    return finish(result, args.json)
+
+
+def finish(result: dict, json_path: str | None) -> int:
+    """Print the summary, write the JSON when asked; exit code 1 when a section failed."""
     print(summary(result))
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
-    return 1 if result.get("errors") else 0
+        print(f"wrote {json_path}")
+    if result.get("errors"):
+        print(f"spotfill: failed: {len(result['errors'])} section(s) failed: {', '.join(result['errors'])}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

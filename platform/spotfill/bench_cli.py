@@ -15,6 +15,7 @@ import sys
 
 from spotfill.errors import ConfigError
 
+# benchmarks/run.py's sections, named here too so `--only` is checked without importing the benchmarks
 SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "upload")
 
 
@@ -52,8 +53,6 @@ def parse_sections(value: str | None) -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     sections = parse_sections(args.only)
     if args.json:
         parent = os.path.dirname(os.path.abspath(args.json))
@@ -65,14 +64,4 @@ def run(args: argparse.Namespace) -> int:
     bench_run = importlib.import_module("benchmarks.run")
     result = bench_run.run_all(args.quick, sections,
                                progress=lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
-    print(bench_run.summary(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
-        print(f"wrote {args.json}")
-    if result.get("errors"):
-        print(f"spotfill: failed: {len(result['errors'])} section(s) failed: {', '.join(result['errors'])}",
-              file=sys.stderr)
-        return 1
-    return 0
+    return bench_run.finish(result, args.json)

@@ -15,7 +15,6 @@ previous committed tag (with a WARNING) when the newest is damaged. Tags sort by
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 from spotfill import constants
 from spotfill.errors import CheckpointCorrupt, ConfigError
-from spotfill.storage import Storage, join_key, local_files
+from spotfill.storage import Storage, join_key, local_files, sha256_file
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -46,15 +45,6 @@ def tag_key(tag: str) -> tuple[int, str]:
     """Sort key for tags: the trailing number (the step), then the text."""
     m = re.search(r"(\d+)$", tag)
     return (int(m.group(1)) if m else -1, tag)
-
-
-def sha256_file(path: str, bufsize: int = 4 << 20) -> str:
-    """Hex sha256 of a file (hashlib releases the GIL on large buffers, so threads help)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def hash_files(root: str, rels: Iterable[str], threads: int = 4) -> dict[str, str]:

@@ -8,6 +8,7 @@ Pure apart from numpy and storage; the Ray Data pipeline that produces shards is
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -21,7 +22,8 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from spotfill.errors import ConfigError, CheckpointCorrupt
+from spotfill.errors import CheckpointCorrupt, ConfigError
+from spotfill.storage import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ def byte_encode(text: str) -> list[int]:
     return list(text.encode("utf-8")) + [EOD]
 
 
+@functools.lru_cache(maxsize=8)   # Ray Data calls it once per batch: load each tokenizer once per process
 def load_tokenizer(spec: str) -> tuple[Callable[[str], list[int]], int]:
     """`bytes` (default) or `hf:/local/path` (a local Hugging Face tokenizer). Returns (encode, vocab)."""
     if spec in ("", "bytes"):
@@ -135,10 +138,9 @@ class ShardReader:
             if not os.path.exists(local):
                 tmp = f"{local}.{os.getpid()}.part"
                 storage.get_file(shard["key"], tmp)
-                with open(tmp, "rb") as f:
-                    if hashlib.sha256(f.read()).hexdigest() != shard["sha256"]:
-                        os.unlink(tmp)
-                        raise CheckpointCorrupt(f"data shard {shard['key']} fails its checksum")
+                if sha256_file(tmp) != shard["sha256"]:
+                    os.unlink(tmp)
+                    raise CheckpointCorrupt(f"data shard {shard['key']} fails its checksum")
                 os.replace(tmp, local)
             self._arrays.append(np.load(local, mmap_mode="r"))
         self._starts = np.cumsum([0] + [len(a) for a in self._arrays])

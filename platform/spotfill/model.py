@@ -115,5 +115,10 @@ def count_params(model: nn.Module) -> int:
 
 
 def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
-    """Training FLOPs per token: 6N + 12*L*h*s (PaLM, Chowdhery et al. 2022, appendix B)."""
-    return 6.0 * n_params + 12.0 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+    """Training FLOPs per token of a preset, by the planner's formula (PaLM: 6N + 12*L*h*s)."""
+    from spotfill.architecture import Arch
+    from spotfill.sizing import flops_per_token as model_and_hardware_flops
+
+    arch = Arch(layers=cfg.n_layer, hidden=cfg.n_embd, heads=cfg.n_head, kv_heads=cfg.n_head,
+                ffn=4 * cfg.n_embd, vocab=cfg.vocab_size, mlp="gelu", source="preset")
+    return model_and_hardware_flops(n_params, arch, cfg.seq_len)[0]

@@ -386,9 +386,11 @@ def plan(**inputs: Any) -> dict:
     are filled from the cheapest fitting configuration; `recommendation` searches all of them
     (GPU count only when --gpus is unset)."""
     pb, fixed, echo = _resolve(inputs)
-    best, closest, _, _ = search(pb, fixed)
+    open_knobs = Knobs(gpus=fixed.gpus)
+    rec_best, rec_closest, r_eval, r_fit = search(pb, open_knobs)
+    # The recommendation searches every knob; the plan only those the caller left unset (often the same).
+    best, closest = (rec_best, rec_closest) if fixed == open_knobs else search(pb, fixed)[:2]
     chosen = best or closest
-    rec_best, rec_closest, r_eval, r_fit = search(pb, Knobs(gpus=fixed.gpus))
     rec = rec_best or rec_closest
     k = chosen["knobs"]
     ms, act = chosen["ms"], chosen["act"]

@@ -18,11 +18,6 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
 
-    @property
-    def approx_params(self) -> int:
-        per_layer = 12 * self.n_embd ** 2 + 13 * self.n_embd
-        return self.n_layer * per_layer + (self.vocab_size + self.seq_len) * self.n_embd + 2 * self.n_embd
-
 
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(seq_len=64, n_layer=2, n_head=2, n_embd=64),

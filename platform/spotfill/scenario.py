@@ -95,7 +95,7 @@ def _number(path: str, value: Any, minimum: float = 0.0, integer: bool = False) 
     return value
 
 
-def parse_event(i: int, raw: Any, n_nodes: int) -> Event:
+def parse_event(i: int, raw: Any) -> Event:
     path = f"events[{i}]"
     if not isinstance(raw, dict):
         raise ConfigError(path, raw, accepted="a mapping with `action` and `at` or `at_step`")
@@ -155,7 +155,7 @@ def parse_scenario(data: dict, name: str = "scenario") -> Scenario:
     raw_events = data.get("events") or []
     if not isinstance(raw_events, list):
         raise ConfigError("events", raw_events, accepted="a list")
-    events = [parse_event(i, e, len(cluster.nodes)) for i, e in enumerate(raw_events)]
+    events = [parse_event(i, e) for i, e in enumerate(raw_events)]
     _check_node_refs(events, len(cluster.nodes))
     total = sum(n.get("gpus", 1) for n in cluster.nodes)
     if training.min_workers > total:

@@ -6,7 +6,6 @@ stop verdict that `TrainingJob.fit()` reads when Ray Train returns.
 """
 from __future__ import annotations
 
-import time
 
 import ray
 
@@ -22,9 +21,8 @@ class EventSink:
         self._max_failures = max_failures
         self._planned_exit = False
         self._verdict: dict | None = None
-        self._status: dict = {}
 
-    def begin_attempt(self, world_size: int, node_ids: list[str] | None = None) -> dict:
+    def begin_attempt(self, world_size: int) -> dict:
         """Called by rank 0 when a worker group starts. Counts an unplanned failure if the last attempt
         ended without saying why. Returns {"attempt", "give_up"}."""
         if self._attempt >= 0 and not self._planned_exit:
@@ -33,7 +31,7 @@ class EventSink:
         self._planned_exit = False
         give_up = self._max_failures >= 0 and self._unplanned > self._max_failures
         self._log.write("attempt", attempt=self._attempt, world_size=world_size,
-                        unplanned_failures=self._unplanned, nodes=node_ids or [])
+                        unplanned_failures=self._unplanned)
         return {"attempt": self._attempt, "give_up": give_up, "unplanned_failures": self._unplanned}
 
     def planned_exit(self, reason: str, **fields) -> None:
@@ -46,12 +44,6 @@ class EventSink:
 
     def event(self, kind: str, **fields) -> None:
         self._log.write(kind, **fields)
-
-    def set_status(self, **fields) -> None:
-        self._status.update(fields, t=time.time())
-
-    def status(self) -> dict:
-        return dict(self._status)
 
     def finish(self, verdict: dict) -> None:
         self._verdict = verdict

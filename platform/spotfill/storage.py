@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import hashlib
 import logging
 import os
 import random
@@ -72,6 +73,15 @@ def _check_key(key: str) -> str:
     if not key or key.startswith("/") or any(p in ("", ".", "..") for p in key.split("/")):
         raise ValueError(f"bad storage key {key!r}: want a relative 'a/b/c' path")
     return key
+
+
+def sha256_file(path: str, bufsize: int = 4 << 20) -> str:
+    """Hex sha256 of a file (hashlib releases the GIL on large buffers, so threads help)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def local_files(local_dir: str) -> dict[str, int]:

@@ -42,9 +42,13 @@ class TrainingJob:
         self.runtime_env = runtime_env or {}
         self.run_dir = os.path.abspath(config.run_dir)
         self.events_path = os.path.join(self.run_dir, "events.jsonl")
+        self._manifest: dict | None = None
 
     def validate(self) -> dict:
-        """Check everything checkable before training starts; returns the dataset manifest."""
+        """Check everything checkable before training starts; returns the dataset manifest. Runs once per
+        job: fit() reuses a validation the caller already did."""
+        if self._manifest is not None:
+            return self._manifest
         from spotfill.data import read_manifest
 
         cfg = self.config
@@ -56,6 +60,7 @@ class TrainingJob:
         if cfg.training.model.startswith("hf:"):
             from spotfill.presets import check_hf_model
             check_hf_model(cfg.training.model, int(manifest["vocab_size"]), int(manifest["seq_len"]))
+        self._manifest = manifest
         return manifest
 
     def _trainer(self, sink_name: str, namespace: str):

@@ -189,7 +189,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             ts = time.perf_counter()
             batch = prefetch.get(step)
             td = time.perf_counter()
-            loss_sum = 0.0
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)   # no host sync per micro-batch
             for mb in batch.micro_batches:
                 x = torch.from_numpy(mb[:, :-1]).to(device)
                 y = torch.from_numpy(mb[:, 1:]).to(device)
@@ -197,7 +197,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 loss = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
                 engine.backward(loss)
                 engine.step()
-                loss_sum += loss.item()
+                loss_sum += loss.detach().double()
             preempt = local_preemption_info()
             grow = 0
             if (rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers
@@ -205,19 +205,20 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 last_grow_check = time.monotonic()
                 fit = count_workers(schedulable_node_resources(), per_worker, t.max_workers)
                 grow = max(0, fit - world)
-            flags = torch.tensor([loss_sum / shape.accum, 1.0 if preempt else 0.0, float(grow)],
-                                 dtype=torch.float64, device=device)
+            flags = torch.tensor([0.0, 1.0 if preempt else 0.0, float(grow)], dtype=torch.float64, device=device)
+            flags[0] = loss_sum / shape.accum
             comms.dist.all_reduce(flags)
+            loss_total, preempt_votes, grow_votes = flags.tolist()   # the step's one host sync
             tc = time.perf_counter()
             done = step + 1
-            emergency, grow_now = flags[1].item() > 0, flags[2].item() > 0
+            emergency, grow_now = preempt_votes > 0, grow_votes > 0
             events.append({"t": time.time(), "kind": "samples", "attempt": attempt, "step": step,
                            "rank": rank, "ids": batch.stream_indices})
             if rank == 0:
                 # Sent now (fire-and-forget, ordered): a step is on record even if the node dies next,
                 # and always before a checkpoint that contains it commits.
                 sink.log.remote([{"t": time.time(), "kind": "step", "step": done, "attempt": attempt,
-                                  "loss": flags[0].item() / world, "world_size": world,
+                                  "loss": loss_total / world, "world_size": world,
                                   "tokens": tokens_per_step, "lr": engine.get_lr()[0],
                                   "step_s": tc - ts, "data_wait_s": td - ts, "compute_s": tc - td}])
             if emergency or grow_now or done % t.checkpoint_every == 0 or done == t.steps:

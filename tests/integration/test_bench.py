@@ -80,3 +80,11 @@ def test_cli_usage_errors_exit_2_one_line(argv):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("spotfill: error:") and "Traceback" not in proc.stderr
+
+
+def test_cli_names_the_same_sections_as_the_runner():
+    sys.path.insert(0, REPO)
+    from benchmarks.run import SECTIONS
+    from spotfill.bench_cli import SECTIONS as CLI_SECTIONS
+
+    assert sorted(CLI_SECTIONS) == sorted(SECTIONS)
