@@ -134,23 +134,26 @@ class S3Storage(Storage):
         self._move_many([(local_path, key, size)], upload=True)
         return size
 
+    def _size(self, key: str) -> int | None:
+        """The object's size from one HEAD request; None when there is no such object."""
+        def head():
+            try:
+                return int(self._client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"])
+            except Exception as exc:
+                if self._not_found(exc):
+                    return None
+                raise
+        return self._retrying(f"head {key}", head)
+
     def get_file(self, key, local_path):
-        size = self.list(key).get(key)
+        size = self._size(key)
         if size is None:
             raise FileNotFoundError(f"no object {key!r} at {self.uri}")
         self._move_many([(local_path, key, size)], upload=False)
         return size
 
     def exists(self, key):
-        def head():
-            try:
-                self._client.head_object(Bucket=self.bucket, Key=self._key(key))
-                return True
-            except Exception as exc:
-                if self._not_found(exc):
-                    return False
-                raise
-        return self._retrying(f"head {key}", head)
+        return self._size(key) is not None
 
     def list(self, prefix=""):
         full = join_key(self.prefix, prefix) if prefix else (self.prefix + "/" if self.prefix else "")
