@@ -12,7 +12,8 @@ from spotfill.scenario import parse_scenario
 
 transformers = pytest.importorskip("transformers")
 
-STEPS = 40
+# Long enough (about 8 s of stepping on 2 workers) that the notice, polled every second, lands mid-run.
+STEPS = 400
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def test_hf_llama_trains_and_reshards(llama_dir, tmp_path):
     scenario = {
         "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 1}, {"gpus": 1}]},
         "training": {"model": f"hf:{llama_dir}", "workers": [1, 2], "steps": STEPS, "global_batch": 8,
-                     "max_micro_batch": 4, "checkpoint_every": 10, "zero_stage": 2, "warmup_steps": 5},
+                     "max_micro_batch": 4, "checkpoint_every": 50, "zero_stage": 2, "warmup_steps": 5},
         "events": [{"at_step": 12, "action": "drain_node", "node": 1, "deadline_s": 15}],
     }
     report = run_scenario(parse_scenario(scenario, "hf-llama"), str(tmp_path), quiet=True)
