@@ -3,8 +3,9 @@
 Stock Ray Train 2.60 sizes a (re)started worker group from the autoscaling coordinator's view of the
 cluster, which still counts a node that is draining (spot notice) or was just lost. The group then waits
 for slots that will never come (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s by default) before it
-shrinks. This policy counts only nodes that are alive and not draining, so the restart picks the size
-the cluster can hold right now.
+shrinks. This policy counts only nodes that are alive, not draining, and whose raylet answers a connect
+(the GCS keeps a killed node "alive" for its health-check window), so the restart picks the size the
+cluster can hold right now.
 
 PRIVATE RAY TRAIN API, isolated here: ElasticScalingPolicy._count_possible_workers and
 DataParallelTrainer._initialize_and_run_controller (the scaling policy is built on the driver and handed
@@ -16,28 +17,35 @@ import ray
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 
+from spotfill.capacity import count_workers, reachable
 
-def schedulable_node_resources() -> dict[str, dict]:
+
+def schedulable_node_resources(probe_s: float | None = None) -> dict[str, dict]:
     """Total resources of nodes that are alive and not draining (draining: ray._private state, as Ray
-    Train's own PreemptionWatcher reads it)."""
+    Train's own PreemptionWatcher reads it). With `probe_s`, also only nodes whose raylet accepts a TCP
+    connection within that time: right after a hard loss the GCS still lists the dead node as alive for
+    its health-check window (seconds), and a restart sized with it waits out Ray Train's start timeout."""
     draining = ray._private.state.state.get_draining_nodes() or {}
-    return {n["NodeID"]: n["Resources"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in draining}
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in draining]
+    if probe_s is not None:
+        answering = reachable({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in nodes},
+                              probe_s)
+        nodes = [n for n in nodes if n["NodeID"] in answering]
+    return {n["NodeID"]: n["Resources"] for n in nodes}
 
 
-def count_workers(node_resources: dict[str, dict], per_worker: dict[str, float], max_workers: int) -> int:
-    """Workers that fit on these nodes (each worker on one node), capped at max_workers (pure)."""
-    need = {r: v for r, v in per_worker.items() if v > 0}
-    total = sum(int(min(res.get(r, 0.0) // v for r, v in need.items())) for res in node_resources.values())
-    return min(total, max_workers)
+RAYLET_PROBE_S = 0.5   # a live raylet answers a local-network connect in milliseconds
 
 
 class DrainAwareElasticPolicy(ElasticScalingPolicy):
     """Sizes from the nodes' own resources: the coordinator's reservations lag node changes by up to
-    its tick, which made restarts pick a stale size. (spotfill's arbiter owns sharing with fill-in.)"""
+    its tick, which made restarts pick a stale size. Nodes whose raylet does not answer are left out, so a
+    restart right after a hard loss does not count the dead node. (spotfill's arbiter owns sharing with
+    fill-in.)"""
 
     def _count_possible_workers(self, reserved_resources) -> int:
-        return count_workers(schedulable_node_resources(), self.scaling_config._resources_per_worker_not_none,
-                             self.scaling_config.max_workers)
+        return count_workers(schedulable_node_resources(probe_s=RAYLET_PROBE_S),
+                             self.scaling_config._resources_per_worker_not_none, self.scaling_config.max_workers)
 
 
 class SpotfillTorchTrainer(TorchTrainer):

@@ -99,7 +99,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import torch.nn.functional as F
 
     import deepspeed
-    from spotfill.elastic_policy import count_workers, schedulable_node_resources
+    from spotfill.capacity import count_workers
+    from spotfill.elastic_policy import schedulable_node_resources
     from spotfill.model import build_model
 
     job: JobConfig = from_mapping(JobConfig, loop_config["job"])
