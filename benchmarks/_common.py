@@ -19,7 +19,7 @@ for _p in (PLATFORM, REPO):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from spotfill.constants import scoped_env  # noqa: E402,F401 - re-exported for the benchmark modules
+from spotfill.config.constants import scoped_env  # noqa: E402,F401 - re-exported for the benchmark modules
 
 log = logging.getLogger("spotfill.bench")
 
@@ -49,13 +49,13 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 class S3Process:
-    """`python -m spotfill.s3local` in a child process: a loopback S3 endpoint that, like a real one, does
+    """`python -m spotfill.testing.s3local` in a child process: a loopback S3 endpoint that, like a real one, does
     not share the trainer's interpreter (an in-process moto server would compete for its GIL)."""
 
     def __init__(self, bucket: str = "spotfill-bench", start_timeout_s: float = 60.0):
         self.bucket = bucket
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "spotfill.s3local", "--bucket", bucket], stdout=subprocess.PIPE,
+            [sys.executable, "-m", "spotfill.testing.s3local", "--bucket", bucket], stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, text=True, env=subprocess_env())
         deadline = time.monotonic() + start_timeout_s
         line = ""

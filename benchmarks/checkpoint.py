@@ -4,7 +4,7 @@
 
 One DeepSpeed engine (world size 1, gloo, ZeRO-2, fp32 AdamW, spotfill's own ds_config) of a model preset,
 trained a few steps so Adam state exists, saving to a loopback S3 endpoint that runs in a child process
-(`python -m spotfill.s3local`; a real endpoint does not share the trainer's interpreter). After one untimed
+(`python -m spotfill.testing.s3local`; a real endpoint does not share the trainer's interpreter). After one untimed
 warm-up save, each round runs, in this order:
 
   spotfill   `Checkpointer.save()`: what the step loop waits for -- the local snapshot
@@ -44,8 +44,8 @@ SHM = "/dev/shm"
 
 def _ds_config(preset: str) -> dict:
     """spotfill's DeepSpeed config (worker_loop.ds_config) for micro-batch 1, fp32, ZeRO-2."""
-    from spotfill.config import DataConfig, JobConfig, TrainingConfig
-    from spotfill.worker_loop import ds_config
+    from spotfill.config.job import DataConfig, JobConfig, TrainingConfig
+    from spotfill.train.worker_loop import ds_config
 
     job = JobConfig(name="bench", storage="unused", data=DataConfig(path="unused"),
                     training=TrainingConfig(model=preset, global_batch=1, max_micro_batch=1, zero_stage=2))
@@ -58,7 +58,7 @@ def build_engine(preset: str):
     import torch
     import torch.nn.functional as F
 
-    from spotfill.model import build_model, count_params
+    from spotfill.train.model import build_model, count_params
 
     quiet_deepspeed()
     torch.manual_seed(0)
@@ -98,10 +98,10 @@ def bench_checkpoint(quick: bool = True, preset: str = "50m", repeats: int | Non
     spotfill's node-local dir, constants.LOCAL_DIR). `train_during_upload`: keep stepping until each
     background upload is done (else one step, then wait: on a CPU-only box the steps and the upload fight
     for the same cores, which a GPU node does not do, and each 50m step costs seconds)."""
-    from spotfill import constants
-    from spotfill.checkpoint import Checkpointer
-    from spotfill.checkpoint_store import CheckpointStore
-    from spotfill.storage import open_storage
+    from spotfill.config import constants
+    from spotfill.train.checkpointing import Checkpointer
+    from spotfill.storage.checkpoint_store import CheckpointStore
+    from spotfill.storage.base import open_storage
 
     from benchmarks.upload import flatten, raw_client, raw_upload
 

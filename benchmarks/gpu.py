@@ -5,7 +5,7 @@
 One DeepSpeed engine (world size 1, NCCL, ZeRO-2, bf16, spotfill's ds_config) of a model preset on random
 tokens at the preset's sequence length. Micro-batch: the largest of 16, 8, 4, 2, 1 that fits. Tokens/s
 is timed over steady steps (after warm-up, CUDA-synchronised); MFU = tokens/s x FLOPs/token (model.py's
-6N + 12*L*h*s, PaLM appendix B) / the device's dense bf16 peak from spotfill.hardware (None when the device
+6N + 12*L*h*s, PaLM appendix B) / the device's dense bf16 peak from spotfill.planning.hardware (None when the device
 is not in the catalogue). HFU equals MFU: the presets recompute no activations.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from benchmarks._common import emit, free_port, quiet_deepspeed, rnd, scoped_env
 
 
 def catalogue_name(device_name: str) -> str | None:
-    """The spotfill.hardware catalogue entry for a CUDA device name ("NVIDIA H100 80GB HBM3" -> h100-80gb)."""
+    """The spotfill.planning.hardware catalogue entry for a CUDA device name ("NVIDIA H100 80GB HBM3" -> h100-80gb)."""
     n = device_name.lower()
     rules = [("h200", "h200"), ("b200", "b200"), ("l40s", "l40s"), ("a10g", "a10g"), ("a6000", "a6000")]
     for key, name in rules:
@@ -46,9 +46,9 @@ def train_throughput(preset: str, device: str, precision: str, steps: int, warmu
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from spotfill.config import DataConfig, JobConfig, TrainingConfig
-    from spotfill.model import build_model, count_params, flops_per_token
-    from spotfill.worker_loop import ds_config
+    from spotfill.config.job import DataConfig, JobConfig, TrainingConfig
+    from spotfill.train.model import build_model, count_params, flops_per_token
+    from spotfill.train.worker_loop import ds_config
 
     quiet_deepspeed()
     on_cuda = device == "cuda"
@@ -129,7 +129,7 @@ def bench_gpu(quick: bool = True, preset: str | None = None) -> dict | None:
 
     if not torch.cuda.is_available():
         return None
-    from spotfill import hardware
+    from spotfill.planning import hardware
 
     preset = preset or "1b"
     device_name = torch.cuda.get_device_name(0)

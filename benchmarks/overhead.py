@@ -41,7 +41,7 @@ from benchmarks._common import REPO, median, quiet_deepspeed, rnd, single_rank_d
 def job_config(preset: str, data: str, storage: str, run_dir: str, steps: int, global_batch: int,
                max_micro_batch: int, name: str = "bench-overhead"):
     """The JobConfig both sides use (the plain loop reads only what a plain loop needs)."""
-    from spotfill.config import JobConfig, from_mapping
+    from spotfill.config.job import JobConfig, from_mapping
 
     return from_mapping(JobConfig, {
         "name": name, "run_dir": run_dir, "storage": storage,
@@ -62,11 +62,11 @@ def plain_loop(job, steps: int | None = None, seconds: float | None = None, warm
     import torch
     import torch.nn.functional as F
 
-    from spotfill.batching import batch_shape, rank_micro_batches, stream_to_rows
-    from spotfill.data import ShardReader
-    from spotfill.model import build_model, count_params
-    from spotfill.storage import open_storage
-    from spotfill.worker_loop import ds_config
+    from spotfill.train.batching import batch_shape, rank_micro_batches, stream_to_rows
+    from spotfill.train.data import ShardReader
+    from spotfill.train.model import build_model, count_params
+    from spotfill.storage.base import open_storage
+    from spotfill.train.worker_loop import ds_config
 
     quiet_deepspeed()
     t = job.training
@@ -176,11 +176,11 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
     import ray
     from ray.cluster_utils import Cluster
 
-    from spotfill import constants
-    from spotfill.config import PrepareConfig
-    from spotfill.events import read_events
-    from spotfill.prepare import prepare
-    from spotfill.training import TrainingJob, ray_train_env
+    from spotfill.config import constants
+    from spotfill.config.job import PrepareConfig
+    from spotfill.telemetry.events import read_events
+    from spotfill.train.prepare import prepare
+    from spotfill.train.job import TrainingJob, ray_train_env
 
     say = progress or (lambda msg: None)
     seconds = seconds or (15.0 if quick else 40.0)
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plain-spec", help=argparse.SUPPRESS)  # internal: run plain_loop from a spec
     args = parser.parse_args(argv)
     if args.plain_spec:
-        from spotfill.config import JobConfig, from_mapping
+        from spotfill.config.job import JobConfig, from_mapping
         with open(args.plain_spec) as f:
             spec = json.load(f)
         result = plain_loop(from_mapping(JobConfig, spec["job"]), spec["steps"], spec["seconds"],

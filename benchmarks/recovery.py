@@ -14,8 +14,8 @@ from typing import Callable
 
 from benchmarks._common import rnd  # noqa: F401 - also puts platform/ on sys.path
 
-from spotfill.runner import run_scenario
-from spotfill.scenario import parse_scenario
+from spotfill.sim.runner import run_scenario
+from spotfill.sim.scenario import parse_scenario
 
 
 def _scenario(event: dict, restarts: str, steps: int) -> dict:

@@ -21,10 +21,10 @@ import time
 import uuid
 
 try:
-    from spotfill.storage import S3Storage, open_storage
+    from spotfill.storage.base import S3Storage, open_storage
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "platform"))
-    from spotfill.storage import S3Storage, open_storage
+    from spotfill.storage.base import S3Storage, open_storage
 
 
 def make_checkpoint_dir(root: str, size_mb: float) -> int:
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.uri:
         result = bench_upload(args.uri, args.size_mb, args.repeats)
     else:
-        from spotfill.s3local import LocalS3
+        from spotfill.testing.s3local import LocalS3
         with LocalS3(bucket="spotfill-bench") as s3:
             os.environ.update(s3.env())
             result = bench_upload(s3, args.size_mb, args.repeats)

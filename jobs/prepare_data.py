@@ -2,7 +2,7 @@
 
     ray job submit --working-dir . -- python jobs/prepare_data.py --config examples/prepare-stdlib.yaml
 
-Config file: one top-level key, `data:`, holding spotfill.config.PrepareConfig's fields:
+Config file: one top-level key, `data:`, holding spotfill.config.job.PrepareConfig's fields:
     data:
       source: stdlib:json     # file, folder or s3:// prefix; `stdlib:SUB` = Python's stdlib folder SUB
       output: /tmp/spotfill/data/stdlib-json   # local path or s3://bucket/prefix for shards + manifest
@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "platform"))
 try:
-    from spotfill import jobkit
+    from spotfill.cli import jobkit
 except ImportError as exc:  # neither shipped with the working dir nor installed
     sys.exit(print(f"prepare_data.py: error: cannot import spotfill ({exc}); submit with --working-dir "
                    "at the repository root or pip install it", file=sys.stderr) or 2)
@@ -35,7 +35,7 @@ def stdlib_path(source: str) -> str:
 
 
 def main(args) -> dict:
-    from spotfill.config import load_prepare_config
+    from spotfill.config.job import load_prepare_config
 
     overrides = {k: v for k, v in (("source", args.source), ("output", args.output),
                                     ("seq_len", args.seq_len)) if v is not None}
@@ -43,7 +43,7 @@ def main(args) -> dict:
     cfg.source = jobkit.absolute("data.source", stdlib_path(cfg.source))
     cfg.output = jobkit.absolute("data.output", cfg.output)
     jobkit.init_ray(jobkit.runtime_env())
-    from spotfill.prepare import prepare
+    from spotfill.train.prepare import prepare
 
     manifest = prepare(cfg)
     return {"ok": True, "output": cfg.output, "samples": manifest["num_samples"],

@@ -2,7 +2,7 @@
 
     ray job submit --working-dir . -- python jobs/pretrain.py --config examples/tiny-cpu.yaml
 
-Config file: spotfill.config.JobConfig as YAML (unknown keys are rejected):
+Config file: spotfill.config.job.JobConfig as YAML (unknown keys are rejected):
     name: tiny-cpu
     run_dir: /tmp/spotfill/runs/tiny-cpu      # report.json + events.jsonl, on the driver's node
     storage: /tmp/spotfill/ckpt/tiny-cpu      # checkpoints: local path or s3://bucket/prefix
@@ -18,14 +18,14 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "platform"))
 try:
-    from spotfill import jobkit
+    from spotfill.cli import jobkit
 except ImportError as exc:  # neither shipped with the working dir nor installed
     sys.exit(print(f"pretrain.py: error: cannot import spotfill ({exc}); submit with --working-dir "
                    "at the repository root or pip install it", file=sys.stderr) or 2)
 
 
 def main(args) -> dict:
-    from spotfill.config import load_job_config
+    from spotfill.config.job import load_job_config
 
     flags = {"training.steps": args.steps, "storage": args.storage, "run_dir": args.run_dir,
              "data.path": args.data, "name": args.name}
@@ -33,7 +33,7 @@ def main(args) -> dict:
     cfg.storage = jobkit.absolute("storage", cfg.storage)          # driver and workers: same place
     cfg.run_dir = jobkit.absolute("run_dir", cfg.run_dir)
     cfg.data.path = jobkit.absolute("data.path", cfg.data.path)
-    from spotfill.training import TrainingJob, ray_train_env
+    from spotfill.train.job import TrainingJob, ray_train_env
 
     env = jobkit.runtime_env(ray_train_env())
     job = TrainingJob(cfg, runtime_env=env)
@@ -49,7 +49,7 @@ def main(args) -> dict:
 
 def build_parser():
     ap = jobkit.parser("pretrain.py", "Elastic DeepSpeed pretraining on Ray Train.")
-    ap.add_argument("--config", required=True, metavar="FILE", help="job YAML (spotfill.config.JobConfig)")
+    ap.add_argument("--config", required=True, metavar="FILE", help="job YAML (spotfill.config.job.JobConfig)")
     ap.add_argument("--steps", type=int, metavar="N", help="override training.steps")
     ap.add_argument("--storage", metavar="URI", help="override storage (checkpoints)")
     ap.add_argument("--run-dir", metavar="DIR", help="override run_dir (report.json, events.jsonl)")

@@ -1,6 +1,6 @@
 """Shared fixtures.
 
-`s3_server` (session): a REAL S3 HTTP endpoint on loopback -- spotfill.s3local.LocalS3, i.e. moto's S3
+`s3_server` (session): a REAL S3 HTTP endpoint on loopback -- spotfill.testing.s3local.LocalS3, i.e. moto's S3
 server in a thread of the test process on 127.0.0.1:<free port>, with a bucket and valid fake keys exported
 as AWS_* environment variables (the standard boto3 chain finds them). Nothing patches boto3. Use
 `s3_server.uri(prefix)` for an `s3://bucket/prefix?endpoint_override=...` URI, `with s3_server.outage():`
@@ -19,7 +19,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def s3_server():
-    from spotfill.s3local import LocalS3
+    from spotfill.testing.s3local import LocalS3
 
     mp = pytest.MonkeyPatch()
     # Keep the developer's own AWS setup (profiles, IMDS) out of the tests.

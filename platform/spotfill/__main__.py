@@ -1,5 +1,5 @@
 import sys
 
-from spotfill.cli import main
+from spotfill.cli.main import main
 
 sys.exit(main())

@@ -33,13 +33,14 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import deepspeed
 
-    from spotfill.batching import batch_shape
-    from spotfill.checkpoint import Checkpointer, RestorePlan, prepare_node_copy
-    from spotfill.checkpoint_store import CheckpointStore
-    from spotfill.config import JobConfig, from_mapping
-    from spotfill.model import build_model
-    from spotfill.storage import open_storage
-    from spotfill.worker_loop import ds_config
+    from spotfill.train.batching import batch_shape
+    from spotfill.train.checkpointing import Checkpointer
+    from spotfill.train.restore import RestorePlan, prepare_node_copy
+    from spotfill.storage.checkpoint_store import CheckpointStore
+    from spotfill.config.job import JobConfig, from_mapping
+    from spotfill.train.model import build_model
+    from spotfill.storage.base import open_storage
+    from spotfill.train.worker_loop import ds_config
 
     job = from_mapping(JobConfig, {"storage": storage_uri, "data": {"path": "/unused"},
                                    "training": {"workers": [1, 3], "global_batch": 6, "zero_stage": stage,

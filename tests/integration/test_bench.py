@@ -33,7 +33,7 @@ def tiny_checkpoint(tmp_path_factory) -> dict:
 def test_checkpoint_section_keys_and_sane_values(tiny_checkpoint):
     r = tiny_checkpoint
     assert CONTRACT_CHECKPOINT_KEYS <= set(r)
-    from spotfill.model import build_model, count_params
+    from spotfill.train.model import build_model, count_params
     assert r["params"] == count_params(build_model("tiny")) and r["preset"] == "tiny"
     for key in CONTRACT_CHECKPOINT_KEYS | {"bytes", "snapshot_s", "sync_save_s", "sync_upload_s",
                                            "background_upload_s"}:
@@ -85,6 +85,6 @@ def test_cli_usage_errors_exit_2_one_line(argv):
 def test_cli_names_the_same_sections_as_the_runner():
     sys.path.insert(0, REPO)
     from benchmarks.run import SECTIONS
-    from spotfill.bench_cli import SECTIONS as CLI_SECTIONS
+    from spotfill.cli.bench import SECTIONS as CLI_SECTIONS
 
     assert sorted(CLI_SECTIONS) == sorted(SECTIONS)

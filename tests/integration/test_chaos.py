@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from spotfill.outcomes import digest
-from spotfill.runner import run_scenario
-from spotfill.scenario import chaos_scenario, parse_scenario
+from spotfill.sim.outcomes import digest
+from spotfill.sim.runner import run_scenario
+from spotfill.sim.scenario import chaos_scenario, parse_scenario
 
 
 def _run(seed: int, tmp_path, steps: int) -> dict:

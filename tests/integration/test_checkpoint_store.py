@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from spotfill.checkpoint_store import AsyncUploader, CheckpointStore, sha256_file, tag_for
-from spotfill.errors import CheckpointCorrupt, ConfigError
-from spotfill.storage import open_storage
+from spotfill.storage.checkpoint_store import CheckpointStore, sha256_file, tag_for
+from spotfill.storage.uploader import AsyncUploader
+from spotfill.config.errors import CheckpointCorrupt, ConfigError
+from spotfill.storage.base import open_storage
 
 
 @pytest.fixture(params=["s3", "local"])
@@ -142,7 +143,7 @@ def test_damaged_newest_is_skipped_with_warning(storage, tmp_path, caplog, damag
         storage.put_bytes(key, storage.get_bytes(key) + b"!")
     else:
         storage.put_bytes("checkpoints/step-00000020/manifest.json", b"{not json")
-    caplog.set_level(logging.WARNING, logger="spotfill.checkpoint_store")
+    caplog.set_level(logging.WARNING, logger="spotfill.storage.checkpoint_store")
     m = store.restore(str(tmp_path / "restore"))
     assert m["tag"] == "step-00000010"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

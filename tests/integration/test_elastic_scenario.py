@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from spotfill.events import read_events
-from spotfill.outcomes import digest
-from spotfill.runner import run_scenario
-from spotfill.scenario import parse_scenario
+from spotfill.telemetry.events import read_events
+from spotfill.sim.outcomes import digest
+from spotfill.sim.runner import run_scenario
+from spotfill.sim.scenario import parse_scenario
 
 STEPS = 240
 # Capacity returns early and the hard loss comes late, so the graceful grow has time to happen in between

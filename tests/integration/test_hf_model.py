@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from spotfill.events import read_events
-from spotfill.outcomes import digest
-from spotfill.runner import run_scenario
-from spotfill.scenario import parse_scenario
+from spotfill.telemetry.events import read_events
+from spotfill.sim.outcomes import digest
+from spotfill.sim.runner import run_scenario
+from spotfill.sim.scenario import parse_scenario
 
 transformers = pytest.importorskip("transformers")
 

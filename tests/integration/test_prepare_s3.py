@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from spotfill.config import PrepareConfig, from_mapping
-from spotfill.storage import open_storage
+from spotfill.config.job import PrepareConfig, from_mapping
+from spotfill.storage.base import open_storage
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def _docs():
 
 
 def test_prepare_from_s3_matches_a_local_source(ray_local, s3_uri, tmp_path):
-    from spotfill.prepare import prepare
+    from spotfill.train.prepare import prepare
 
     src = open_storage(s3_uri)
     local_src = tmp_path / "src"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from spotfill import spot
-from spotfill.imds_standin import INSTANCE_ACTION_PATH, TOKEN_PATH, ImdsStandin
+from spotfill.spot import watcher as spot
+from spotfill.testing.imds import INSTANCE_ACTION_PATH, TOKEN_PATH, ImdsStandin
 
 PLATFORM = str(Path(__file__).resolve().parents[2] / "platform")
 
@@ -128,7 +128,7 @@ def test_connection_refused_is_survived():
 def test_rebalance_is_logged_once_and_not_drained(imds, caplog):
     watcher, drain = make_watcher(imds)
     imds.set_rebalance()
-    with caplog.at_level(logging.WARNING, logger="spotfill.spot"):
+    with caplog.at_level(logging.WARNING, logger="spotfill.spot.watcher"):
         assert [watcher.poll_once().status for _ in range(3)] == ["rebalance"] * 3
     assert drain.calls == []
     assert sum("rebalance recommendation" in r.getMessage() for r in caplog.records) == 1

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from spotfill.errors import ConfigError, StorageError
-from spotfill.s3local import free_port
-from spotfill.storage import RetryPolicy, S3Storage, open_storage
+from spotfill.config.errors import ConfigError, StorageError
+from spotfill.testing.s3local import free_port
+from spotfill.storage.base import RetryPolicy, S3Storage, open_storage
 
 FAST_RETRY = RetryPolicy(attempts=60, base_s=0.05, max_s=0.25, deadline_s=20)
 
@@ -121,7 +121,7 @@ def test_outage_then_recovery_with_retries(s3_server, s3_uri, tmp_path, caplog):
     st = open_storage(s3_uri, retry=FAST_RETRY, request_attempts=1)
     st.put_bytes("before", b"1")
     write(str(tmp_path / "d" / "x" / "y.bin"), b"y" * 10_000)
-    caplog.set_level(logging.WARNING, logger="spotfill.storage")
+    caplog.set_level(logging.WARNING, logger="spotfill.storage.base")
     restored = s3_server.outage_for(1.0)
     t0 = time.monotonic()
     st.put_bytes("during", b"2")                       # retried until the endpoint is back

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from spotfill.config import JobConfig, from_mapping
-from spotfill.errors import ConfigError
-from spotfill.training import TrainingJob
+from spotfill.config.job import JobConfig, from_mapping
+from spotfill.config.errors import ConfigError
+from spotfill.train.job import TrainingJob
 
 
 def _job(**kw) -> TrainingJob:

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spotfill.batching import (BatchShape, audit_samples, batch_shape, check_elastic_range,
+from spotfill.train.batching import (BatchShape, audit_samples, batch_shape, check_elastic_range,
                                rank_micro_batches, step_stream_indices, stream_to_rows, valid_world_sizes)
-from spotfill.errors import ConfigError
+from spotfill.config.errors import ConfigError
 
 FAST = settings(max_examples=150, deadline=None)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import socket
 import time
 
-from spotfill.capacity import count_workers, reachable
+from spotfill.train.capacity import count_workers, reachable
 
 
 def test_count_workers_per_node_and_capped():

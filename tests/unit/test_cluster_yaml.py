@@ -115,7 +115,7 @@ def test_worker_start_labels_market_type(cfg):
 
 
 def test_spot_watch_daemon_on_every_worker(cfg):
-    from spotfill.cli import build_parser
+    from spotfill.cli.main import build_parser
 
     cmds = cfg["worker_start_ray_commands"]
     watch = [c for c in cmds if "spotfill spot-watch" in c]

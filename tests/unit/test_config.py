@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from spotfill.config import (ClusterConfig, DataConfig, JobConfig, PrepareConfig, TrainingConfig, from_mapping,
+from spotfill.config.job import (ClusterConfig, DataConfig, JobConfig, PrepareConfig, TrainingConfig, from_mapping,
                              load_job_config, load_yaml)
-from spotfill.errors import ConfigError
+from spotfill.config.errors import ConfigError
 
 
 def job(**sections) -> dict:
@@ -244,7 +244,7 @@ def test_load_job_config_bad_override_is_validated():
 
 @pytest.mark.parametrize("reader, raw, accepted", [("env_float", "fast", "a number"), ("env_int", "2.5", "an integer")])
 def test_bad_numeric_environment_variables_are_one_line_config_errors(monkeypatch, reader, raw, accepted):
-    from spotfill import constants
+    from spotfill.config import constants
     monkeypatch.setenv("SPOTFILL_TEST_KNOB", raw)
     with pytest.raises(ConfigError, match=f"^SPOTFILL_TEST_KNOB: bad value '{raw}'; accepted: {accepted}$"):
         getattr(constants, reader)("SPOTFILL_TEST_KNOB", 1)

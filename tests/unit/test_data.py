@@ -10,10 +10,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from spotfill.data import (BYTE_VOCAB, EOD, FORMAT, Prefetcher, ShardReader, ShardWriter, StepBatch, byte_encode,
+from spotfill.train.data import (BYTE_VOCAB, EOD, FORMAT, Prefetcher, ShardReader, ShardWriter, StepBatch, byte_encode,
                            iter_corpus_files, load_tokenizer, pack, read_manifest, token_dtype)
-from spotfill.errors import CheckpointCorrupt, ConfigError
-from spotfill.storage import open_storage
+from spotfill.config.errors import CheckpointCorrupt, ConfigError
+from spotfill.storage.base import open_storage
 
 
 # -- tokenizer -----------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from spotfill import hardware
-from spotfill.errors import ConfigError
+from spotfill.planning import hardware
+from spotfill.config.errors import ConfigError
 
 REQUIRED = ["a100-40gb", "a100-80gb", "h100-80gb", "h100-pcie", "h200", "l4", "a10g", "l40s", "b200"]
 

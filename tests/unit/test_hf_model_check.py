@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from spotfill.errors import ConfigError
-from spotfill.presets import check_hf_model
+from spotfill.config.errors import ConfigError
+from spotfill.train.presets import check_hf_model
 
 
 def _model_dir(tmp_path, **conf):

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from spotfill import jobkit
-from spotfill.config import load_prepare_config
-from spotfill.errors import ConfigError, JobFailed
+from spotfill.cli import jobkit
+from spotfill.config.job import load_prepare_config
+from spotfill.config.errors import ConfigError, JobFailed
 
 
 def set_job_env(monkeypatch, runtime_env: dict) -> None:
@@ -85,7 +85,7 @@ def test_load_prepare_config(tmp_path):
 
 
 def test_usage_errors_name_the_argument_first():
-    from spotfill.cli import main, usage_error
+    from spotfill.cli.main import main, usage_error
 
     assert str(usage_error("spotfill plan", "argument --gpus: invalid int value: 'x'")) == (
         "--gpus: invalid int value: 'x'; accepted: see `spotfill plan --help`")

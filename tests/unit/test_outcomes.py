@@ -1,8 +1,8 @@
 """Per-event outcomes, invariants and the attempt history, computed from a synthetic events.jsonl."""
 from __future__ import annotations
 
-from spotfill.outcomes import grow_outcome, invariants, node_event_outcome
-from spotfill.summary import attempt_history, training_section
+from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
+from spotfill.train.summary import attempt_history, training_section
 
 
 G = 12

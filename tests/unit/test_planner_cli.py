@@ -95,7 +95,7 @@ def test_bad_input_exits_2_with_one_line_naming_the_flag(bad_runs, case):
     (["--params", "7B", "--zero", "0", "--offload", "cpu"], "--offload"),
     (["--params", "7B", "--pp", "2", "--zero", "3"], "--zero")])
 def test_more_bad_inputs_in_process(capsys, args, flag):
-    from spotfill.cli import main
+    from spotfill.cli.main import main
 
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()

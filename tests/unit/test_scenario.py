@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from spotfill.errors import ConfigError
-from spotfill.scenario import DEFAULT_SCENARIO, chaos_scenario, parse_scenario
+from spotfill.config.errors import ConfigError
+from spotfill.sim.scenario import DEFAULT_SCENARIO, chaos_scenario, parse_scenario
 
 
 def test_default_scenario_parses():

@@ -9,8 +9,10 @@ from datetime import datetime, timezone
 
 import pytest
 
-from spotfill import spot, spot_cli
-from spotfill.errors import ConfigError
+from spotfill.spot import watcher as spot
+
+from spotfill.cli import spot_watch as spot_cli
+from spotfill.config.errors import ConfigError
 
 NOW = datetime(2026, 11, 29, 11, 58, 0, tzinfo=timezone.utc).timestamp()
 T_NOTICE = "2026-11-29T12:00:00Z"
@@ -134,7 +136,7 @@ def test_outcome_describe():
 
 
 def test_module_does_not_import_ray():
-    code = "import sys, spotfill.spot, spotfill.spot_cli, spotfill.imds_standin; print('ray' in sys.modules)"
+    code = "import sys, spotfill.spot.watcher, spotfill.cli.spot_watch, spotfill.testing.imds; print('ray' in sys.modules)"
     platform_dir = os.path.join(os.path.dirname(__file__), "..", "..", "platform")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath(platform_dir),
                                                         os.environ.get("PYTHONPATH", "")])}

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from spotfill.errors import ConfigError
-from spotfill.storage import (TMP_MARK, LocalStorage, RetryPolicy, S3Storage, join_key, open_storage,
+from spotfill.config.errors import ConfigError
+from spotfill.storage.base import (TMP_MARK, LocalStorage, RetryPolicy, S3Storage, join_key, open_storage,
                               redact_url)
 
 

@@ -1,0 +1,268 @@
+"""Validated config dataclasses and YAML loading. Precedence: CLI > file > defaults.
+
+Every error is a ConfigError naming the dotted field, the bad value and what is accepted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from spotfill.config.errors import ConfigError
+
+
+def _check_type(path: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(path, value, arg)
+            except ConfigError:
+                continue
+        raise ConfigError(path, value, accepted=" or ".join(getattr(a, "__name__", str(a)) for a in args))
+    if dataclasses.is_dataclass(hint):
+        return from_mapping(hint, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(path, value, accepted="a list")
+        return [_check_type(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)] if args else value
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, value, accepted="a mapping")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, value, accepted="true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, value, accepted="an integer")
+        return value
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(path, value, accepted="a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, value, accepted="a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, value, accepted="a string")
+        return value
+    return value
+
+
+def from_mapping(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys and wrong types."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path or cls.__name__, data, accepted="a mapping")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{path}.{key}" if path else str(key), data[key],
+                              reason="unknown key", accepted=names)
+    kwargs = {k: _check_type(f"{path}.{k}" if path else k, v, hints[k]) for k, v in data.items()}
+    for name in names:   # a nested section left out is validated too (e.g. data.path must be set)
+        if name not in kwargs and dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = from_mapping(hints[name], {}, f"{path}.{name}" if path else name)
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate:
+        validate(path)
+    return obj
+
+
+def load_yaml(path: str, field: str = "--config") -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(field, path, reason="no such file")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except UnicodeDecodeError:
+        raise ConfigError(field, path, reason="not UTF-8 text") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(field, path, reason=f"not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(field, path, reason="top level must be a mapping")
+    return data
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _positive(path: str, name: str, value: float | int | None, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(_join(path, name), value, accepted=">= 0" if allow_zero else "> 0")
+
+
+def _choice(path: str, name: str, value: Any, choices: list[Any]) -> None:
+    if value not in choices:
+        raise ConfigError(_join(path, name), value, accepted=choices)
+
+
+@dataclass
+class ClusterConfig:
+    """Which Ray resource is the accelerator. `GPU` on real clusters; a logical one (GPU_SLOT) on CPUs."""
+    gpu_resource: str = "GPU"
+    gpus_per_worker: float = 1.0
+    cpus_per_worker: float = 1.0
+
+    def validate(self, path: str) -> None:
+        _positive(path, "gpus_per_worker", self.gpus_per_worker)
+        _positive(path, "cpus_per_worker", self.cpus_per_worker, allow_zero=True)
+        if not self.gpu_resource or not self.gpu_resource.replace("_", "").isalnum():
+            raise ConfigError(_join(path, "gpu_resource"), self.gpu_resource, accepted="a Ray resource name")
+
+
+@dataclass
+class TrainingConfig:
+    model: str = "tiny"
+    seq_len: int | None = None
+    workers: list[int] = field(default_factory=lambda: [1, 1])
+    steps: int = 100
+    global_batch: int = 16
+    max_micro_batch: int = 8
+    zero_stage: int = 2
+    precision: str = "auto"          # auto: bf16 on GPU, fp32 on CPU
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    checkpoint_every: int = 20
+    keep_checkpoints: int = 3
+    seed: int = 0
+    max_failures: int = 10
+    # "spotfill": restarts size the group from alive, non-draining nodes and grow gracefully;
+    # "stock": Ray Train's defaults (kept for side-by-side benchmarks).
+    elastic_restarts: str = "spotfill"
+    # How often rank 0 checks whether more workers fit now (graceful grow), seconds.
+    resize_check_s: float = 1.0
+
+    @property
+    def min_workers(self) -> int:
+        return self.workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.workers[-1]
+
+    def validate(self, path: str) -> None:
+        from spotfill.train.batching import check_elastic_range
+        from spotfill.train.presets import PRESETS
+
+        if len(self.workers) not in (1, 2) or any(w < 1 for w in self.workers):
+            raise ConfigError(_join(path, "workers"), self.workers, accepted="[n] or [min, max] with 1 <= min")
+        if self.min_workers > self.max_workers:
+            raise ConfigError(_join(path, "workers"), self.workers, reason="min > max",
+                              accepted="[min, max] with min <= max")
+        if not self.model.startswith("hf:") and self.model not in PRESETS:
+            raise ConfigError(_join(path, "model"), self.model, accepted=[*PRESETS, "hf:/local/path"])
+        for name in ("steps", "global_batch", "max_micro_batch", "checkpoint_every", "keep_checkpoints", "lr"):
+            _positive(path, name, getattr(self, name))
+        _positive(path, "resize_check_s", self.resize_check_s)
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "min_lr", "max_failures"):
+            _positive(path, name, getattr(self, name), allow_zero=True)
+        _positive(path, "seq_len", self.seq_len)
+        _choice(path, "zero_stage", self.zero_stage, [0, 1, 2, 3])
+        _choice(path, "elastic_restarts", self.elastic_restarts, ["spotfill", "stock"])
+        _choice(path, "precision", self.precision, ["auto", "bf16", "fp16", "fp32"])
+        check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
+
+
+@dataclass
+class DataConfig:
+    path: str = ""               # prepared token shards (output of jobs/prepare_data.py)
+    seed: int = 0
+    prefetch: int = 2
+
+    def validate(self, path: str) -> None:
+        if not self.path:
+            raise ConfigError(_join(path, "path"), self.path, accepted="a local path or s3:// URI of prepared shards")
+        _positive(path, "prefetch", self.prefetch)
+
+
+@dataclass
+class JobConfig:
+    """What jobs/pretrain.py and `TrainingJob` take."""
+    name: str = "spotfill-run"
+    run_dir: str = "runs/spotfill-run"   # events.jsonl and report.json (driver-local)
+    storage: str = ""                    # checkpoints: local path or s3://bucket/prefix
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def validate(self, path: str) -> None:
+        if not self.storage:
+            raise ConfigError("storage", self.storage, accepted="a local path or s3://bucket/prefix")
+        if not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError("name", self.name, accepted="letters, digits, '-' and '_'")
+
+
+@dataclass
+class PrepareConfig:
+    """What jobs/prepare_data.py takes."""
+    source: str = ""                 # text / jsonl / parquet files: a file, a folder, or s3:// prefix
+    format: str = "auto"
+    text_field: str = "text"
+    output: str = ""                 # where shards + manifest go
+    seq_len: int = 64
+    tokenizer: str = "bytes"
+    rows_per_shard: int = 8192
+    suffixes: list[str] = field(default_factory=lambda: [".txt", ".py", ".md", ".jsonl", ".json", ".parquet"])
+
+    def validate(self, path: str) -> None:
+        if not self.source:
+            raise ConfigError(_join(path, "source"), self.source, accepted="a local path or s3:// URI")
+        if not self.output:
+            raise ConfigError(_join(path, "output"), self.output, accepted="a local path or s3:// URI")
+        _choice(path, "format", self.format, ["auto", "text", "jsonl", "parquet"])
+        _positive(path, "seq_len", self.seq_len)
+        _positive(path, "rows_per_shard", self.rows_per_shard)
+
+
+def load_job_config(path: str | None = None, overrides: dict | None = None) -> JobConfig:
+    data = load_yaml(path) if path else {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for i, p in enumerate(parents):
+            if node.get(p) is None:
+                node[p] = {}
+            elif not isinstance(node[p], dict):
+                raise ConfigError(".".join(parents[: i + 1]), node[p], reason=f"cannot set {dotted}: not a mapping")
+            node = node[p]
+        node[leaf] = value
+    return from_mapping(JobConfig, data)
+
+
+def load_prepare_config(path: str | None = None, overrides: dict | None = None) -> PrepareConfig:
+    """PrepareConfig from a YAML file whose only top-level key is `data:` (fields as in PrepareConfig);
+    `overrides` are PrepareConfig field names (CLI > file > defaults). Errors name `data.<field>`."""
+    doc = load_yaml(path) if path else {}
+    for key in doc:
+        if key != "data":
+            raise ConfigError(str(key), doc[key], reason="unknown key", accepted=["data"])
+    data = doc.get("data")
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError("data", data, accepted="a mapping")
+    return from_mapping(PrepareConfig, {**data, **(overrides or {})}, "data")

@@ -1,0 +1,1 @@
+"""Planning: memory, compute, time, cost and IO for a training run; DeepSpeed config (pure)."""

@@ -1,0 +1,1 @@
+"""The scenario runner: embedded local Ray cluster, timeline events, outcomes and invariants."""

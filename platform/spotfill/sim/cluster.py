@@ -1,0 +1,93 @@
+"""An embedded local Ray cluster with logical GPU slots, for the demo, tests and benchmarks.
+
+Each worker node is a real raylet (ray.cluster_utils.Cluster) carrying `{gpu_resource: gpus}` and as many
+logical CPUs; the head carries no GPU slots, like cluster.yaml's head. Node failure detection is tightened
+(GCS health checks every second) so a killed node is noticed in seconds, as `cluster.yaml` configures too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+# GCS health checks: a raylet that misses `failure_threshold` checks `period_ms` apart is declared dead.
+FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
+                          "health_check_timeout_ms": 1000}
+
+
+class EmbeddedCluster:
+    def __init__(self, gpu_resource: str = "GPU_SLOT", head_cpus: int = 2,
+                 system_config: dict | None = None):
+        from ray.cluster_utils import Cluster
+
+        self.gpu_resource = gpu_resource
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
+        self.nodes: list = []          # index -> ray node handle (None once removed)
+        self.node_ids: list[str] = []
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add_node(self, gpus: int) -> int:
+        """Add a worker node; returns its index (position in the order nodes were added)."""
+        node = self.cluster.add_node(num_cpus=gpus, resources={self.gpu_resource: gpus})
+        self.nodes.append(node)
+        self.node_ids.append(node.node_id)
+        log.info("node %d added (%d %s, id %s)", len(self.nodes) - 1, gpus, self.gpu_resource, node.node_id[:12])
+        return len(self.nodes) - 1
+
+    def alive(self, index: int) -> bool:
+        return 0 <= index < len(self.nodes) and self.nodes[index] is not None
+
+    def remove_node(self, index: int, graceful: bool) -> None:
+        node = self.nodes[index]
+        if node is None:
+            return
+        self.cluster.remove_node(node, allow_graceful=graceful)
+        self.nodes[index] = None
+        log.info("node %d removed (%s)", index, "graceful" if graceful else "killed")
+
+    def drain_node(self, index: int, deadline_s: float, message: str, reason: str = "PREEMPTION") -> None:
+        """Ray drain with a deadline, as `spotfill spot-watch` does on a spot notice."""
+        import time
+
+        from spotfill.spot.watcher import drain_ray_node
+        drain_ray_node(self.node_ids[index], deadline_s=time.time() + deadline_s, message=message,
+                       reason=f"DRAIN_NODE_REASON_{reason}", address=self.address)
+
+    def shutdown(self) -> None:
+        import ray
+        try:
+            ray.shutdown()
+        finally:
+            self.cluster.shutdown()
+
+
+def quiet_expected_node_deaths() -> None:
+    """On the embedded cluster nodes die on purpose (scenario kills and deadline removals), and Ray's driver
+    prints each raylet's last 20 log lines to stdout when it does, burying the run's own output. Keep the
+    first line of such messages, as one log line; every other message prints as before.
+
+    The hook (the driver's printer of raylet log lines) is in spotfill.ray_compat."""
+    from spotfill.ray_compat import wrap_driver_stdstream
+
+    def quiet(original, data, ignore_prefix: bool):
+        lines = data.get("lines") or []
+        if data.get("pid") == "raylet" and lines and any(
+                marker in lines[0] for marker in ("Raylet is terminated", "has been marked dead")):
+            log.warning("ray: %s", lines[0].splitlines()[0][:300])
+            return
+        original(data, ignore_prefix)
+
+    wrap_driver_stdstream(quiet)
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for workers of the embedded cluster: find the library where this process found it."""
+    import spotfill
+    platform_dir = os.path.dirname(os.path.dirname(os.path.abspath(spotfill.__file__)))
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": platform_dir + (os.pathsep + path if path else "")}

@@ -1,0 +1,207 @@
+"""Run a scenario on the embedded local cluster: training in a thread, the timeline in the main thread.
+
+Cluster changes happen in the main thread (ray.cluster_utils needs it). Events fire `at` seconds after
+training's first step or when training reaches `at_step`. The report joins TrainingJob's sections with
+per-event outcomes (outcomes.py) and the invariants; `ok` is true only if every invariant held.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+
+from spotfill.config.job import JobConfig, PrepareConfig, from_mapping
+from spotfill.config.errors import ConfigError
+from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
+from spotfill.sim.scenario import Event, Scenario
+
+log = logging.getLogger(__name__)
+CORPUS_PACKAGES = ("json", "http", "logging", "urllib")
+SEQ_LEN = 64          # the runner prepares byte-level shards of this length
+
+
+def default_corpus() -> str:
+    """A real corpus on every machine: a few packages of the Python standard library, copied together."""
+    import json as _json
+    return os.path.dirname(os.path.dirname(os.path.abspath(_json.__file__)))
+
+
+class _Tail:
+    """Reads new lines of events.jsonl as they are written."""
+
+    def __init__(self, path: str):
+        self.path, self.offset, self.events = path, 0, []
+
+    def poll(self) -> list[dict]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind("\n") + 1
+        self.offset += len(chunk[:end].encode())
+        new = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+        new = [e for e in new if e["kind"] != "samples"]
+        self.events.extend(new)
+        return new
+
+
+def _say(msg: str) -> None:
+    print(f"[spotfill demo] {msg}", file=sys.stderr, flush=True)
+
+
+def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, quiet: bool = False) -> dict:
+    from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths, worker_env
+    from spotfill.train.job import TrainingJob
+
+    say = (lambda m: None) if quiet else _say
+    if scenario.needs_controlled_storage() and storage:
+        raise ConfigError("--storage", storage, reason="the scenario has a storage_outage event, which needs "
+                          "the loopback S3 endpoint the runner starts itself", accepted="leave --storage out")
+    if scenario.training.model.startswith("hf:"):  # checked against the shards the runner will prepare
+        from spotfill.train.data import BYTE_VOCAB
+        from spotfill.train.presets import check_hf_model
+        check_hf_model(scenario.training.model, BYTE_VOCAB, SEQ_LEN)
+    if storage:  # bad URI, bucket or credentials: one line and exit 2 before any cluster starts
+        from spotfill.storage.base import open_storage
+        open_storage(storage).check()
+    out_dir = os.path.abspath(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("--out", out_dir, reason=f"cannot create it ({exc.strerror})") from None
+    for name in ("events.jsonl", "report.json"):
+        if os.path.exists(os.path.join(out_dir, name)):
+            os.unlink(os.path.join(out_dir, name))
+    t_begin = time.time()
+    s3 = None
+    env = worker_env()
+    if scenario.needs_controlled_storage():
+        from spotfill.testing.s3local import LocalS3
+        s3 = LocalS3().start()
+        env.update(s3.env())
+        os.environ.update(s3.env())
+        storage = s3.uri(f"{scenario.name}-{int(t_begin)}")
+    storage = storage or os.path.join(out_dir, "storage")
+    if not storage.startswith("s3://") and os.path.isdir(storage):
+        shutil.rmtree(storage)
+    say(f"starting an embedded Ray cluster: {len(scenario.cluster.nodes)} nodes x "
+        f"{[n.get('gpus', 1) for n in scenario.cluster.nodes]} {scenario.cluster.gpu_resource}")
+    cluster = EmbeddedCluster(scenario.cluster.gpu_resource)
+    try:
+        for node in scenario.cluster.nodes:
+            cluster.add_node(node.get("gpus", 1))
+        import ray
+        ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level=logging.WARNING,
+                 log_to_driver=False)
+        quiet_expected_node_deaths()
+        from spotfill.train.prepare import prepare
+        data_dir = os.path.join(out_dir, "data")
+        say("preparing token shards from the Python standard library with Ray Data")
+        corpus = os.path.join(out_dir, "corpus")
+        if not os.path.isdir(corpus):
+            for pkg in CORPUS_PACKAGES:
+                shutil.copytree(os.path.join(default_corpus(), pkg), os.path.join(corpus, pkg),
+                                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        manifest = prepare(from_mapping(PrepareConfig, {
+            "source": corpus, "output": data_dir, "seq_len": SEQ_LEN, "suffixes": [".py"]}))
+        say(f"{manifest['num_samples']} sequences of 65 tokens in {manifest['seconds']:.1f}s")
+        job_cfg = from_mapping(JobConfig, {
+            "name": scenario.name.replace(".", "-"), "run_dir": out_dir, "storage": storage,
+            "data": {"path": data_dir}, "cluster": {"gpu_resource": scenario.cluster.gpu_resource}})
+        job_cfg.training = scenario.training
+        job = TrainingJob(job_cfg, runtime_env={"env_vars": env})
+        report = _drive(cluster, scenario, job, s3, say)
+    finally:
+        cluster.shutdown()
+        if s3:
+            s3.close()
+    report["seconds"] = round(time.time() - t_begin, 1)
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
+def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
+    result: dict = {}
+
+    def fit() -> None:
+        try:
+            result["report"] = job.fit()
+        except Exception as exc:  # JobFailed and anything Ray raised
+            result["error"] = f"{type(exc).__name__}: {exc}"
+
+    tail = _Tail(job.events_path)
+    thread = threading.Thread(target=fit, name="spotfill-fit", daemon=True)
+    thread.start()
+    pending = list(scenario.events)
+    fired: list[tuple[Event, float]] = []
+    removals: list[tuple[float, int, bool]] = []
+    n_added = len(scenario.cluster.nodes)
+    first_step_t, step = None, 0
+    while thread.is_alive():
+        for e in tail.poll():
+            if e["kind"] == "step":
+                step = e["step"]
+                first_step_t = first_step_t or e["t"]
+            elif e["kind"] in ("start", "resume"):
+                say(f"attempt {e['attempt']}: {e['kind']} at step {e['step']} on {e['world_size']} workers")
+        now = time.time()
+        for when, index, graceful in [r for r in removals if r[0] <= now]:
+            removals.remove((when, index, graceful))
+            cluster.remove_node(index, graceful=graceful)
+            say(f"node {index} is gone (deadline reached)")
+        for ev in list(pending):
+            due = (ev.at_step is not None and step >= ev.at_step) or \
+                  (ev.at is not None and first_step_t is not None and now - first_step_t >= ev.at)
+            if not due:
+                continue
+            pending.remove(ev)
+            if ev.node is not None and not cluster.alive(ev.node):
+                say(f"skipped: {ev.describe()} (node {ev.node} is not alive)")
+                continue
+            say(f"step {step}: {ev.describe()}")
+            t = time.time()
+            if ev.action == "drain_node":
+                cluster.drain_node(ev.node, ev.deadline_s, "spotfill demo: spot notice")
+                if ev.remove:
+                    removals.append((t + ev.deadline_s, ev.node, False))
+            elif ev.action == "remove_node":
+                cluster.drain_node(ev.node, ev.deadline_s, "spotfill demo: scale-down", reason="IDLE_TERMINATION")
+                removals.append((t + ev.deadline_s, ev.node, True))
+            elif ev.action == "kill_node":
+                cluster.remove_node(ev.node, graceful=False)
+            elif ev.action == "add_node":
+                cluster.add_node(ev.gpus)
+                n_added += 1
+            elif ev.action == "storage_outage":
+                s3.outage_for(ev.duration_s)
+            fired.append((ev, t))
+        time.sleep(0.25)
+    thread.join()
+    tail.poll()
+    events = tail.events      # every event but the per-rank sample records, which outcomes do not need
+    report = dict(result.get("report") or job.report(error=result.get("error")))
+    if "error" in result:
+        report["error"] = result["error"]
+    report["preemptions"], report["events"] = [], []
+    for ev, t in fired:
+        entry = {"index": ev.index, "action": ev.action, "at": round(t, 3), "fired": True}
+        if ev.action in ("drain_node", "kill_node", "remove_node"):
+            out = node_event_outcome(events, t, ev.deadline_s if ev.action != "kill_node" else None)
+            entry.update(out)
+            report["preemptions"].append({"kind": "hard" if ev.action == "kill_node" else "announced",
+                                          "action": ev.action, "node": ev.node, "at": round(t, 3), **out})
+        elif ev.action == "add_node":
+            entry.update(grow_outcome(events, t))
+        report["events"].append(entry)
+    for ev in pending:
+        report["events"].append({"index": ev.index, "action": ev.action, "fired": False,
+                                 "skipped": "training finished before the trigger"})
+    report["invariants"] = invariants(report, scenario.training.checkpoint_every)
+    report["ok"] = "error" not in report and all(i["ok"] for i in report["invariants"].values())
+    return report

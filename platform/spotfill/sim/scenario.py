@@ -1,0 +1,220 @@
+"""Scenario files (CONTRACTS): the timeline `spotfill demo --scenario` runs on the embedded cluster (pure).
+
+    cluster:  {gpu_resource: GPU_SLOT, nodes: [{gpus: 2}, {gpus: 2}]}
+    training: {model: tiny, workers: [1, 4], steps: 200, global_batch: 16, checkpoint_every: 20, ...}
+    fillin:   {serve: {enabled: false}, batch: {enabled: false}}
+    events:   [{at_step: 30, action: drain_node, node: 1, deadline_s: 20}, ...]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from spotfill.config.job import TrainingConfig, from_mapping, load_yaml
+from spotfill.config.errors import ConfigError
+
+ACTIONS = {
+    # action: (required keys, optional keys)
+    "drain_node": ({"node"}, {"deadline_s", "remove"}),
+    "add_node": (set(), {"gpus"}),
+    "kill_node": ({"node"}, set()),
+    "remove_node": ({"node"}, {"deadline_s"}),
+    "storage_outage": ({"duration_s"}, set()),
+}
+TRIGGERS = {"at", "at_step"}
+
+
+@dataclass(frozen=True)
+class Event:
+    index: int
+    action: str
+    at: float | None = None
+    at_step: int | None = None
+    node: int | None = None
+    deadline_s: float = 20.0
+    remove: bool = True
+    gpus: int = 2
+    duration_s: float = 0.0
+
+    def describe(self) -> str:
+        when = f"at step {self.at_step}" if self.at_step is not None else f"at {self.at:g}s"
+        what = {"drain_node": f"drain node {self.node} (deadline {self.deadline_s:g}s)",
+                "add_node": f"add a node with {self.gpus} GPUs",
+                "kill_node": f"kill node {self.node}",
+                "remove_node": f"remove node {self.node}",
+                "storage_outage": f"storage outage for {self.duration_s:g}s"}[self.action]
+        return f"{what} {when}"
+
+
+@dataclass
+class ClusterSpec:
+    gpu_resource: str = "GPU_SLOT"
+    nodes: list[dict] = field(default_factory=lambda: [{"gpus": 2}, {"gpus": 2}])
+
+    def validate(self, path: str) -> None:
+        if not self.nodes:
+            raise ConfigError(f"{path}.nodes", self.nodes, accepted="at least one node")
+        for i, node in enumerate(self.nodes):
+            if not isinstance(node, dict) or set(node) - {"gpus"}:
+                raise ConfigError(f"{path}.nodes[{i}]", node, accepted="{gpus: N}")
+            gpus = node.get("gpus", 1)
+            if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+                raise ConfigError(f"{path}.nodes[{i}].gpus", gpus, accepted="an integer >= 1")
+
+
+@dataclass
+class FillinSpec:
+    serve: dict = field(default_factory=dict)
+    batch: dict = field(default_factory=dict)
+
+    def validate(self, path: str) -> None:
+        for name in ("serve", "batch"):
+            if getattr(self, name).get("enabled"):
+                raise ConfigError(f"{path}.{name}.enabled", True,
+                                  reason="fill-in is not built yet (the fill-in issue brings it)",
+                                  accepted="false")
+
+
+@dataclass
+class Scenario:
+    cluster: ClusterSpec
+    training: TrainingConfig
+    fillin: FillinSpec
+    events: list[Event]
+    name: str = "scenario"
+
+    def needs_controlled_storage(self) -> bool:
+        return any(e.action == "storage_outage" for e in self.events)
+
+
+def _number(path: str, value: Any, minimum: float = 0.0, integer: bool = False) -> Any:
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or value < minimum:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(path, value, accepted=f"{kind} >= {minimum:g}")
+    return value
+
+
+def parse_event(i: int, raw: Any) -> Event:
+    path = f"events[{i}]"
+    if not isinstance(raw, dict):
+        raise ConfigError(path, raw, accepted="a mapping with `action` and `at` or `at_step`")
+    action = raw.get("action")
+    if action not in ACTIONS:
+        raise ConfigError(f"{path}.action", action, accepted=sorted(ACTIONS))
+    required, optional = ACTIONS[action]
+    allowed = {"action"} | TRIGGERS | required | optional
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(f"{path}.{key}", raw[key], reason=f"unknown key for {action}", accepted=sorted(allowed))
+    for key in required:
+        if key not in raw:
+            raise ConfigError(f"{path}.{key}", None, reason=f"required for {action}")
+    triggers = TRIGGERS & set(raw)
+    if len(triggers) != 1:
+        raise ConfigError(path, raw, reason="needs exactly one trigger", accepted=sorted(TRIGGERS))
+    kwargs: dict[str, Any] = {"index": i, "action": action}
+    if "at" in raw:
+        kwargs["at"] = float(_number(f"{path}.at", raw["at"]))
+    else:
+        kwargs["at_step"] = _number(f"{path}.at_step", raw["at_step"], 1, integer=True)
+    if "node" in raw:
+        kwargs["node"] = _number(f"{path}.node", raw["node"], 0, integer=True)
+    if "deadline_s" in raw:
+        kwargs["deadline_s"] = float(_number(f"{path}.deadline_s", raw["deadline_s"], 1))
+    if "gpus" in raw:
+        kwargs["gpus"] = _number(f"{path}.gpus", raw["gpus"], 1, integer=True)
+    if "duration_s" in raw:
+        kwargs["duration_s"] = float(_number(f"{path}.duration_s", raw["duration_s"], 0.1))
+    if "remove" in raw:
+        if not isinstance(raw["remove"], bool):
+            raise ConfigError(f"{path}.remove", raw["remove"], accepted="true or false")
+        kwargs["remove"] = raw["remove"]
+    return Event(**kwargs)
+
+
+def _check_node_refs(events: list[Event], n_nodes: int) -> None:
+    """Node indices: position in cluster.nodes; each add_node gets the next index, in firing order."""
+    known = n_nodes + sum(1 for e in events if e.action == "add_node")
+    for e in events:
+        if e.node is not None and e.node >= known:
+            raise ConfigError(f"events[{e.index}].node", e.node,
+                              accepted=f"0..{known - 1} (cluster.nodes plus added nodes)")
+
+
+def parse_scenario(data: dict, name: str = "scenario") -> Scenario:
+    if not isinstance(data, dict):
+        raise ConfigError("scenario", data, accepted="a mapping")
+    allowed = ["cluster", "training", "fillin", "events"]
+    for key in data:
+        if key not in allowed:
+            raise ConfigError(str(key), data[key], reason="unknown key", accepted=allowed)
+    cluster = from_mapping(ClusterSpec, data.get("cluster"), "cluster")
+    training = from_mapping(TrainingConfig, data.get("training"), "training")
+    fillin = from_mapping(FillinSpec, data.get("fillin"), "fillin")
+    raw_events = data.get("events") or []
+    if not isinstance(raw_events, list):
+        raise ConfigError("events", raw_events, accepted="a list")
+    events = [parse_event(i, e) for i, e in enumerate(raw_events)]
+    _check_node_refs(events, len(cluster.nodes))
+    total = sum(n.get("gpus", 1) for n in cluster.nodes)
+    if training.min_workers > total:
+        raise ConfigError("training.workers", training.workers,
+                          reason=f"min workers exceed the cluster's {total} GPUs")
+    return Scenario(cluster, training, fillin, events, name)
+
+
+def load_scenario(path: str) -> Scenario:
+    import os
+    return parse_scenario(load_yaml(path, "--scenario"), name=os.path.splitext(os.path.basename(path))[0])
+
+
+DEFAULT_SCENARIO = {
+    "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}]},
+    "training": {"model": "tiny", "workers": [1, 4], "steps": 240, "global_batch": 12,
+                 "max_micro_batch": 3, "checkpoint_every": 20, "zero_stage": 2, "warmup_steps": 10},
+    "events": [
+        {"at_step": 30, "action": "drain_node", "node": 1, "deadline_s": 30},
+        {"at_step": 100, "action": "add_node", "gpus": 2},
+        {"at_step": 170, "action": "kill_node", "node": 0},
+    ],
+}
+
+
+def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 2, gpus: int = 2,
+                   outage: bool = True) -> dict:
+    """A seeded random timeline of drains, hard kills, returning nodes and (optionally) a storage outage.
+
+    Events are spaced evenly over the run; node choices keep at least one node alive, and the node
+    numbering follows the scenario rules (added nodes get the next index in firing order)."""
+    import random
+
+    rng = random.Random(seed)
+    alive, next_index = list(range(nodes)), nodes
+    events: list[dict] = []
+    gap = steps // (n_events + 1)
+    for i in range(n_events):
+        at_step = gap * (i + 1)
+        choices = ["add_node"] + (["drain_node", "kill_node"] if len(alive) > 1 else [])
+        if outage and not any(e["action"] == "storage_outage" for e in events):
+            choices.append("storage_outage")
+        action = rng.choice(choices)
+        if action == "add_node":
+            events.append({"at_step": at_step, "action": action, "gpus": gpus})
+            alive.append(next_index)
+            next_index += 1
+        elif action == "storage_outage":
+            events.append({"at_step": at_step, "action": action, "duration_s": rng.choice([5, 10])})
+        else:
+            node = rng.choice(alive)
+            alive.remove(node)
+            event = {"at_step": at_step, "action": action, "node": node}
+            if action == "drain_node":
+                event["deadline_s"] = rng.choice([15, 30])
+            events.append(event)
+    return {
+        "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": gpus}] * nodes},
+        "training": {"model": "tiny", "workers": [1, 4], "steps": steps, "global_batch": 12,
+                     "max_micro_batch": 3, "checkpoint_every": 20, "seed": seed},
+        "events": events,
+    }

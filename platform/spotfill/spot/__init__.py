@@ -1,0 +1,1 @@
+"""Spot interruption notices: AWS IMDS client, watcher, Ray drain."""

@@ -1,0 +1,1 @@
+"""Telemetry: event log, metrics, report."""

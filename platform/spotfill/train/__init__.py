@@ -1,0 +1,1 @@
+"""Elastic DeepSpeed training on Ray Train: batching, data, model, worker loop, TrainingJob."""

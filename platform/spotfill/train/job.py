@@ -1,0 +1,155 @@
+"""The TrainingJob SDK object: validate up front, run the elastic Ray Train job, write report.json.
+
+    job = spotfill.TrainingJob(spotfill.load_job_config("job.yaml"))
+    report = job.fit()
+
+Validation happens before any GPU time is spent: config, storage reachability and credentials, the
+prepared dataset, the model and the batch arithmetic for every size in the elastic range.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+
+from spotfill.config import constants
+from spotfill.config.job import JobConfig
+from spotfill.config.errors import JobFailed
+from spotfill.telemetry.events import read_events
+from spotfill.storage.base import open_storage
+from spotfill.train.summary import checkpoints_section, training_section
+
+log = logging.getLogger(__name__)
+
+
+def ray_train_env() -> dict[str, str]:
+    """Ray Train knobs spotfill sets for the controller and workers (see constants.py). They must be in
+    the job's runtime_env (ray.init) since Ray Train's controller actor reads them."""
+    return {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(constants.WORKER_GROUP_START_TIMEOUT_S),
+            "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")}
+
+
+class TrainingJob:
+    def __init__(self, config: JobConfig, runtime_env: dict | None = None):
+        # Ray Train workers chdir into their own run folder: local paths must be absolute.
+        for section, key in ((config, "storage"), (config.data, "path")):
+            value = getattr(section, key)
+            if value and "://" not in value:
+                setattr(section, key, os.path.abspath(value))
+        self.config = config
+        self.runtime_env = runtime_env or {}
+        self.run_dir = os.path.abspath(config.run_dir)
+        self.events_path = os.path.join(self.run_dir, "events.jsonl")
+        self._manifest: dict | None = None
+
+    def validate(self) -> dict:
+        """Check everything checkable before training starts; returns the dataset manifest. Runs once per
+        job: fit() reuses a validation the caller already did."""
+        if self._manifest is not None:
+            return self._manifest
+        from spotfill.train.data import read_manifest
+
+        cfg = self.config
+        open_storage(cfg.storage).check()
+        data = open_storage(cfg.data.path)
+        data.check(write=False)
+        # Preset models take their vocabulary from the dataset (worker_loop builds them with it).
+        manifest = read_manifest(data)
+        if cfg.training.model.startswith("hf:"):
+            from spotfill.train.presets import check_hf_model
+            check_hf_model(cfg.training.model, int(manifest["vocab_size"]), int(manifest["seq_len"]))
+        self._manifest = manifest
+        return manifest
+
+    def _trainer(self, sink_name: str, namespace: str):
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        from spotfill.train.elastic import SpotfillTorchTrainer
+
+        from spotfill.train.worker_loop import train_loop_per_worker
+
+        cfg, t, c = self.config, self.config.training, self.config.cluster
+        use_gpu = c.gpu_resource == "GPU"
+        spotfill = t.elastic_restarts == "spotfill"
+        resources = {c.gpu_resource: c.gpus_per_worker, "CPU": c.cpus_per_worker}
+        workers = t.min_workers if t.min_workers == t.max_workers else (t.min_workers, t.max_workers)
+        scaling = ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources,
+                                # spotfill grows gracefully itself (checkpoint, then restart): Ray's
+                                # own running-group resize would kill the workers mid-interval.
+                                elastic_resize_monitor_interval_s=10 ** 9 if spotfill else 60.0)
+        trainer_cls = SpotfillTorchTrainer if spotfill else TorchTrainer
+        return trainer_cls(
+            train_loop_per_worker,
+            train_loop_config={"job": _as_dict(cfg), "sink": sink_name, "namespace": namespace},
+            scaling_config=scaling,
+            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            run_config=RunConfig(
+                name=f"{cfg.name}-{uuid.uuid4().hex[:6]}",
+                storage_path=os.path.join(self.run_dir, "ray_train"),
+                # spotfill keeps its own failure budget (training.max_failures) in the event sink, so
+                # planned exits (announced preemption, graceful grow) are not charged to it.
+                failure_config=FailureConfig(max_failures=-1),
+                worker_runtime_env={"env_vars": self.runtime_env.get("env_vars", {})},
+            ),
+        )
+
+    def fit(self) -> dict:
+        """Run to completion; returns the report dict (also written to RUN_DIR/report.json)."""
+        import ray
+
+        from spotfill.train.sink import EventSink
+
+        manifest = self.validate()
+        os.makedirs(self.run_dir, exist_ok=True)
+        if not ray.is_initialized():
+            ray.init(runtime_env=self.runtime_env or None)
+        namespace = "spotfill"
+        sink_name = f"spotfill-sink-{self.config.name}-{uuid.uuid4().hex[:6]}"
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        sink = EventSink.options(
+            name=sink_name, namespace=namespace,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                               soft=False),
+        ).remote(self.events_path, self.config.training.max_failures)
+        ray.get(sink.event.remote("job_start", name=self.config.name, steps=self.config.training.steps,
+                                  global_batch=self.config.training.global_batch,
+                                  workers=self.config.training.workers, dataset_samples=manifest["num_samples"]))
+        # Ray Train propagates these from the driver's environment to its controller and workers; a value
+        # the user set wins. The stock policy runs with Ray's own defaults.
+        spotfill = self.config.training.elastic_restarts == "spotfill"
+        knobs = {k: (os.environ.get(k, v) if spotfill else None) for k, v in ray_train_env().items()}
+        t0 = time.time()
+        error = None
+        with constants.scoped_env(**knobs):
+            try:
+                self._trainer(sink_name, namespace).fit()
+            except Exception as exc:  # Ray Train raised: the job ran and failed
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        verdict = ray.get(sink.verdict.remote())
+        ray.get(sink.event.remote("job_end", seconds=round(time.time() - t0, 3)))
+        ray.get(sink.close.remote())
+        ray.kill(sink)
+        report = self.report(verdict=verdict, error=error)
+        if not report["ok"]:
+            raise JobFailed(report.get("error") or "training did not finish")
+        return report
+
+    def report(self, verdict: dict | None = None, error: str | None = None) -> dict:
+        events = list(read_events(self.events_path))
+        t = self.config.training
+        training = training_section(events, t.steps, t.global_batch)
+        ok = bool(verdict and verdict.get("ok")) and error is None and training["steps_completed"] == t.steps
+        report = {"ok": ok, "training": training, "checkpoints": checkpoints_section(events)}
+        if not ok:
+            report["error"] = error or (verdict or {}).get("reason") or "training did not finish"
+        with open(os.path.join(self.run_dir, "report.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        return report
+
+
+def _as_dict(cfg) -> dict:
+    import dataclasses
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,124 @@
+"""GPT-style decoder presets and an optional Hugging Face causal LM from a local path.
+
+Presets (byte-level vocabulary by default, so nothing is downloaded):
+  tiny   -- tests and the demo (~0.1M params, trains in seconds on a CPU)
+  50m    -- checkpoint and overhead benchmarks on CPU (~57M params with Adam state)
+  125m   -- GPT-3 Small shape (Brown et al. 2020, Table 2.1)
+  1b     -- ~1.2B params for GPUs
+`hf:/local/path` loads any Hugging Face causal LM from disk (`transformers` must be installed; local files only).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from spotfill.config.errors import ConfigError
+from spotfill.train.presets import PRESETS, GPTConfig, preset  # noqa: F401 - re-exported
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A nanoGPT-style decoder; `forward(idx) -> logits`."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class HFCausalLM(nn.Module):
+    """Adapter so a Hugging Face causal LM looks like GPT: `forward(idx) -> logits`."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError as exc:  # pragma: no cover - depends on optional extra
+            raise ConfigError("training.model", f"hf:{path}",
+                              reason="needs the `transformers` package (pip install spotfill[hf])") from exc
+        import os
+        if not os.path.isdir(path):
+            raise ConfigError("training.model", f"hf:{path}", reason="not a local directory")
+        self.inner = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        conf = self.inner.config
+        self.cfg = GPTConfig(vocab_size=conf.vocab_size,
+                             seq_len=getattr(conf, "max_position_embeddings", 2048),
+                             n_layer=conf.num_hidden_layers, n_head=conf.num_attention_heads,
+                             n_embd=conf.hidden_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=idx).logits
+
+
+def build_model(name: str, seq_len: int | None = None, vocab_size: int | None = None) -> nn.Module:
+    """Build a model from a preset name or `hf:/local/path`."""
+    if name.startswith("hf:"):
+        return HFCausalLM(name[3:])
+    return GPT(preset(name, seq_len=seq_len, vocab_size=vocab_size))
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
+    """Training FLOPs per token of a preset, by the planner's formula (PaLM: 6N + 12*L*h*s)."""
+    from spotfill.planning.architecture import Arch
+    from spotfill.planning.sizing import flops_per_token as model_and_hardware_flops
+
+    arch = Arch(layers=cfg.n_layer, hidden=cfg.n_embd, heads=cfg.n_head, kv_heads=cfg.n_head,
+                ffn=4 * cfg.n_embd, vocab=cfg.vocab_size, mlp="gelu", source="preset")
+    return model_and_hardware_flops(n_params, arch, cfg.seq_len)[0]

@@ -1,0 +1,38 @@
+"""The package layout keeps its promises: pure decision modules load no Ray, torch, DeepSpeed or boto3
+(checked in a fresh interpreter, so a transitive import counts too), and no stray flat modules return."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import spotfill
+
+PURE = [
+    "spotfill.planning.planner", "spotfill.planning.hardware", "spotfill.planning.sizing", "spotfill.cli.plan",
+    "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets",
+    "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config",
+]
+HEAVY = {"ray", "torch", "deepspeed", "boto3"}
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_pure_module_loads_nothing_heavy(module):
+    code = (f"import sys, json, {module}; "
+            f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(HEAVY)!r}))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [], f"{module} pulls in {out.strip()}"
+
+
+def test_one_subpackage_per_capability():
+    root = pathlib.Path(spotfill.__file__).parent
+    flat = sorted(p.name for p in root.glob("*.py") if p.name not in {"__init__.py", "__main__.py", "ray_compat.py"})
+    assert flat == [], f"modules outside a capability subpackage: {flat}"
+
+
+def test_public_sdk_names_resolve():
+    for name in spotfill.__all__:
+        assert callable(getattr(spotfill, name)), name
+    with pytest.raises(AttributeError):
+        spotfill.no_such_thing  # noqa: B018
