@@ -43,9 +43,9 @@ SHM = "/dev/shm"
 
 
 def _ds_config(preset: str) -> dict:
-    """spotfill's DeepSpeed config (worker_loop.ds_config) for micro-batch 1, fp32, ZeRO-2."""
+    """spotfill's DeepSpeed config (train.engine.ds_config) for micro-batch 1, fp32, ZeRO-2."""
     from spotfill.config.job import DataConfig, JobConfig, TrainingConfig
-    from spotfill.train.worker_loop import ds_config
+    from spotfill.train.engine import ds_config
 
     job = JobConfig(name="bench", storage="unused", data=DataConfig(path="unused"),
                     training=TrainingConfig(model=preset, global_batch=1, max_micro_batch=1, zero_stage=2))

@@ -48,7 +48,7 @@ def train_throughput(preset: str, device: str, precision: str, steps: int, warmu
 
     from spotfill.config.job import DataConfig, JobConfig, TrainingConfig
     from spotfill.train.model import build_model, count_params, flops_per_token
-    from spotfill.train.worker_loop import ds_config
+    from spotfill.train.engine import ds_config
 
     quiet_deepspeed()
     on_cuda = device == "cuda"

@@ -4,7 +4,7 @@
 
 Both sides train the same model on the same prepared data (spotfill's prepare() of the stdlib `json`
 package's sources), with the same global batch, micro-batch and accumulation, the same DeepSpeed config
-(worker_loop.ds_config) and the same sample order, at world size 1 on CPU with gloo, and the same number of
+(train.engine.ds_config) and the same sample order, at world size 1 on CPU with gloo, and the same number of
 torch threads (what Ray gives a worker with one CPU).
 
   spotfill  TrainingJob.fit() on a local Ray cluster (ray.cluster_utils.Cluster: a head and one node with
@@ -66,7 +66,7 @@ def plain_loop(job, steps: int | None = None, seconds: float | None = None, warm
     from spotfill.train.data import ShardReader
     from spotfill.train.model import build_model, count_params
     from spotfill.storage.base import open_storage
-    from spotfill.train.worker_loop import ds_config
+    from spotfill.train.engine import ds_config
 
     quiet_deepspeed()
     t = job.training

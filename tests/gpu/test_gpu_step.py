@@ -17,7 +17,7 @@ def test_bf16_zero2_step_on_gpu():
 
     from spotfill.config.job import JobConfig, from_mapping
     from spotfill.train.model import build_model
-    from spotfill.train.worker_loop import ds_config
+    from spotfill.train.engine import ds_config
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

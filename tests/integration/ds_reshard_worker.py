@@ -40,7 +40,7 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
     from spotfill.config.job import JobConfig, from_mapping
     from spotfill.train.model import build_model
     from spotfill.storage.base import open_storage
-    from spotfill.train.worker_loop import ds_config
+    from spotfill.train.engine import ds_config
 
     job = from_mapping(JobConfig, {"storage": storage_uri, "data": {"path": "/unused"},
                                    "training": {"workers": [1, 3], "global_batch": 6, "zero_stage": stage,

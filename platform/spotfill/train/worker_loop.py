@@ -22,6 +22,7 @@ from spotfill.train.restore import RestorePlan, prepare_node_copy
 from spotfill.storage.checkpoint_store import CheckpointStore
 from spotfill.config.job import JobConfig, from_mapping
 from spotfill.ray_compat import local_preemption_info
+from spotfill.train.engine import ds_config, resolve_precision
 from spotfill.train.data import Prefetcher, ShardReader, StepBatch
 from spotfill.storage.base import open_storage
 
@@ -30,36 +31,6 @@ log = logging.getLogger(__name__)
 
 class PlannedExit(RuntimeError):
     """Raised by every rank after a committed checkpoint so Ray Train restarts the group at a new size."""
-
-
-def ds_config(job: JobConfig, micro: int, accum: int, precision: str, universal: bool) -> dict:
-    t = job.training
-    cfg = {
-        "train_batch_size": t.global_batch,
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
-        "gradient_clipping": t.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                   "weight_decay": t.weight_decay}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": t.steps, "warmup_num_steps": max(1, t.warmup_steps), "warmup_type": "linear",
-            "warmup_min_ratio": 0.0, "cos_min_ratio": t.min_lr / t.lr}},
-        "zero_optimization": {"stage": t.zero_stage},
-        "checkpoint": {"load_universal": universal},
-        "steps_per_print": 10 ** 9,
-        "wall_clock_breakdown": False,
-    }
-    if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    elif precision == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12}
-    return cfg
-
-
-def _resolve_precision(requested: str, on_gpu: bool) -> str:
-    if requested == "auto":
-        return "bf16" if on_gpu else "fp32"
-    return requested
 
 
 class _Comms:
@@ -129,7 +100,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     prep_s = time.perf_counter() - t0
 
     on_gpu = torch.cuda.is_available() and job.cluster.gpu_resource == "GPU"
-    precision = _resolve_precision(t.precision, on_gpu)
+    precision = resolve_precision(t.precision, on_gpu)
     torch.manual_seed(t.seed)
     reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
     model = build_model(t.model, seq_len=reader.seq_len, vocab_size=None if t.model.startswith("hf:")
