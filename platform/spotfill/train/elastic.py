@@ -36,6 +36,17 @@ def schedulable_node_resources(probe_s: float | None = None) -> dict[str, dict]:
 RAYLET_PROBE_S = 0.5   # a live raylet answers a local-network connect in milliseconds
 
 
+class GrowCheck:
+    """Rank 0's periodic question during training: how many more workers would fit now?"""
+
+    def __init__(self, per_worker: dict[str, float], max_workers: int):
+        self.per_worker, self.max_workers = per_worker, max_workers
+
+    def extra_workers(self, world: int, now: float) -> int:
+        """Workers beyond `world` that the schedulable nodes hold (0 when none)."""
+        return max(0, count_workers(schedulable_node_resources(), self.per_worker, self.max_workers) - world)
+
+
 class DrainAwareElasticPolicy(ElasticScalingPolicy):
     """Sizes from the nodes' own resources: the coordinator's reservations lag node changes by up to
     its tick, which made restarts pick a stale size. Nodes whose raylet does not answer are left out, so a

@@ -32,3 +32,12 @@ def resolve_precision(requested: str, on_gpu: bool) -> str:
     if requested == "auto":
         return "bf16" if on_gpu else "fp32"
     return requested
+
+
+def build_engine(model, config: dict):
+    """deepspeed.initialize over the model's trainable parameters; returns the engine."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config)
+    return engine

@@ -106,3 +106,23 @@ def prepare_node_copy(store: CheckpointStore, tag: str | None, node_dir: str, wo
                        load_tag=load_tag, universal=universal,
                        timings={"download_s": round(download_s, 3), "convert_s": round(convert_s, 3),
                                 "bytes": manifest.get("bytes")})
+
+
+def restore_on_workers(store: CheckpointStore, comms, rank: int, world: int, node_id: str, node_dir: str,
+                       zero_stage: int) -> RestorePlan:
+    """Collective: every rank of a starting worker group calls it. Rank 0 chooses the newest intact
+    checkpoint; one rank per node prepares that node's local copy. Returns the same plan on every rank."""
+    plan = RestorePlan()
+    if rank == 0:
+        store.discard_uncommitted()
+        plan = prepare_node_copy(store, None, node_dir, world, zero_stage)
+    plan = comms.bcast(plan)
+    # One rank per node prepares that node's copy: the lowest rank on each node (Ray's local_rank groups
+    # by IP, and several raylets can share one IP).
+    node_ids: list = [None] * world
+    comms.dist.all_gather_object(node_ids, node_id)
+    node_leader = node_ids.index(node_id) == rank
+    if plan.tag and node_leader and rank != 0:
+        prepare_node_copy(store, plan.tag, node_dir, world, zero_stage)
+    comms.barrier()
+    return plan

@@ -18,11 +18,11 @@ import numpy as np
 from spotfill.config import constants
 from spotfill.train.batching import batch_shape, rank_micro_batches, stream_to_rows
 from spotfill.train.checkpointing import Checkpointer
-from spotfill.train.restore import RestorePlan, prepare_node_copy
+from spotfill.train.restore import restore_on_workers
 from spotfill.storage.checkpoint_store import CheckpointStore
 from spotfill.config.job import JobConfig, from_mapping
 from spotfill.ray_compat import local_preemption_info
-from spotfill.train.engine import ds_config, resolve_precision
+from spotfill.train.engine import build_engine, ds_config, resolve_precision
 from spotfill.train.data import Prefetcher, ShardReader, StepBatch
 from spotfill.storage.base import open_storage
 
@@ -55,9 +55,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import torch
     import torch.nn.functional as F
 
-    import deepspeed
-    from spotfill.train.capacity import count_workers
-    from spotfill.train.elastic import schedulable_node_resources
+    from spotfill.train.elastic import GrowCheck
     from spotfill.train.model import build_model
 
     job: JobConfig = from_mapping(JobConfig, loop_config["job"])
@@ -82,21 +80,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     local_root = os.path.join(constants.LOCAL_DIR, job.name, f"node-{node_id[:12]}")
     node_dir = os.path.join(local_root, "restore")
 
-    # Restore: rank 0 chooses the newest intact checkpoint; one rank per node prepares a local copy.
     t0 = time.perf_counter()
-    plan = RestorePlan()
-    if rank == 0:
-        store.discard_uncommitted()
-        plan = prepare_node_copy(store, None, node_dir, world, t.zero_stage)
-    plan = comms.bcast(plan)
-    # One rank per node prepares that node's copy: the lowest rank on each node (Ray's local_rank groups
-    # by IP, and several raylets can share one IP).
-    node_ids: list = [None] * world
-    comms.dist.all_gather_object(node_ids, node_id)
-    node_leader = node_ids.index(node_id) == rank
-    if plan.tag and node_leader and rank != 0:
-        prepare_node_copy(store, plan.tag, node_dir, world, t.zero_stage)
-    comms.barrier()
+    plan = restore_on_workers(store, comms, rank, world, node_id, node_dir, t.zero_stage)
     prep_s = time.perf_counter() - t0
 
     on_gpu = torch.cuda.is_available() and job.cluster.gpu_resource == "GPU"
@@ -105,9 +90,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
     model = build_model(t.model, seq_len=reader.seq_len, vocab_size=None if t.model.startswith("hf:")
                         else reader.manifest["vocab_size"])
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=ds_config(job, shape.micro_batch, shape.accum, precision, plan.universal))
+    engine = build_engine(model, ds_config(job, shape.micro_batch, shape.accum, precision, plan.universal))
     start_step = 0
     t1 = time.perf_counter()
     if plan.tag:
@@ -141,6 +124,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     events: list[dict] = []
     last_grow_check, grow_every = time.monotonic(), t.resize_check_s
     per_worker = {job.cluster.gpu_resource: job.cluster.gpus_per_worker, "CPU": job.cluster.cpus_per_worker}
+    grow_check = GrowCheck(per_worker, t.max_workers)
     tokens_per_step = t.global_batch * reader.seq_len
     try:
         for step in range(start_step, t.steps):
@@ -161,8 +145,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             if (rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers
                     and time.monotonic() - last_grow_check > grow_every):
                 last_grow_check = time.monotonic()
-                fit = count_workers(schedulable_node_resources(), per_worker, t.max_workers)
-                grow = max(0, fit - world)
+                grow = grow_check.extra_workers(world, time.monotonic())
             flags = torch.tensor([0.0, 1.0 if preempt else 0.0, float(grow)], dtype=torch.float64, device=device)
             flags[0] = loss_sum / shape.accum
             comms.dist.all_reduce(flags)
