@@ -13,7 +13,7 @@ PURE = [
     "spotfill.planning.planner", "spotfill.planning.hardware", "spotfill.planning.sizing", "spotfill.cli.plan",
     "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets",
     "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config",
-    "spotfill.telemetry.ledger",
+    "spotfill.telemetry.ledger", "spotfill.telemetry.diagnosis",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 

@@ -1,0 +1,82 @@
+"""Diagnosis and recovery breakdown on the hand-made hard-loss log of test_telemetry_ledger (numbers by hand)."""
+import pytest
+
+from spotfill.telemetry.diagnosis import diagnose, diagnosis_report, recovery_breakdown
+from spotfill.telemetry.ledger import compute_ledger
+from test_telemetry_ledger import NODES, hard_loss_log, step
+
+
+def with_controller(ev):
+    ev = ev + [{"t": 33.0, "kind": "controller_state", "state": "RESTARTING", "previous": "RUNNING"},
+               {"t": 36.0, "kind": "controller_state", "state": "SCHEDULING", "previous": "RESTARTING"}]
+    return sorted(ev, key=lambda e: e["t"])
+
+
+def test_every_lost_gpu_second_has_a_cause():
+    ev = hard_loss_log()
+    findings = {f.cause: f for f in diagnose(ev, compute_ledger(ev, NODES))}
+    # lineage steps: attempt 0 steps 1-5 on 4 GPUs, attempt 1 steps 6-10 on 2, each 2 s with 0.5 s data wait
+    assert findings["data_stall"].gpu_seconds == pytest.approx(5 * 0.5 * 4 + 5 * 0.5 * 2)      # 15
+    assert findings["data_stall"].evidence["data_wait_share_of_step"] == pytest.approx(0.25)
+    assert "25%" in findings["data_stall"].remedy and "data.prefetch" in findings["data_stall"].remedy
+    assert findings["checkpoint_stall"].gpu_seconds == pytest.approx(8.0)
+    assert findings["rolled_back"].gpu_seconds == pytest.approx(16.0)
+    assert findings["recovery"].gpu_seconds == pytest.approx(80.0)
+    assert findings["idle_capacity"].gpu_seconds == pytest.approx(16.0)
+    assert "step_overhead" not in findings and "collective_wait" not in findings   # none / not measured
+    # lost = 180 total - productive compute (60 step GPU-s - 15 data wait) = 135, all attributed
+    assert sum(f.gpu_seconds for f in findings.values()) == pytest.approx(135.0)
+    assert sum(f.share_of_lost for f in findings.values()) == pytest.approx(1.0)
+    assert list(findings)[0] == "recovery"        # largest first
+
+
+def test_collective_wait_counted_when_measured():
+    ev = hard_loss_log()
+    for e in ev:
+        if e["kind"] == "step":
+            e["collective_wait_s"] = 0.25
+    findings = {f.cause: f for f in diagnose(ev, compute_ledger(ev, NODES))}
+    assert findings["collective_wait"].gpu_seconds == pytest.approx(5 * 0.25 * 4 + 5 * 0.25 * 2)   # 7.5
+    assert "straggler" in findings["collective_wait"].remedy
+
+
+def test_recovery_phases_from_controller_and_resume_events():
+    (r,) = recovery_breakdown(with_controller(hard_loss_log()), faults=[30.0])
+    # fault 30 (the node kill) -> RESTARTING 33 -> SCHEDULING 36 -> training function entered 40
+    # (resume at 45 with startup_s 5) -> state load 2+1 -> setup 5-3 -> first step done at 47
+    assert (r.attempt, r.fault_t, r.fault_source) == (1, 30.0, "report")
+    assert r.detect_s == pytest.approx(3.0) and r.decide_s == pytest.approx(3.0)
+    assert r.workers_start_s == pytest.approx(4.0) and r.state_load_s == pytest.approx(3.0)
+    assert r.setup_s == pytest.approx(2.0) and r.first_step_s == pytest.approx(2.0)
+    assert r.total_s == pytest.approx(17.0)
+    assert r.detect_s + r.decide_s + r.workers_start_s + r.state_load_s + r.setup_s + r.first_step_s == \
+        pytest.approx(r.total_s)
+    assert r.slowest == "workers_start_s"
+
+
+def test_recovery_without_controller_events_says_what_it_cannot_split():
+    (r,) = recovery_breakdown(hard_loss_log())
+    assert r.fault_source == "last_step" and r.fault_t == 25.0        # the old group's last step
+    assert r.detect_s is None and r.decide_s is None and r.workers_start_s is None
+    assert r.detail["fault_to_workers_up_s"] == pytest.approx(15.0)    # 25 -> 40
+    assert r.state_load_s == pytest.approx(3.0) and r.total_s == pytest.approx(22.0)
+
+
+def test_planned_exit_is_the_fault_and_the_slowest_phase_picks_the_remedy():
+    ev = hard_loss_log() + [{"t": 31.0, "kind": "planned_exit", "reason": "preemption", "attempt": 0, "step": 7}]
+    ev = with_controller(ev)
+    for e in ev:
+        if e["kind"] == "resume":
+            e.update(restore_prep_s=4.5, load_s=0.5)                   # state load 5 s: the slowest phase
+    (r,) = recovery_breakdown(ev)
+    assert r.fault_source == "planned_exit" and r.cause == "preemption" and r.slowest == "state_load_s"
+    rep = diagnosis_report(ev, compute_ledger(ev, NODES))
+    rec = next(f for f in rep["diagnosis"]["findings"] if f["cause"] == "recovery")
+    assert rec["evidence"]["slowest_phase"] == "state_load_s" and "checkpoint" in rec["remedy"]
+    assert rep["recoveries"][0]["slowest"] == "state_load_s"
+
+
+def test_no_restart_no_recovery_rows():
+    ev = [{"t": 0.0, "kind": "job_start"}, {"t": 0.0, "kind": "start", "attempt": 0, "step": 0, "world_size": 1}]
+    ev += [step(2.0 * i, i, 0, 1) for i in range(1, 4)]
+    assert recovery_breakdown(ev) == []
