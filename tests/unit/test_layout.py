@@ -13,7 +13,8 @@ PURE = [
     "spotfill.planning.planner", "spotfill.planning.hardware", "spotfill.planning.sizing", "spotfill.cli.plan",
     "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets",
     "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config",
-    "spotfill.telemetry.ledger", "spotfill.telemetry.diagnosis",
+    "spotfill.telemetry.ledger", "spotfill.telemetry.diagnosis", "spotfill.telemetry.html",
+    "spotfill.telemetry.report",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 

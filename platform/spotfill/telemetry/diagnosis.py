@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from spotfill.telemetry.ledger import Ledger, lineage_keys
 
 RESTART_STATES = ("RESTARTING", "RESCHEDULING", "RESIZING")
-MIN_SHARE = 0.0                       # every cause with lost time is listed; remedies rank by size
+MINOR_SHARE = 0.05    # a cause under 5% of the lost GPU-seconds (data stall: of step time) needs no action
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,14 @@ def diagnose(events: list[dict], ledger: Ledger, recoveries: list[Recovery] | No
               "alive GPUs sat unused: enable fill-in (Serve / batch / sweeps) on spare GPUs, raise "
               "training.workers max to use them, or release nodes that stay idle"))
     denom = lost if lost > 0 else 1.0
-    out = [Finding(c, s, s / denom, ev, rem) for c, s, ev, rem in f if s > MIN_SHARE]
+    out = []
+    for cause, gpu_s, ev, remedy in f:
+        if gpu_s <= 0:
+            continue
+        small = (share_dw < MINOR_SHARE) if cause == "data_stall" else (gpu_s / denom < MINOR_SHARE)
+        if small:
+            remedy = f"minor ({gpu_s / denom:.1%} of the lost GPU-seconds): no action needed"
+        out.append(Finding(cause, gpu_s, gpu_s / denom, ev, remedy))
     return sorted(out, key=lambda x: -x.gpu_seconds)
 
 

@@ -1,0 +1,121 @@
+"""A run directory's telemetry: report.json's ledger/diagnosis keys, report.html and timeline.png.
+
+`summarize(events, report)` -> the keys report.json gains (gpu_seconds, goodput, harvest_ratio, diagnosis,
+recoveries; a recovery_breakdown on each preemption). `enrich_report(report, events)` merges them in.
+`write_report(run_dir)` (the CLI and, at the end of a run, TrainingJob / the demo runner) reads
+RUN_DIR/events.jsonl (+ report.json when present) and writes RUN_DIR/report.html and RUN_DIR/timeline.png.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from spotfill.config.errors import ConfigError
+from spotfill.telemetry.diagnosis import diagnosis_report
+from spotfill.telemetry.ledger import NodeSpan, compute_ledger, nodes_from_events, nodes_from_report
+
+PHASES = ("detect_s", "decide_s", "workers_start_s", "state_load_s", "setup_s", "first_step_s", "total_s")
+
+
+def load_events(path: str) -> list[dict]:
+    """Every event of events.jsonl; a torn last line (a crash mid-write) is skipped, any other bad line
+    is a ConfigError naming it."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    events = []
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            e = json.loads(line)
+            if not isinstance(e, dict) or not isinstance(e.get("kind"), str) or \
+                    not isinstance(e.get("t", 0.0), (int, float)):
+                raise ValueError("not an event")
+        except ValueError:
+            if i == last and events:
+                continue
+            raise ConfigError(path, reason=f"line {i + 1} is not an event", value=line[:60],
+                              accepted='one JSON object per line with "t" (unix seconds) and "kind"') from None
+        events.append(e)
+    return events
+
+
+def load_run(run_dir: str) -> tuple[list[dict], dict]:
+    """(events, report.json or {}) of a run directory; ConfigError for a missing, empty or garbled one."""
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.isdir(run_dir):
+        raise ConfigError("RUN_DIR", run_dir, reason="no such directory",
+                          accepted="a run directory with events.jsonl")
+    if not os.path.isfile(path):
+        raise ConfigError("RUN_DIR", run_dir, reason="has no events.jsonl", accepted="a run directory written "
+                          "by `spotfill demo` or jobs/pretrain.py")
+    events = load_events(path)
+    if not any("t" in e for e in events):
+        raise ConfigError(path, reason="holds no timed event", accepted='lines like {"t": 1.0, "kind": "step"}')
+    report: dict = {}
+    rpath = os.path.join(run_dir, "report.json")
+    if os.path.isfile(rpath):
+        try:
+            with open(rpath) as f:
+                report = json.load(f)
+        except ValueError:
+            raise ConfigError(rpath, reason="is not valid JSON", accepted="report.json as spotfill writes it") from None
+        if not isinstance(report, dict):
+            raise ConfigError(rpath, reason="is not a JSON object", accepted="report.json as spotfill writes it")
+    return events, report
+
+
+def _nodes(events: list[dict], report: dict) -> list[NodeSpan] | None:
+    return nodes_from_events(events) or nodes_from_report(report) or None
+
+
+def summarize(events: list[dict], report: dict | None = None, nodes: list[NodeSpan] | None = None):
+    """(ledger, keys for report.json)."""
+    report = report or {}
+    events = sorted((e for e in events if "t" in e), key=lambda e: e["t"])
+    ledger = compute_ledger(events, nodes or _nodes(events, report))
+    preemptions = report.get("preemptions") or []
+    faults = [p["at"] for p in preemptions if p.get("at") is not None and p.get("affected", True)]
+    keys = ledger.as_report()
+    keys.update(diagnosis_report(events, ledger, faults))
+    return ledger, keys
+
+
+def enrich_report(report: dict, events: list[dict], nodes: list[NodeSpan] | None = None) -> dict:
+    """report.json plus gpu_seconds, goodput, harvest_ratio (with fill-in), diagnosis, recoveries, and a
+    recovery_breakdown on each preemption whose restart the events show. Returns the same dict."""
+    _, keys = summarize(events, report, nodes)
+    report.update(keys)
+    by_fault = {round(r["fault_t"], 3): r for r in keys["recoveries"] if r["fault_source"] == "report"}
+    for p in report.get("preemptions") or []:
+        r = by_fault.get(round(p["at"], 3)) if p.get("at") is not None else None
+        if r is not None:
+            p["recovery_breakdown"] = {k: r[k] for k in PHASES}
+    return report
+
+
+def write_report(run_dir: str, events: list[dict] | None = None, report: dict | None = None,
+                 nodes: list[NodeSpan] | None = None) -> dict:
+    """Write RUN_DIR/report.html and RUN_DIR/timeline.png; returns {"html", "png", "summary"}."""
+    from spotfill.telemetry.html import render_html
+    from spotfill.telemetry.timeline import STATE_COLORS, render_timeline, workload_colors
+
+    if events is None:
+        events, loaded = load_run(run_dir)
+        report = loaded if report is None else report
+    report = report or {}
+    ledger, keys = summarize(events, report, nodes)
+    summary = {**report, **keys}
+    events = sorted((e for e in events if "t" in e), key=lambda e: e["t"])
+    png = render_timeline(ledger, events, report.get("preemptions"))
+    colors = {**STATE_COLORS, **{f"fillin:{w}": c for w, c in
+                                 workload_colors(keys["gpu_seconds"]["fillin_by_workload"]).items()}}
+    name = next((e.get("name") for e in events if e["kind"] == "job_start" and e.get("name")), None)
+    page = render_html(summary, png, colors, f"spotfill run {name or os.path.basename(os.path.abspath(run_dir))}")
+    png_path, html_path = os.path.join(run_dir, "timeline.png"), os.path.join(run_dir, "report.html")
+    with open(png_path, "wb") as f:
+        f.write(png)
+    with open(html_path, "w", encoding="utf-8") as f:
+        f.write(page)
+    return {"html": html_path, "png": png_path, "summary": summary}
