@@ -14,7 +14,7 @@ PURE = [
     "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets",
     "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config",
     "spotfill.telemetry.ledger", "spotfill.telemetry.diagnosis", "spotfill.telemetry.html",
-    "spotfill.telemetry.report",
+    "spotfill.telemetry.report", "spotfill.telemetry.live",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 

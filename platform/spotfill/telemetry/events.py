@@ -6,32 +6,49 @@ actor (events_actor.py), which runs on the driver's node and owns the file; `rea
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger(__name__)
 
 
 class EventLog:
-    """Append-only JSONL writer; thread-safe; flushes every line so a crash loses nothing written."""
+    """Append-only JSONL writer; thread-safe; flushes every line so a crash loses nothing written.
+    `on_event(event)`, when given, sees every event after it is written (e.g. telemetry.prometheus.record)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, on_event: Callable[[dict], None] | None = None):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self._lock = threading.Lock()
         self._f = open(path, "a", buffering=1)
+        self._on_event = on_event
 
     def write(self, kind: str, t: float | None = None, **fields: Any) -> dict:
         event = {"t": time.time() if t is None else t, "kind": kind, **fields}
         line = json.dumps(event, separators=(",", ":"), default=_jsonable)
         with self._lock:
             self._f.write(line + "\n")
+        self._notify([event])
         return event
 
     def write_many(self, events: list[dict]) -> None:
         with self._lock:
             for e in events:
                 self._f.write(json.dumps(e, separators=(",", ":"), default=_jsonable) + "\n")
+        self._notify(events)
+
+    def _notify(self, events: list[dict]) -> None:
+        if self._on_event is None:
+            return
+        for e in events:
+            if e.get("kind") != "samples":   # per-rank sample ids: no metric needs them
+                try:
+                    self._on_event(e)
+                except Exception as exc:  # an observer never breaks the log
+                    log.warning("event observer failed on a %s event: %s", e.get("kind"), exc)
 
     def close(self) -> None:
         with self._lock:

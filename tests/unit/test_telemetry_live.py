@@ -1,0 +1,81 @@
+"""Live metrics from the event stream (pure): the same GPU-seconds as the ledger, event by event."""
+import json
+
+import pytest
+
+from spotfill.telemetry.events import EventLog
+from spotfill.telemetry.ledger import compute_ledger
+from spotfill.telemetry.live import METRICS, LiveMetrics
+from test_telemetry_ledger import NODES, fillin_log, hard_loss_log
+
+
+def feed(events):
+    live, updates = LiveMetrics(), []
+    for e in events:
+        updates.append(live.update(e))
+    return live, updates
+
+
+def test_gpu_seconds_match_the_ledger_on_the_hard_loss_log():
+    ev = hard_loss_log()
+    live, _ = feed(ev)
+    gs = compute_ledger(ev, NODES).gpu_seconds
+    # by hand (test_telemetry_ledger): training 76, checkpoint_stall 8, recovering 80
+    assert live.totals["training"] == pytest.approx(76.0) == gs["training"]
+    assert live.totals["checkpoint_stall"] == pytest.approx(8.0) == gs["checkpoint_stall"]
+    assert live.totals["recovering"] == pytest.approx(80.0) == gs["recovering"]
+
+
+def test_step_gauges_and_counters():
+    live, updates = feed(hard_loss_log())
+    steps = [u for e, u in zip(hard_loss_log(), updates) if e["kind"] == "step"]
+    last = steps[-1].gauges
+    tags = (("job", "j"),)
+    assert last[("spotfill_training_step", tags)] == 10 and last[("spotfill_world_size", tags)] == 2
+    assert last[("spotfill_tokens_per_second", tags)] == pytest.approx(100 / 2.0)
+    assert last[("spotfill_data_wait_fraction", tags)] == pytest.approx(0.25)
+    assert steps[-1].counters[("spotfill_tokens_total", tags)] == 100
+    restarts = [u.counters for u in updates if any(k[0] == "spotfill_restarts_total" for k in u.counters)]
+    assert len(restarts) == 1                                   # attempt 1 is the one restart
+    for u in updates:
+        assert {k[0] for k in list(u.gauges) + list(u.counters)} <= set(METRICS)
+
+
+def test_fillin_accrues_while_a_lease_is_open():
+    ev = sorted(fillin_log(), key=lambda e: e["t"])
+    live, updates = feed(ev)
+    # serve: 2 GPUs 10->50 = 80; batch: 1 GPU from 60 to the last event (100) = 40
+    assert live.totals["fillin"] == pytest.approx(120.0)
+    reclaim = next(u for e, u in zip(ev, updates) if e["kind"] == "reclaim")
+    assert reclaim.gauges[("spotfill_fillin_gpus", (("job", "spotfill"), ("node", "n1"), ("workload", "serve")))] == 0
+
+
+def test_event_log_calls_its_observer_for_every_event_but_samples(tmp_path):
+    seen = []
+    log = EventLog(str(tmp_path / "events.jsonl"), on_event=seen.append)
+    log.write("job_start", name="j")
+    log.write_many([{"t": 1.0, "kind": "step", "step": 1}, {"t": 1.0, "kind": "samples", "ids": [1]}])
+    log.close()
+    assert [e["kind"] for e in seen] == ["job_start", "step"]
+    lines = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in lines] == ["job_start", "step", "samples"]
+
+
+def test_a_failing_observer_never_breaks_the_log(tmp_path):
+    def boom(_e):
+        raise RuntimeError("metrics down")
+    log = EventLog(str(tmp_path / "events.jsonl"), on_event=boom)
+    log.write("job_start")
+    log.close()
+    assert "job_start" in (tmp_path / "events.jsonl").read_text()
+
+
+def test_grafana_dashboard_uses_only_exported_series():
+    import pathlib
+    import re
+    path = pathlib.Path(__file__).parents[2] / "deploy" / "grafana" / "spotfill.json"
+    dash = json.loads(path.read_text())
+    used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"ray_(spotfill_\w+)", t["expr"])}
+    assert used and used <= set(METRICS), used - set(METRICS)
+    assert {"spotfill_gpu_seconds_total", "spotfill_training_step", "spotfill_tokens_per_second",
+            "spotfill_world_size", "spotfill_checkpoint_stall_seconds"} <= used
