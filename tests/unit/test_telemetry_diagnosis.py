@@ -60,6 +60,7 @@ def test_recovery_without_controller_events_says_what_it_cannot_split():
     assert r.detect_s is None and r.decide_s is None and r.workers_start_s is None
     assert r.detail["fault_to_workers_up_s"] == pytest.approx(15.0)    # 25 -> 40
     assert r.state_load_s == pytest.approx(3.0) and r.total_s == pytest.approx(22.0)
+    assert r.slowest == "fault_to_workers_up_s"                       # 15 s unsplit beats every known phase
 
 
 def test_planned_exit_is_the_fault_and_the_slowest_phase_picks_the_remedy():

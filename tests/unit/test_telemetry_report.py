@@ -59,6 +59,7 @@ def test_enrich_report_adds_ledger_diagnosis_and_recovery_breakdown():
     rb = report["preemptions"][0]["recovery_breakdown"]
     assert rb["state_load_s"] == pytest.approx(3.0) and rb["total_s"] == pytest.approx(17.0)   # 30 -> 47
     assert {f["cause"] for f in report["diagnosis"]["findings"]} >= {"recovery", "idle_capacity", "rolled_back"}
+    assert json.loads(json.dumps(report))["gpu_seconds"]["total"] == pytest.approx(220.0)   # report.json-ready
 
 
 def test_timeline_png_has_every_state_band(tmp_path):

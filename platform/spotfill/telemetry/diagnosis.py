@@ -58,6 +58,8 @@ class Recovery:
     def slowest(self) -> str | None:
         phases = {k: getattr(self, k) for k in ("detect_s", "decide_s", "workers_start_s", "state_load_s",
                                                 "setup_s", "first_step_s") if getattr(self, k) is not None}
+        if self.detect_s is None and self.detail.get("fault_to_workers_up_s") is not None:
+            phases["fault_to_workers_up_s"] = self.detail["fault_to_workers_up_s"]   # the three, unsplit
         return max(phases, key=phases.get) if phases else None
 
     def as_dict(self) -> dict:
@@ -155,6 +157,9 @@ RECOVERY_REMEDIES = {
                 "Ray Train's worker-group start timeout",
     "workers_start_s": "starting workers dominates: pre-pull the image / keep the runtime env cached on every "
                        "node, and keep warm spare capacity (fill-in hands GPUs back fast)",
+    "fault_to_workers_up_s": "detecting the fault and starting the new workers dominates (controller_state "
+                             "events would split it): lower Ray's health-check timeouts, keep the spot watcher "
+                             "running, keep images and runtime envs cached on every node",
     "state_load_s": "loading the checkpoint dominates: keep checkpoints in a nearby bucket, and avoid the "
                     "universal conversion on the critical path (same world size restores directly)",
     "setup_s": "model and engine build dominates: cache the model/tokenizer on local disk, avoid re-compiling",

@@ -97,7 +97,8 @@ def _gpu_panel(ax, ledger: Ledger, events: list[dict], preemptions: list[dict]) 
     ax.set_ylim(0, top_y * 1.12)
     ax.set_ylabel("GPUs")
     ax.set_title("GPUs by state and workload (dashed: preemption, dotted: hand-back)")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 
 
 def _progress_panel(ax, ledger: Ledger, events: list[dict]) -> None:
