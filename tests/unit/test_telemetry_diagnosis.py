@@ -28,6 +28,9 @@ def test_every_lost_gpu_second_has_a_cause():
     assert sum(f.gpu_seconds for f in findings.values()) == pytest.approx(135.0)
     assert sum(f.share_of_lost for f in findings.values()) == pytest.approx(1.0)
     assert list(findings)[0] == "recovery"        # largest first
+    assert "enable fill-in" in findings["idle_capacity"].remedy
+    inferred = {f.cause: f for f in diagnose(ev, compute_ledger(ev))}    # no node timeline
+    assert "capacity was inferred" in inferred["idle_capacity"].remedy
 
 
 def test_collective_wait_counted_when_measured():

@@ -220,8 +220,10 @@ def diagnose(events: list[dict], ledger: Ledger, recoveries: list[Recovery] | No
                                     "checkpoint before the deadline) and faster restore")))
     f.append(("idle_capacity", gs["idle"], {"idle_share_of_total": round(gs["idle"] / gs["total"], 4)
                                             if gs["total"] else 0.0, "fillin_gpu_s": round(gs["fillin"], 3)},
-              "alive GPUs sat unused: enable fill-in (Serve / batch / sweeps) on spare GPUs, raise "
-              "training.workers max to use them, or release nodes that stay idle"))
+              "capacity was inferred (no node timeline): these may be GPUs that were already gone; record "
+              "node_up/node_down events (or report.json cluster.nodes with gpus) to know" if ledger.nodes_source
+              == "inferred" else "alive GPUs sat unused: enable fill-in (Serve / batch / sweeps) on spare GPUs, "
+              "raise training.workers max to use them, or release nodes that stay idle"))
     denom = lost if lost > 0 else 1.0
     out = []
     for cause, gpu_s, ev, remedy in f:

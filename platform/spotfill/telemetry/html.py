@@ -95,13 +95,16 @@ def _recoveries(s: dict) -> str:
     recs = s.get("recoveries") or []
     if not recs:
         return "<p>No restart: the worker group ran once.</p>"
-    phases = ["detect_s", "decide_s", "workers_start_s", "state_load_s", "setup_s", "first_step_s", "total_s"]
-    rows = [[_e(r["attempt"]), _e(r["cause"]), _e(r["fault_source"])] +
-            [(f"<b>{_num(r[p], 2)}</b>" if p == r.get("slowest") else _num(r[p], 2)) for p in phases]
-            for r in recs]
+    phases = ["fault_to_workers_up_s", "detect_s", "decide_s", "workers_start_s", "state_load_s", "setup_s",
+              "first_step_s", "total_s"]
+    rows = []
+    for r in recs:
+        vals = {**r, "fault_to_workers_up_s": (r.get("detail") or {}).get("fault_to_workers_up_s")}
+        rows.append([_e(r["attempt"]), _e(r["cause"]), _e(r["fault_source"])] +
+                    [(f"<b>{_num(vals[p], 2)}</b>" if p == r.get("slowest") else _num(vals[p], 2)) for p in phases])
     return (_table(["attempt", "cause", "fault from"] + phases, rows, left=3) +
             '<p class="muted">seconds; bold = the slowest phase; n/a = the events do not show it '
-            "(detect/decide/workers start need controller_state events)</p>")
+            "(detect/decide/workers start need controller_state events; fault_to_workers_up_s is their sum)</p>")
 
 
 def _checkpoints(s: dict) -> str:
