@@ -79,7 +79,7 @@ class Ledger:
 
     def as_report(self) -> dict:
         """report.json's gpu_seconds / goodput / harvest_ratio keys (harvest_ratio only with fill-in)."""
-        out = {"gpu_seconds": {k: _r(v) if isinstance(v, float) else v for k, v in self.gpu_seconds.items()},
+        out = {"gpu_seconds": {k: _r(v) if isinstance(v, (float, dict)) else v for k, v in self.gpu_seconds.items()},
                "gpu_seconds_per_node": self.per_node,
                "goodput": _r(self.goodput, 4), "effective_training_time_ratio": _r(self.effective_training_time_ratio, 4),
                "ledger": {"start": _r(self.start), "end": _r(self.end), "wall_s": _r(self.wall_s),
