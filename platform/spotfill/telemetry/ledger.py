@@ -15,7 +15,8 @@ GPUs x wall time on alive nodes by construction. During a restart the claim is t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import bisect
+from dataclasses import dataclass
 
 STATES = ("training", "fillin", "idle", "recovering", "checkpoint_stall")
 LEASE_END_KINDS = ("reclaim", "release", "lease_end")
@@ -280,14 +281,32 @@ def compute_ledger(events: list[dict], nodes: list[NodeSpan] | None = None,
         cuts.update((le.start, le.end))
     cuts = sorted(t for t in cuts if start <= t <= end)
     acc = _Acc(nodes)
+    claim_ix, stall_ix, lease_ix = _Index(claims), _Index(stalls), _Index(lease_list)
     for a, b in zip(cuts, cuts[1:]):
         if b > a:
-            acc.add_slice(a, b, claims, stalls, lease_list, notes)
+            acc.add_slice(a, b, claim_ix, stall_ix, lease_ix)
     return acc.result(start, end, source, notes, has_leases=bool(lease_list))
 
 
-def _covering(items, m: float):
-    return [x for x in items if x.start <= m < x.end]
+class _Index:
+    """Intervals sorted by start, with the running max of their ends: `covering(m)` scans back only
+    while an earlier interval can still reach m (O(1) for the non-overlapping claims and stalls)."""
+
+    def __init__(self, items):
+        self.items = sorted(items, key=lambda x: x.start)
+        self.starts = [x.start for x in self.items]
+        self.reach, top = [], float("-inf")
+        for x in self.items:
+            top = max(top, x.end)
+            self.reach.append(top)
+
+    def covering(self, m: float) -> list:
+        out, j = [], bisect.bisect_right(self.starts, m) - 1
+        while j >= 0 and self.reach[j] > m:
+            if self.items[j].end > m:
+                out.append(self.items[j])
+            j -= 1
+        return out[::-1]
 
 
 class _Acc:
@@ -305,12 +324,12 @@ class _Acc:
         self.slices: list[Slice] = []
         self.overcommit_s = 0.0
 
-    def add_slice(self, a: float, b: float, claims, stalls, lease_list, notes) -> None:
+    def add_slice(self, a: float, b: float, claims: _Index, stalls: _Index, lease_list: _Index) -> None:
         m, dt = (a + b) / 2, b - a
         alive = {n.node: n.gpus for n in self.nodes if n.start <= m < (n.end if n.end is not None else float("inf"))}
         cap = sum(alive.values())
-        stall = _covering(stalls, m)
-        claim = stall[0] if stall else next(iter(_covering(claims, m)), None)
+        stall = stalls.covering(m)
+        claim = stall[0] if stall else next(iter(claims.covering(m)), None)
         used = {n: 0 for n in alive}
         state_gpus = {s: 0 for s in STATES}
         if claim is not None:
@@ -333,7 +352,7 @@ class _Acc:
                 self.placed = False
         fill: dict[str, int] = {}
         free_total = cap - state_gpus["training"] - state_gpus["recovering"] - state_gpus["checkpoint_stall"]
-        for le in _covering(lease_list, m):
+        for le in lease_list.covering(m):
             if le.node is not None and le.node in alive:
                 g = min(le.gpus, alive[le.node] - used[le.node], free_total)
                 used[le.node] += g
