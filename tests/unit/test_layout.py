@@ -12,7 +12,7 @@ import spotfill
 PURE = [
     "spotfill.planning.planner", "spotfill.planning.hardware", "spotfill.planning.sizing", "spotfill.cli.plan",
     "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets",
-    "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config",
+    "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config", "spotfill.storage.lineage",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 

@@ -116,8 +116,15 @@ def _resolve_parents(manifests: Mapping[str, Mapping], damaged: set[str],
 
 def _resolve_head(by_tag: Mapping[str, Checkpoint], damaged: set[str], head: str | None,
                   resumes: list[Mapping]) -> str | None:
-    if head is not None and head in by_tag and head not in damaged:
-        return head
+    if head is not None and head in by_tag:
+        if head not in damaged:
+            return head
+        # A damaged head: a newer intact commit that shares its ancestry was made after a restore skipped
+        # it (the pointer was not moved); else the head's own chain leads to its intact ancestors.
+        ancestors = set(_chain(by_tag[head].parent, by_tag))
+        later = [c for c in by_tag.values() if c.tag not in damaged and c.created > by_tag[head].created
+                 and ancestors & set(_chain(c.tag, by_tag))]
+        return max(later, key=lambda c: (c.created, c.step)).tag if later else head
     if resumes:
         last = resumes[-1]
         attempt = None if last.get("attempt") is None else str(last["attempt"])
