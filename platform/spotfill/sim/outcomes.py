@@ -94,7 +94,27 @@ def invariants(report: dict, checkpoint_every: int) -> dict:
             "ok": all(p["lost_steps"] <= bound(p) for p in hard),
             "detail": f"lost steps {[p['lost_steps'] for p in hard]} <= {[bound(p) for p in hard]} (checkpoint_every "
                       f"{checkpoint_every}, plus the steps since the newest save when it was still uploading)"}
+    corrupted = [e for e in report.get("events", []) if e.get("action") == "corrupt_checkpoint" and e.get("tag")]
+    if corrupted:
+        inv["corrupted_checkpoints_quarantined"] = corrupted_checkpoint_invariant(corrupted, report)
     return inv
+
+
+def corrupted_checkpoint_invariant(corrupted: list[dict], report: dict) -> dict:
+    """Every corrupted tag ({tag, step, t}) is never restored after the corruption, and is quarantined
+    whenever a later restore went back to an older checkpoint (the corrupted one was in its way)."""
+    ckpt = report.get("checkpoints", {})
+    quarantined = {q["tag"] for q in ckpt.get("quarantined", [])}
+    bad = []
+    for c in corrupted:
+        later = [r for r in ckpt.get("restored", []) if (r.get("t") or 0) >= c["t"]]
+        if any(r["tag"] == c["tag"] for r in later):
+            bad.append(f"{c['tag']} restored after it was corrupted")
+        elif any(r["step"] < c["step"] for r in later) and c["tag"] not in quarantined:
+            bad.append(f"{c['tag']} not quarantined although a later restore went past it")
+    return {"ok": not bad, "detail": "; ".join(bad) or
+            f"{len(corrupted)} corrupted ({', '.join(c['tag'] for c in corrupted)}); quarantined: "
+            f"{sorted(quarantined)}; never restored after the damage"}
 
 
 def digest(report: dict) -> str:

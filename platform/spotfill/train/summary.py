@@ -98,12 +98,15 @@ def checkpoints_section(events: list[dict]) -> dict:
 
 
 def lineage_report(events: list[dict]) -> dict:
-    """`quarantined`: damaged tags ({tag, reason}, first report of each); `fresh_starts`: restarts from step
-    0 although committed checkpoints existed (on_no_intact_checkpoint: restart), with the cause."""
+    """`quarantined`: damaged tags ({tag, reason}, first report of each); `restored`: each restore's tag;
+    `fresh_starts`: restarts from step 0 although committed checkpoints existed
+    (on_no_intact_checkpoint: restart), with the cause."""
     quarantined: dict[str, dict] = {}
     for e in events:
         if e["kind"] == "checkpoint_quarantined" and e["tag"] not in quarantined:
             quarantined[e["tag"]] = {"tag": e["tag"], "reason": e["reason"]}
     return {"quarantined": list(quarantined.values()),
+            "restored": [{"tag": e["tag"], "step": e.get("step"), "attempt": e.get("attempt"), "t": e.get("t")}
+                         for e in events if e["kind"] == "checkpoint_restored"],
             "fresh_starts": [{"attempt": e.get("attempt"), "cause": e["cause"]}
                              for e in events if e["kind"] == "fresh_start"]}
