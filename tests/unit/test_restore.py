@@ -157,3 +157,16 @@ def test_node_leaders_download_in_parallel_once_per_node(uri, tmp_path, monkeypa
     assert max(s1, s2) < min(e1, e2), "the two nodes' downloads did not overlap"
     assert time.monotonic() - t0 < 0.95
     assert plans[0].timings["nodes"] == 2
+
+
+def test_on_no_intact_checkpoint_is_validated_in_one_line():
+    from spotfill.config.errors import ConfigError
+    from spotfill.config.job import JobConfig, from_mapping
+
+    base = {"storage": "/tmp/s", "data": {"path": "/tmp/d"}}
+    assert from_mapping(JobConfig, base).training.on_no_intact_checkpoint == "fail"
+    ok = from_mapping(JobConfig, {**base, "training": {"on_no_intact_checkpoint": "restart"}})
+    assert ok.training.on_no_intact_checkpoint == "restart"
+    with pytest.raises(ConfigError) as err:
+        from_mapping(JobConfig, {**base, "training": {"on_no_intact_checkpoint": "ignore"}})
+    assert str(err.value) == "training.on_no_intact_checkpoint: bad value 'ignore'; accepted: fail, restart"
