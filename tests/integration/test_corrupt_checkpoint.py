@@ -24,25 +24,25 @@ def _run(tmp_path, name, training, events):
 
 
 def test_restore_goes_past_a_corrupted_checkpoint_and_quarantines_it(tmp_path):
-    report = _run(tmp_path, "corrupt", {"steps": 60, "checkpoint_every": 10, "keep_checkpoints": 3},
-                  [{"at_step": 35, "action": "corrupt_checkpoint"}, {"at_step": 37, "action": "kill_node", "node": 1}])
+    report = _run(tmp_path, "corrupt", {"steps": 80, "checkpoint_every": 20, "keep_checkpoints": 3},
+                  [{"at_step": 45, "action": "corrupt_checkpoint"}, {"at_step": 45, "action": "kill_node", "node": 1}])
     assert report["ok"], digest(report)
     corrupt = next(e for e in report["events"] if e["action"] == "corrupt_checkpoint")
-    assert corrupt["fired"] and corrupt["tag"].startswith("step-") and corrupt["step"] >= 30, corrupt
+    assert corrupt["fired"] and corrupt["tag"].startswith("step-") and corrupt["step"] >= 40, corrupt
     assert report["invariants"]["corrupted_checkpoints_quarantined"]["ok"]
     quarantined = report["checkpoints"]["quarantined"]
     assert [q["tag"] for q in quarantined] == [corrupt["tag"]]
     assert "checksum mismatch" in quarantined[0]["reason"]
     after = [r for r in report["checkpoints"]["restored"] if r["t"] >= corrupt["t"]]
     assert after and after[0]["step"] < corrupt["step"], report["checkpoints"]["restored"]
-    assert report["training"]["steps_completed"] == 60
+    assert report["training"]["steps_completed"] == 80
     kinds = [e["kind"] for e in read_events(str(tmp_path / "events.jsonl"))]
     assert kinds.index("checkpoint_quarantined") < kinds.index("checkpoint_restored", kinds.index("checkpoint_quarantined"))
 
 
 def test_no_intact_checkpoint_fails_the_job_naming_the_damaged_tag(tmp_path):
     report = _run(tmp_path, "allbad", {"steps": 60, "checkpoint_every": 20, "keep_checkpoints": 1},
-                  [{"at_step": 25, "action": "corrupt_checkpoint"}, {"at_step": 27, "action": "kill_node", "node": 1}])
+                  [{"at_step": 25, "action": "corrupt_checkpoint"}, {"at_step": 25, "action": "kill_node", "node": 1}])
     corrupt = next(e for e in report["events"] if e["action"] == "corrupt_checkpoint")
     assert not report["ok"], digest(report)
     assert "no intact checkpoint" in report["error"] and corrupt["tag"] in report["error"], report["error"]

@@ -55,3 +55,31 @@ def test_fresh_start_is_in_the_report():
            "damaged": ["step-00000010"]}]
     assert checkpoints_section(ev)["fresh_starts"] == [
         {"attempt": 2, "cause": "no intact checkpoint: 1 committed, all damaged"}]
+
+
+def _hard_loss_events(quarantined: bool):
+    """Attempt 0 runs steps 1..60 (saves at 20, 40, 60; 20 and 40 commit), a node dies at t=100, attempt 1
+    resumes from 20 because 40 was damaged."""
+    ev = [{"t": 1.0, "kind": "attempt", "attempt": 0}]
+    ev += [{"t": 1.0 + s / 100, "kind": "step", "attempt": 0, "step": s} for s in range(1, 61)]
+    ev += [{"t": 2.0, "kind": "checkpoint_save", "attempt": 0, "step": s} for s in (20, 40, 60)]
+    ev += [{"t": 2.0, "kind": "checkpoint", "attempt": 0, "step": s} for s in (20, 40)]
+    ev.append({"t": 101.0, "kind": "attempt", "attempt": 1})
+    if quarantined:
+        ev.append({"t": 102.0, "kind": "checkpoint_quarantined", "attempt": 1, "tag": "step-00000040-a0",
+                   "reason": "checksum"})
+    ev += [{"t": 103.0, "kind": "resume", "attempt": 1, "step": 20, "world_size": 2},
+           {"t": 104.0, "kind": "step", "attempt": 1, "step": 21}]
+    return ev
+
+
+@pytest.mark.parametrize("quarantined,ok", [(True, True), (False, False)])
+def test_hard_loss_bound_counts_the_damaged_checkpoints_the_restore_went_past(quarantined, ok):
+    from spotfill.sim.outcomes import node_event_outcome
+    p = node_event_outcome(_hard_loss_events(quarantined), 100.0)
+    # lost 60 - 20 = 40: 20 because the save at 60 was still uploading, 20 more because 40 was damaged
+    assert p["lost_steps"] == 40 and p["skipped_damaged_steps"] == (20 if quarantined else 0)
+    report = {"training": {"steps_completed": 60, "steps_target": 60,
+                           "samples": {"consumed": 1, "duplicates": 0, "missing": 0}},
+              "preemptions": [{"kind": "hard", **p}]}
+    assert invariants(report, 20)["hard_loss_within_interval"]["ok"] is ok

@@ -126,26 +126,21 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
     return report
 
 
-def corrupt_newest_checkpoint(job, tail: _Tail, say, wait_s: float = 30.0) -> dict:
-    """The corrupt_checkpoint action: flip one byte in the largest file of the newest committed checkpoint.
-    A save already taken (checkpoint_save event) but still uploading is waited for (up to `wait_s`), so the
-    damage lands on the checkpoint a restart would pick. Returns {"tag", "step", "file", "t"} or {"skipped"}."""
+def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
+    """The corrupt_checkpoint action: flip one byte in the largest file of the newest committed checkpoint
+    (the store's `latest`). A save still uploading is waited for (up to `wait_s`), so the damage lands on
+    the checkpoint a restart would pick. Returns {"tag", "step", "file", "t"} or {"skipped"}."""
     from spotfill.storage.base import open_storage
     from spotfill.storage.checkpoint_store import CheckpointStore
 
+    store = CheckpointStore(open_storage(job.config.storage).child(job.config.name))
     deadline = time.time() + wait_s
-    while True:
-        tail.poll()
-        saves = [e["step"] for e in tail.events if e["kind"] == "checkpoint_save"]
-        commits = [e for e in tail.events if e["kind"] == "checkpoint"]
-        if not saves or (commits and commits[-1]["step"] >= max(saves)) or time.time() > deadline:
-            break
-        time.sleep(0.2)
-    if not commits:
+    while store.uploading() and time.time() < deadline:
+        time.sleep(0.1)
+    tag = store.latest_tag()
+    if tag is None:
         say("skipped: corrupt_checkpoint (nothing committed yet)")
         return {"skipped": "no committed checkpoint yet"}
-    store = CheckpointStore(open_storage(job.config.storage).child(job.config.name))
-    tag = commits[-1].get("tag") or store.latest_tag()
     manifest = store.manifest(tag)
     files = manifest["files"]
     rel = max(sorted(files), key=lambda r: files[r]["size"])
@@ -213,7 +208,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
             elif ev.action == "storage_outage":
                 s3.outage_for(ev.duration_s)
             elif ev.action == "corrupt_checkpoint":
-                corrupted[ev.index] = corrupt_newest_checkpoint(job, tail, say)
+                corrupted[ev.index] = corrupt_newest_checkpoint(job, say)
             fired.append((ev, t))
         time.sleep(0.25)
     thread.join()

@@ -236,6 +236,12 @@ class CheckpointStore:
                 quarantined.add(tag)
         return sorted(tags, key=tag_key, reverse=True), committed, quarantined
 
+    def uploading(self) -> list[str]:
+        """Uncommitted tags newer than `latest`: saves still uploading (or debris of a dead attempt)."""
+        tags, done, bad = self._tags()
+        head = self.latest_tag()
+        return [t for t in tags if t not in done and t not in bad and (head is None or tag_key(t) > tag_key(head))]
+
     def committed(self) -> list[str]:
         """Committed, not quarantined tags, newest (by step) first."""
         tags, done, bad = self._tags()
