@@ -62,7 +62,7 @@ def _flip(storage, key):
     storage.put_bytes(key, bytes(data))
 
 
-def _run(uri, tmp_path, nodes, kwargs=None, world_saved=4):
+def _run(uri, tmp_path, nodes, kwargs=None):
     """Run restore_on_workers on len(nodes) thread-ranks; rank r sits on node nodes[r]."""
     world = len(nodes)
     group, results, events = _Group(world), [None] * world, []
@@ -112,7 +112,7 @@ def test_no_intact_checkpoint_fails_loudly_on_every_rank_by_default(uri, tmp_pat
     tags = [_save(store, tmp_path, s) for s in (10, 20)]
     for tag in tags:
         _flip(store.storage, f"checkpoints/{tag}/rank-0/zero_pp_rank_0_optim_states.pt")
-    results, events = _run(uri, tmp_path, ["a", "b"], world_saved=4)
+    results, events = _run(uri, tmp_path, ["a", "b"])
     assert all(isinstance(r, NoIntactCheckpoint) for r in results), results
     msg = str(results[0])
     assert "\n" not in msg and all(t in msg for t in tags) and "on_no_intact_checkpoint" in msg
@@ -170,3 +170,28 @@ def test_on_no_intact_checkpoint_is_validated_in_one_line():
     with pytest.raises(ConfigError) as err:
         from_mapping(JobConfig, {**base, "training": {"on_no_intact_checkpoint": "ignore"}})
     assert str(err.value) == "training.on_no_intact_checkpoint: bad value 'ignore'; accepted: fail, restart"
+
+
+def test_unreadable_manifest_is_quarantined_and_reported(uri, tmp_path):
+    store = CheckpointStore(open_storage(uri), keep_last=5)
+    good, bad = _save(store, tmp_path, 10), _save(store, tmp_path, 20)
+    store.storage.put_bytes(f"checkpoints/{bad}/manifest.json", b"{not json")
+    plans, events = _run(uri, tmp_path, ["a", "a", "b", "b"])
+    assert {p.tag for p in plans} == {good}
+    q = [e for e in events if e["kind"] == "checkpoint_quarantined"]
+    assert [e["tag"] for e in q] == [bad] and "unreadable manifest" in q[0]["reason"]
+
+
+def test_a_failed_conversion_is_raised_on_every_rank_not_waited_for(uri, tmp_path, monkeypatch):
+    import spotfill.train.restore as restore
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("ds_to_universal failed (1): boom")
+    monkeypatch.setattr(restore, "convert_to_universal", broken)
+    store = CheckpointStore(open_storage(uri), keep_last=5)
+    tag = _save(store, tmp_path, 10)          # saved on 4 ranks, restored on 2: universal
+    t0 = time.monotonic()
+    results, _ = _run(uri, tmp_path, ["a", "b"])
+    assert time.monotonic() - t0 < 10
+    assert all(isinstance(r, RuntimeError) and "boom" in str(r) and tag in str(r) for r in results), results
+    assert CheckpointStore(open_storage(uri)).quarantined() == {}     # not damage: nothing quarantined

@@ -301,13 +301,15 @@ class CheckpointStore:
 
     def restore_candidates(self) -> list[str]:
         """Tags a restore tries, best first (the live lineage's intact ones, newest first). Quarantines
-        committed tags whose manifest is unreadable on the way."""
+        committed tags whose manifest is unreadable on the way (listed in `self.last_quarantined`)."""
         manifests, unreadable, quarantined = self._manifests()
+        self.last_quarantined: list[tuple[str, str]] = []
         for tag, reason in unreadable.items():
             if tag not in quarantined:
                 log.warning("checkpoint %s skipped on restore: %s", tag, reason)
                 self.quarantine(tag, reason)
                 quarantined[tag] = reason
+                self.last_quarantined.append((tag, reason))
         return list(build_lineage(manifests, quarantined, self.latest_tag()).restore_order)
 
     def restore(self, local_dir: str, tag: str | None = None, verify: bool = True,
@@ -322,8 +324,8 @@ class CheckpointStore:
         are in `self.last_quarantined` [(tag, reason)]. Without an explicit tag the store then resumes
         from the restored tag (mark_resumed).
         """
-        self.last_quarantined: list[tuple[str, str]] = []
         candidates = [tag] if tag else self.restore_candidates()
+        self.last_quarantined = [] if tag else self.last_quarantined
         want = None if ranks is None else {f"rank-{r}/" for r in ranks}
         for cand in candidates:
             try:

@@ -156,27 +156,24 @@ def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, leader
     # phase 1: the raw checkpoint, where needed -- every node, or only rank 0's converter
     need_raw = leader and (not universal or (rank == 0 and not choice["has_universal"]))
     info: dict = {"node_leader": leader}
-    error = None
+    failed = error = None
     if need_raw:
         shutil.rmtree(node_dir, ignore_errors=True)
         try:
             info["download_s"] = round(_fetch_raw(store, manifest, node_dir, ds_root), 3)
         except CheckpointCorrupt as exc:
             error = str(exc)
-    errors = [e for e in _gather(comms, error, world) if e]
-    if errors:
-        return None, errors[0], []
+        except Exception as exc:  # noqa: BLE001 -- e.g. storage down: raised on every rank
+            failed = f"{type(exc).__name__}: {exc}"
+    error = _outcome(comms, world, failed, error, f"downloading {tag} failed")
+    if error:
+        return None, error, []
     if universal:
         shared = choice["has_universal"]
-        if rank == 0 and not shared:   # the one conversion of this checkpoint, shared with the rest
-            info.update(_node_universal(store, manifest, node_dir, ds_root, load_tag, False, True))
-            t0 = time.perf_counter()
-            try:
-                info["universal_upload_bytes"] = store.put_universal(tag, os.path.join(ds_root, load_tag))
-                shared = True
-            except Exception as exc:  # storage trouble: the other nodes convert themselves
-                log.warning("could not share the universal copy of %s: %s", tag, exc)
-            info["universal_upload_s"] = round(time.perf_counter() - t0, 3)
+        if not choice["has_universal"]:   # rank 0 converts, once for this checkpoint; the rest wait
+            if rank == 0:
+                failed, shared = _convert_and_share(store, manifest, node_dir, ds_root, load_tag, info)
+            _raise_everywhere(comms, failed, f"converting {tag} to a universal checkpoint failed")
         shared = comms.bcast(shared)
         if leader and not (rank == 0 and not choice["has_universal"]):
             if not need_raw:
@@ -185,13 +182,50 @@ def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, leader
                 info.update(_node_universal(store, manifest, node_dir, ds_root, load_tag, shared, need_raw))
             except CheckpointCorrupt as exc:
                 error = str(exc)
-        errors = [e for e in _gather(comms, error, world) if e]
-        if errors:
-            return None, errors[0], []
+            except Exception as exc:  # noqa: BLE001
+                failed = f"{type(exc).__name__}: {exc}"
+        error = _outcome(comms, world, failed, error, f"preparing the universal copy of {tag} failed")
+        if error:
+            return None, error, []
     infos = _gather(comms, info, world)
     plan = RestorePlan(tag=tag, step=int(manifest["step"]), world_size=saved_world, load_dir=ds_root,
                        load_tag=load_tag, universal=universal)
     return plan, None, infos
+
+
+def _convert_and_share(store, manifest: dict, node_dir: str, ds_root: str, load_tag: str,
+                       info: dict) -> tuple[str | None, bool]:
+    """Rank 0: convert the raw copy here, then upload the result next to the tag.
+    Returns (failure or None, whether the copy is shared)."""
+    try:
+        info.update(_node_universal(store, manifest, node_dir, ds_root, load_tag, False, True))
+    except Exception as exc:  # noqa: BLE001 -- raised on every rank by the caller
+        return f"{type(exc).__name__}: {exc}", False
+    t0 = time.perf_counter()
+    shared = False
+    try:
+        info["universal_upload_bytes"] = store.put_universal(manifest["tag"], os.path.join(ds_root, load_tag))
+        shared = True
+    except Exception as exc:  # noqa: BLE001 -- storage trouble: the other nodes convert themselves
+        log.warning("could not share the universal copy of %s: %s", manifest["tag"], exc)
+    info["universal_upload_s"] = round(time.perf_counter() - t0, 3)
+    return None, shared
+
+
+def _outcome(comms, world: int, failed: str | None, damaged: str | None, what: str) -> str | None:
+    """Collective: raise any rank's failure on every rank; else the first damage reason (or None)."""
+    outcomes = _gather(comms, (failed, damaged), world)
+    fatal = [f for f, _ in outcomes if f]
+    if fatal:
+        raise RuntimeError(f"{what}: {fatal[0]}")
+    return next((d for _, d in outcomes if d), None)
+
+
+def _raise_everywhere(comms, failed: str | None, what: str) -> None:
+    """Collective: rank 0's failure (a string) raised on every rank, so none waits for it forever."""
+    failed = comms.bcast(failed)
+    if failed:
+        raise RuntimeError(f"{what}: {failed}")
 
 
 def _timings(manifest_bytes, infos: list, t0: float) -> dict:
@@ -221,6 +255,10 @@ def restore_on_workers(store: CheckpointStore, comms, rank: int, world: int, nod
     if rank == 0:
         store.discard_uncommitted()
         candidates = store.restore_candidates()
+        for tag, reason in store.last_quarantined:   # unreadable manifests
+            found.append((tag, reason))
+            if emit:
+                emit("checkpoint_quarantined", tag=tag, reason=reason)
     while True:
         choice = _next_candidate(store, candidates, found, emit) if rank == 0 else None
         choice = comms.bcast(choice)
