@@ -23,6 +23,19 @@ def full_state(engine) -> dict:
     return out
 
 
+class _Comms:
+    def __init__(self, dist):
+        self.dist = dist
+
+    def bcast(self, obj):
+        buf = [obj]
+        self.dist.broadcast_object_list(buf, src=0)
+        return buf[0]
+
+    def barrier(self):
+        self.dist.barrier()
+
+
 def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: str, work: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -35,7 +48,7 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
 
     from spotfill.train.batching import batch_shape
     from spotfill.train.checkpointing import Checkpointer
-    from spotfill.train.restore import RestorePlan, prepare_node_copy
+    from spotfill.train.restore import RestorePlan, restore_on_workers
     from spotfill.storage.checkpoint_store import CheckpointStore
     from spotfill.config.job import JobConfig, from_mapping
     from spotfill.train.model import build_model
@@ -49,12 +62,9 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
     store = CheckpointStore(open_storage(storage_uri))
     plan = RestorePlan()
     if mode == "load":
-        node_dir = os.path.join(work, f"node-w{world}")
-        plan = prepare_node_copy(store, None, node_dir, world, stage) if rank == 0 else None
-        buf = [plan]
-        dist.broadcast_object_list(buf, src=0)
-        plan = buf[0]
-        dist.barrier()
+        # every rank plays its own node (own folder): node leaders restore in parallel, one converts
+        node_dir = os.path.join(work, f"node-w{world}-r{rank}")
+        plan = restore_on_workers(store, _Comms(dist), rank, world, f"node-{rank}", node_dir, stage)
     torch.manual_seed(0)
     model = build_model("tiny")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -71,13 +81,13 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
         ckpt.save(engine, 3, {"note": "test"}, sync=True)
         ckpt.close()
     else:
-        _, client = engine.load_checkpoint(os.path.join(work, f"node-w{world}", "ds"), tag=plan.load_tag)
+        _, client = engine.load_checkpoint(plan.load_dir, tag=plan.load_tag)
         assert client["step"] == 3, client
     state = full_state(engine)
     if rank == 0:
         result = {"state": state, "global_steps": engine.global_steps, "lr": engine.get_lr()[0],
                   "sched": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
-                  "universal": plan.universal}
+                  "universal": plan.universal, "timings": plan.timings}
         with open(os.path.join(work, f"{mode}-w{world}.pkl"), "wb") as f:
             pickle.dump(result, f)
     dist.barrier()

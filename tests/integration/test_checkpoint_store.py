@@ -245,3 +245,42 @@ def test_async_upload_then_commit_end_to_end(storage, tmp_path):
     assert store.committed() == ["step-00000030", "step-00000020"]
     assert up.stats()["jobs"] == 3 and up.stats()["bytes_total"] > 0
     assert store.restore(str(tmp_path / "r"))["step"] == 30
+
+
+# -- lineage: retention, `latest` and quarantine (issue 7, defects 1 and 6) -------------------------------
+@pytest.mark.parametrize("keep,new_step", [(1, 25), (2, 25), (1, 30), (2, 30)])
+def test_retention_follows_lineage_after_restore_skips_damaged(storage, tmp_path, keep, new_step):
+    """Restore skips a damaged step 40, training commits 25 or 30: retention must keep that new commit
+    (and with keep 2 its intact parent, not the damaged 40); `latest` moves to it; 40 is quarantined."""
+    first = CheckpointStore(storage, keep_last=3)
+    for step in (10, 20, 40):
+        save(first, tmp_path, step)
+    _flip_byte(storage, "checkpoints/step-00000040/rank-1/zero/optim_rank1.pt")
+    second = CheckpointStore(storage, keep_last=keep)           # the next attempt
+    assert second.restore(str(tmp_path / "r1"))["tag"] == "step-00000020"
+    new = save(second, tmp_path, new_step)["tag"]
+    expect_kept = [new] if keep == 1 else [new, "step-00000020"]
+    assert second.committed() == expect_kept
+    assert second.latest_tag() == new
+    quarantined = second.quarantined()
+    assert list(quarantined) == ["step-00000040"] and "checksum mismatch" in quarantined["step-00000040"]
+    third = CheckpointStore(storage, keep_last=keep)
+    assert third.restore(str(tmp_path / "r2"))["tag"] == new   # the damaged 40 is never restored
+
+
+def test_a_step_resaved_after_rollback_never_writes_into_a_committed_tag(storage, tmp_path):
+    store = CheckpointStore(storage, keep_last=5)
+    for step in (10, 20):
+        tag = tag_for(step, 1)
+        for rank in range(2):
+            store.upload_part(tag, rank, 2, make_rank_dir(tmp_path, step, rank), attempt="1")
+        store.commit(tag, step, 2, attempt="1")
+    assert store.committed() == ["step-00000020-a1", "step-00000010-a1"]
+    # attempt 2 rolled back to step 10 and saves step 20 again: its own tag, the committed one is untouched
+    assert tag_for(20, 2) == "step-00000020-a2" != tag_for(20, 1)
+    with pytest.raises(CheckpointCorrupt, match="refusing to write rank 0 into a committed checkpoint"):
+        store.upload_part(tag_for(20, 1), 0, 2, make_rank_dir(tmp_path / "again", 20, 0), attempt="2")
+    store.upload_part(tag_for(20, 2), 0, 2, make_rank_dir(tmp_path / "again", 20, 0), attempt="2")
+    # a crash here (rank 1 never uploads) must leave step-00000020-a1 intact and restorable
+    m = CheckpointStore(storage).restore(str(tmp_path / "r"))
+    assert m["tag"] == "step-00000020-a1" and CheckpointStore(storage).quarantined() == {}

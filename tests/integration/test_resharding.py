@@ -39,9 +39,13 @@ def _assert_same(saved: dict, loaded: dict) -> None:
 def test_resume_on_fewer_and_more_ranks(stage, tmp_path, s3_uri):
     uri = s3_uri if stage == 2 else str(tmp_path / "storage")
     saved = _spawn(2, "save", stage, uri, str(tmp_path))
-    for world in (1, 3):
+    # 3 ranks, each on its own "node": converted once (rank 0's node), the other two download that copy
+    # at the same time; then 1 rank: the shared copy is reused, nothing converts
+    for world, sources in ((3, ["converted", "shared", "shared"]), (1, ["shared"])):
         loaded = _spawn(world, "load", stage, uri, str(tmp_path))
         assert loaded["universal"], "a different world size must load through a universal checkpoint"
+        assert loaded["timings"]["universal_sources"] == sources, loaded["timings"]
+        assert loaded["timings"]["nodes"] == world
         _assert_same(saved, loaded)
 
 

@@ -12,9 +12,9 @@ import spotfill
 PURE = [
     "spotfill.planning.planner", "spotfill.planning.hardware", "spotfill.planning.sizing", "spotfill.cli.plan",
     "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets",
-    "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config",
-    "spotfill.telemetry.ledger", "spotfill.telemetry.diagnosis", "spotfill.telemetry.html",
-    "spotfill.telemetry.report", "spotfill.telemetry.live",
+    "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config", "spotfill.telemetry.ledger",
+    "spotfill.telemetry.diagnosis", "spotfill.telemetry.html", "spotfill.telemetry.report",
+    "spotfill.telemetry.live", "spotfill.storage.lineage",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 

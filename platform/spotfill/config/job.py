@@ -156,6 +156,9 @@ class TrainingConfig:
     elastic_restarts: str = "spotfill"
     # How often rank 0 checks whether more workers fit now (graceful grow), seconds.
     resize_check_s: float = 1.0
+    # Committed checkpoints exist but none is intact: "fail" the job (exit 1, naming the damaged tags) or
+    # "restart" from step 0 (recorded as a `fresh_start` event with the cause).
+    on_no_intact_checkpoint: str = "fail"
 
     @property
     def min_workers(self) -> int:
@@ -184,6 +187,7 @@ class TrainingConfig:
         _positive(path, "seq_len", self.seq_len)
         _choice(path, "zero_stage", self.zero_stage, [0, 1, 2, 3])
         _choice(path, "elastic_restarts", self.elastic_restarts, ["spotfill", "stock"])
+        _choice(path, "on_no_intact_checkpoint", self.on_no_intact_checkpoint, ["fail", "restart"])
         _choice(path, "precision", self.precision, ["auto", "bf16", "fp16", "fp32"])
         check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
 

@@ -7,6 +7,12 @@ recovery_seconds = the recovery's first finished step - T (notice or loss to ste
 from __future__ import annotations
 
 import json
+import re
+
+
+def _tag_step(tag: str) -> int:
+    m = re.match(r"step-(\d+)", tag)
+    return int(m.group(1)) if m else 0
 
 
 def _attempt_after(events: list[dict], t: float) -> int | None:
@@ -32,6 +38,7 @@ def node_event_outcome(events: list[dict], fired_at: float, deadline_s: float | 
         commit = next((e for e in events if e["kind"] == "checkpoint" and e["attempt"] == nxt - 1
                        and e["step"] == saves[0]["step"]), None)
     planned = next((e for e in events if e["kind"] == "planned_exit" and e["attempt"] == nxt - 1), None)
+    damaged = [_tag_step(e["tag"]) for e in events if e["kind"] == "checkpoint_quarantined" and e.get("attempt") == nxt]
     # Checkpoints upload in the background: a loss while the newest one uploads rolls back to the one
     # before it, so the bound on lost steps is the interval plus the steps run since that newest save.
     prev_saves = [e["step"] for e in events if e["kind"] == "checkpoint_save" and e["attempt"] == nxt - 1]
@@ -46,6 +53,9 @@ def node_event_outcome(events: list[dict], fired_at: float, deadline_s: float | 
         "planned_exit": planned["reason"] if planned else None,
         "upload_in_flight": bool(newest_save is not None and resumed_from < newest_save),
         "steps_since_newest_save": (max(prev_steps) - newest_save) if (prev_steps and newest_save) else None,
+        # newer checkpoints the recovery found damaged and went past (quarantined): steps they held are
+        # lost on top of the interval
+        "skipped_damaged_steps": max(0, max(damaged) - resumed_from) if damaged else 0,
     }
     if saves and deadline_s is not None:
         out["committed_before_deadline"] = bool(commit and commit["t"] <= fired_at + deadline_s)
@@ -87,14 +97,36 @@ def invariants(report: dict, checkpoint_every: int) -> dict:
     hard = [p for p in report.get("preemptions", []) if p["kind"] == "hard" and p.get("affected")]
     if hard:
         def bound(p: dict) -> int:
+            extra = p.get("skipped_damaged_steps") or 0
             if p.get("upload_in_flight"):
-                return checkpoint_every + (p.get("steps_since_newest_save") or 0)
-            return checkpoint_every
+                return checkpoint_every + (p.get("steps_since_newest_save") or 0) + extra
+            return checkpoint_every + extra
         inv["hard_loss_within_interval"] = {
             "ok": all(p["lost_steps"] <= bound(p) for p in hard),
             "detail": f"lost steps {[p['lost_steps'] for p in hard]} <= {[bound(p) for p in hard]} (checkpoint_every "
-                      f"{checkpoint_every}, plus the steps since the newest save when it was still uploading)"}
+                      f"{checkpoint_every}, plus the steps since the newest save when it was still uploading, plus "
+                      f"those of damaged checkpoints the restore went past)"}
+    corrupted = [e for e in report.get("events", []) if e.get("action") == "corrupt_checkpoint" and e.get("tag")]
+    if corrupted:
+        inv["corrupted_checkpoints_quarantined"] = corrupted_checkpoint_invariant(corrupted, report)
     return inv
+
+
+def corrupted_checkpoint_invariant(corrupted: list[dict], report: dict) -> dict:
+    """Every corrupted tag ({tag, step, t}) is never restored after the corruption, and is quarantined
+    whenever a later restore went back to an older checkpoint (the corrupted one was in its way)."""
+    ckpt = report.get("checkpoints", {})
+    quarantined = {q["tag"] for q in ckpt.get("quarantined", [])}
+    bad = []
+    for c in corrupted:
+        later = [r for r in ckpt.get("restored", []) if (r.get("t") or 0) >= c["t"]]
+        if any(r["tag"] == c["tag"] for r in later):
+            bad.append(f"{c['tag']} restored after it was corrupted")
+        elif any(r["step"] < c["step"] for r in later) and c["tag"] not in quarantined:
+            bad.append(f"{c['tag']} not quarantined although a later restore went past it")
+    return {"ok": not bad, "detail": "; ".join(bad) or
+            f"{len(corrupted)} corrupted ({', '.join(c['tag'] for c in corrupted)}); quarantined: "
+            f"{sorted(quarantined)}; never restored after the damage"}
 
 
 def digest(report: dict) -> str:

@@ -126,6 +126,32 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
     return report
 
 
+def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
+    """The corrupt_checkpoint action: flip one byte in the largest file of the newest committed checkpoint
+    (the store's `latest`). A save still uploading is waited for (up to `wait_s`), so the damage lands on
+    the checkpoint a restart would pick. Returns {"tag", "step", "file", "t"} or {"skipped"}."""
+    from spotfill.storage.base import open_storage
+    from spotfill.storage.checkpoint_store import CheckpointStore
+
+    store = CheckpointStore(open_storage(job.config.storage).child(job.config.name))
+    deadline = time.time() + wait_s
+    while store.uploading() and time.time() < deadline:
+        time.sleep(0.1)
+    tag = store.latest_tag()
+    if tag is None:
+        say("skipped: corrupt_checkpoint (nothing committed yet)")
+        return {"skipped": "no committed checkpoint yet"}
+    manifest = store.manifest(tag)
+    files = manifest["files"]
+    rel = max(sorted(files), key=lambda r: files[r]["size"])
+    key = f"{store.prefix}/{tag}/{rel}"
+    data = bytearray(store.storage.get_bytes(key))
+    data[len(data) // 2] ^= 0xFF
+    store.storage.put_bytes(key, bytes(data))
+    say(f"corrupted {tag}/{rel} (one byte flipped)")
+    return {"tag": tag, "step": int(manifest["step"]), "file": rel, "t": round(time.time(), 3)}
+
+
 def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
     result: dict = {}
 
@@ -142,6 +168,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
     fired: list[tuple[Event, float]] = []
     removals: list[tuple[float, int, bool]] = []
     n_added = len(scenario.cluster.nodes)
+    corrupted: dict[int, dict] = {}
     first_step_t, step = None, 0
     while thread.is_alive():
         for e in tail.poll():
@@ -180,6 +207,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
                 n_added += 1
             elif ev.action == "storage_outage":
                 s3.outage_for(ev.duration_s)
+            elif ev.action == "corrupt_checkpoint":
+                corrupted[ev.index] = corrupt_newest_checkpoint(job, say)
             fired.append((ev, t))
         time.sleep(0.25)
     thread.join()
@@ -198,6 +227,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
                                           "action": ev.action, "node": ev.node, "at": round(t, 3), **out})
         elif ev.action == "add_node":
             entry.update(grow_outcome(events, t))
+        elif ev.action == "corrupt_checkpoint":
+            entry.update(corrupted.get(ev.index, {}))
         report["events"].append(entry)
     for ev in pending:
         report["events"].append({"index": ev.index, "action": ev.action, "fired": False,

@@ -4,6 +4,9 @@
     training: {model: tiny, workers: [1, 4], steps: 200, global_batch: 16, checkpoint_every: 20, ...}
     fillin:   {serve: {enabled: false}, batch: {enabled: false}}
     events:   [{at_step: 30, action: drain_node, node: 1, deadline_s: 20}, ...]
+
+Actions: drain_node, remove_node, kill_node, add_node, storage_outage and corrupt_checkpoint (flip bytes in
+the largest file of the newest committed checkpoint; the next restore must quarantine it and go past it).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ ACTIONS = {
     "kill_node": ({"node"}, set()),
     "remove_node": ({"node"}, {"deadline_s"}),
     "storage_outage": ({"duration_s"}, set()),
+    "corrupt_checkpoint": (set(), set()),   # flip bytes in one file of the newest committed checkpoint
 }
 TRIGGERS = {"at", "at_step"}
 
@@ -42,7 +46,8 @@ class Event:
                 "add_node": f"add a node with {self.gpus} GPUs",
                 "kill_node": f"kill node {self.node}",
                 "remove_node": f"remove node {self.node}",
-                "storage_outage": f"storage outage for {self.duration_s:g}s"}[self.action]
+                "storage_outage": f"storage outage for {self.duration_s:g}s",
+                "corrupt_checkpoint": "corrupt the newest committed checkpoint"}[self.action]
         return f"{what} {when}"
 
 

@@ -10,8 +10,13 @@ Layout under a Storage (usually a run's prefix), with `prefix="checkpoints"`::
 `files` maps the path relative to the tag directory ("rank-0/model.pt") to {size, sha256}. The manifest is
 written only after every rank's marker exists, and `latest` only after the manifest, so a reader that trusts
 manifests never sees a partial checkpoint. `restore()` still verifies sizes and sha256 and falls back to the
-previous committed tag (with a WARNING) when the newest is damaged. Tags sort by step: `tag_for(120)` is
-"step-00000120".
+previous committed tag of the live lineage (storage/lineage.py) when the newest is damaged, and
+quarantines the damaged one: `<tag>/quarantined.json` ({tag, reason, t}) marks it, it is never restored
+again, and retention keeps the newest few for inspection. Each manifest records its `parent` (the tag this
+training state descends from), so retention and `latest` follow the lineage, not the step number.
+
+Tags sort by step, then attempt: `tag_for(120)` is "step-00000120", `tag_for(120, 3)` "step-00000120-a3"
+(unique per attempt: a step re-saved after a rollback never writes into a committed tag).
 """
 from __future__ import annotations
 
@@ -28,20 +33,38 @@ from typing import Any, Iterable
 from spotfill.config import constants
 from spotfill.config.errors import CheckpointCorrupt, ConfigError
 from spotfill.storage.base import Storage, join_key, local_files, sha256_file
+from spotfill.storage.lineage import Lineage, build_lineage
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+QUARANTINE = "quarantined.json"
+UNIVERSAL = "universal"                 # <tag>/universal/...: the converted (universal) copy
+UNIVERSAL_INDEX = "universal.json"      # <tag>/universal.json: its files {rel: {size, sha256}}, written last
 LATEST = "latest"
 _MARKER_RE = re.compile(r"^rank-(\d+)\.done\.json$")
+_TAG_RE = re.compile(r"^step-(\d+)(?:-a([A-Za-z0-9_.]+))?$")
 
 
-def tag_for(step: int) -> str:
-    """The tag of the checkpoint taken at `step`: zero-padded so tags sort like steps."""
-    return f"step-{int(step):08d}"
+def tag_for(step: int, attempt: str | int | None = None) -> str:
+    """The tag of the checkpoint taken at `step` (by `attempt`, when given): zero-padded so tags sort like
+    steps; "step-00000120" or "step-00000120-a3". Characters outside [A-Za-z0-9_.] in `attempt` become _."""
+    tag = f"step-{int(step):08d}"
+    if attempt is None:
+        return tag
+    return f"{tag}-a{re.sub(r'[^A-Za-z0-9_.]', '_', str(attempt)) or '_'}"
+
+
+def parse_tag(tag: str) -> tuple[int, str | None] | None:
+    """(step, attempt or None) of a tag made by tag_for; None for other names."""
+    m = _TAG_RE.match(tag)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 def tag_key(tag: str) -> tuple[int, str]:
-    """Sort key for tags: the trailing number (the step), then the text."""
+    """Sort key for tags: the step, then the text (so one step's attempts sort together)."""
+    parsed = parse_tag(tag)
+    if parsed:
+        return (parsed[0], tag)
     m = re.search(r"(\d+)$", tag)
     return (int(m.group(1)) if m else -1, tag)
 
@@ -61,6 +84,10 @@ class CheckpointStore:
         if not isinstance(keep_last, int) or keep_last < 0:
             raise ConfigError("keep_last", keep_last, accepted="an integer >= 0 (0 keeps all)")
         self.storage, self.prefix, self.keep_last = storage, prefix.strip("/"), keep_last
+        # The tag this process's training state descends from: set by a restore (None: fresh start) and
+        # by each commit; written into the next manifest as its `parent`. Unknown until then.
+        self._head: str | None = None
+        self._head_known = False
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.storage.uri!r}, prefix={self.prefix!r}, keep_last={self.keep_last})"
@@ -75,10 +102,15 @@ class CheckpointStore:
 
         `attempt` (any string all ranks of this training attempt share, e.g. a restart counter) is stored
         in the marker; commit(attempt=...) ignores markers of other attempts, i.e. stale ones left at the
-        same tag by ranks of a run that died before committing it.
+        same tag by ranks of a run that died before committing it. Refuses (CheckpointCorrupt) to write
+        into a tag that is committed or quarantined: its manifest would then describe other bytes.
         """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
+        for name in (MANIFEST, QUARANTINE):
+            if self.storage.exists(self._k(tag, name)):
+                raise CheckpointCorrupt(f"{tag}: refusing to write rank {rank} into a committed checkpoint "
+                                        f"({name} exists); save under a new tag (tag_for(step, attempt))")
         t0 = time.monotonic()
         self.storage.delete(self._k(tag, f"rank-{rank}.done.json"))  # a stale one must not count
         sizes = local_files(local_dir)
@@ -97,14 +129,7 @@ class CheckpointStore:
                  len(sizes), stats.bytes / 1e6, time.monotonic() - t0)
         return marker
 
-    def commit(self, tag: str, step: int, world_size: int, meta: dict | None = None,
-               timeout_s: float | None = None, attempt: str | None = None) -> dict[str, Any]:
-        """Wait for all ranks' markers, write the manifest, move `latest`, then retention + orphans.
-
-        Raises CheckpointCorrupt when some rank's marker does not appear within `timeout_s` (markers of
-        another `attempt` do not count) or disagrees on world_size, or a listed file is missing.
-        """
-        timeout_s = constants.CHECKPOINT_COMMIT_TIMEOUT_S if timeout_s is None else timeout_s
+    def _wait_markers(self, tag: str, world_size: int, timeout_s: float, attempt: str | None) -> dict:
         t0, delay = time.monotonic(), 0.05
         missing, markers = set(range(world_size)), {}
         while True:
@@ -117,12 +142,24 @@ class CheckpointStore:
                     markers[r] = marker
             missing -= set(markers)
             if not missing:
-                break
+                return markers
             if time.monotonic() - t0 > timeout_s:
                 raise CheckpointCorrupt(f"{tag}: ranks {sorted(missing)} of {world_size} did not finish "
                                         f"uploading within {timeout_s:.0f}s")
             time.sleep(delay)
             delay = min(delay * 1.5, 2.0)
+
+    def commit(self, tag: str, step: int, world_size: int, meta: dict | None = None,
+               timeout_s: float | None = None, attempt: str | None = None) -> dict[str, Any]:
+        """Wait for all ranks' markers, write the manifest (with its `parent`), move `latest`, then
+        retention + orphans.
+
+        Raises CheckpointCorrupt when some rank's marker does not appear within `timeout_s` (markers of
+        another `attempt` do not count) or disagrees on world_size, or a listed file is missing.
+        """
+        timeout_s = constants.CHECKPOINT_COMMIT_TIMEOUT_S if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        markers = self._wait_markers(tag, world_size, timeout_s, attempt)
         files: dict[str, dict] = {}
         for rank, marker in sorted(markers.items()):
             if marker.get("world_size") != world_size:
@@ -135,22 +172,58 @@ class CheckpointStore:
                 raise CheckpointCorrupt(f"{tag}: {rel} missing or wrong size in storage")
         manifest = {"tag": tag, "step": int(step), "world_size": world_size, "created": time.time(),
                     "bytes": sum(f["size"] for f in files.values()), "files": files, "meta": meta or {}}
+        parent_known, parent = self._head_known, self._head
+        if parent_known:
+            manifest["parent"] = parent
         self.storage.put_bytes(self._k(tag, MANIFEST), json.dumps(manifest, indent=1).encode())
-        current = self.latest()
-        if current is None or tag_key(current["tag"]) <= tag_key(tag):
-            self.storage.put_bytes(self._k(LATEST), json.dumps(
-                {"tag": tag, "step": int(step), "committed": manifest["created"]}).encode())
-        else:
-            log.warning("checkpoint %s committed but `latest` stays at newer %s", tag, current["tag"])
+        self._head, self._head_known = tag, True
+        lineage, current = self.lineage(head=tag), self.latest_tag()
+        if self._moves_latest(current, parent_known, parent, lineage, tag):
+            self._point_latest(tag, int(step), manifest["created"])
+        else:   # another attempt resumed meanwhile: its lineage is the live one
+            log.warning("checkpoint %s committed but `latest` stays at %s: training resumed from it after "
+                        "this attempt's last commit or restore", tag, current)
+            lineage = self.lineage()
         log.info("checkpoint %s committed: step %d, %d ranks, %d files, %.1f MB (waited %.2fs)", tag, step,
                  world_size, len(files), manifest["bytes"] / 1e6, time.monotonic() - t0)
-        self.cleanup()
+        self.cleanup(lineage)
         return manifest
 
+    @staticmethod
+    def _moves_latest(current: str | None, parent_known: bool, parent: str | None, lineage: Lineage,
+                      tag: str) -> bool:
+        """A commit moves `latest` when `latest` is what it descends from (the parent this process
+        recorded, or an ancestor when unknown), or points at nothing intact."""
+        if current is None or (parent_known and current == parent):
+            return True
+        if current in lineage.damaged or all(c.tag != current for c in lineage.checkpoints):
+            return True
+        return not parent_known and lineage.descends_from(tag, current)
+
+    def _point_latest(self, tag: str | None, step: int, created: float | None = None) -> None:
+        if tag is None:
+            self.storage.delete(self._k(LATEST))
+            return
+        self.storage.put_bytes(self._k(LATEST), json.dumps(
+            {"tag": tag, "step": int(step), "committed": created}).encode())
+
+    def mark_resumed(self, tag: str | None, step: int = 0) -> None:
+        """Training resumes from `tag` (None: starts fresh): the next commit descends from it, and
+        `latest` points at it (the live lineage's newest commit) until then."""
+        self._head, self._head_known = tag, True
+        if self.latest_tag() != tag:
+            self._point_latest(tag, step)
+
+    def quarantine(self, tag: str, reason: str) -> None:
+        """Mark a damaged committed tag: never restored again, listed by quarantined()."""
+        self.storage.put_bytes(self._k(tag, QUARANTINE), json.dumps(
+            {"tag": tag, "reason": reason, "t": time.time()}).encode())
+        log.warning("checkpoint %s quarantined: %s", tag, reason)
+
     # -- reading ------------------------------------------------------------------------------------
-    def _tags(self) -> tuple[list[str], set[str]]:
-        """(all tag directories, committed tags) from one listing."""
-        tags, committed = set(), set()
+    def _tags(self) -> tuple[list[str], set[str], set[str]]:
+        """(all tag directories, tags with a manifest, quarantined tags) from one listing."""
+        tags, committed, quarantined = set(), set(), set()
         for key in self.storage.list(self._k() + "/" if self.prefix else ""):
             rest = key[len(self.prefix) + 1:] if self.prefix else key
             if "/" not in rest:
@@ -159,12 +232,52 @@ class CheckpointStore:
             tags.add(tag)
             if name == MANIFEST:
                 committed.add(tag)
-        return sorted(tags, key=tag_key, reverse=True), committed
+            elif name == QUARANTINE:
+                quarantined.add(tag)
+        return sorted(tags, key=tag_key, reverse=True), committed, quarantined
+
+    def uploading(self) -> list[str]:
+        """Uncommitted tags newer than `latest`: saves still uploading (or debris of a dead attempt)."""
+        tags, done, bad = self._tags()
+        head = self.latest_tag()
+        return [t for t in tags if t not in done and t not in bad and (head is None or tag_key(t) > tag_key(head))]
 
     def committed(self) -> list[str]:
-        """Committed tags (those with a manifest), newest first."""
-        tags, done = self._tags()
-        return [t for t in tags if t in done]
+        """Committed, not quarantined tags, newest (by step) first."""
+        tags, done, bad = self._tags()
+        return [t for t in tags if t in done and t not in bad]
+
+    def quarantined(self) -> dict[str, str]:
+        """tag -> reason of every quarantined tag."""
+        out = {}
+        for tag in self._tags()[2]:
+            try:
+                out[tag] = json.loads(self.storage.get_bytes(self._k(tag, QUARANTINE)))["reason"]
+            except (FileNotFoundError, ValueError, KeyError):
+                out[tag] = "quarantined (marker unreadable)"
+        return out
+
+    def _manifests(self) -> tuple[dict[str, dict], dict[str, str], dict[str, str]]:
+        """(readable manifests, unreadable ones tag -> reason, quarantined tag -> reason)."""
+        tags, done, bad = self._tags()
+        manifests, unreadable = {}, {}
+        for tag in tags:
+            if tag not in done:
+                continue
+            try:
+                manifests[tag] = self.manifest(tag)
+            except FileNotFoundError:
+                continue  # deleted meanwhile
+            except ValueError as exc:
+                unreadable[tag] = f"{tag}: unreadable manifest ({exc})"
+        quarantined = self.quarantined() if bad else {}
+        return manifests, unreadable, quarantined
+
+    def lineage(self, head: str | None = None, resumes=()) -> Lineage:
+        """The lineage of this store's checkpoints; `head` defaults to the `latest` pointer."""
+        manifests, unreadable, quarantined = self._manifests()
+        damaged = {**{t: r for t, r in unreadable.items()}, **quarantined}
+        return build_lineage(manifests, damaged, head if head is not None else self.latest_tag(), resumes)
 
     def latest(self) -> dict | None:
         """The `latest` pointer ({"tag", "step", "committed"}) or None."""
@@ -186,51 +299,100 @@ class CheckpointStore:
         """The manifest of a committed tag (FileNotFoundError if it has none)."""
         return json.loads(self.storage.get_bytes(self._k(tag, MANIFEST)))
 
+    def restore_candidates(self) -> list[str]:
+        """Tags a restore tries, best first (the live lineage's intact ones, newest first). Quarantines
+        committed tags whose manifest is unreadable on the way (listed in `self.last_quarantined`)."""
+        manifests, unreadable, quarantined = self._manifests()
+        self.last_quarantined: list[tuple[str, str]] = []
+        for tag, reason in unreadable.items():
+            if tag not in quarantined:
+                log.warning("checkpoint %s skipped on restore: %s", tag, reason)
+                self.quarantine(tag, reason)
+                quarantined[tag] = reason
+                self.last_quarantined.append((tag, reason))
+        return list(build_lineage(manifests, quarantined, self.latest_tag()).restore_order)
+
     def restore(self, local_dir: str, tag: str | None = None, verify: bool = True,
                 ranks: Iterable[int] | None = None) -> dict | None:
-        """Download the newest intact committed checkpoint to `local_dir/<tag>/`; its manifest or None.
+        """Download the newest intact checkpoint of the live lineage to `local_dir/<tag>/`; its manifest
+        or None.
 
-        Intact: every manifest file exists with its size and (verify=True) its sha256. A damaged newest
-        checkpoint is skipped with a WARNING naming tag and reason; with an explicit `tag` it raises
+        Intact: every manifest file exists with its size and (verify=True) its sha256. A damaged one is
+        quarantined and skipped with a WARNING naming tag and reason; with an explicit `tag` it raises
         CheckpointCorrupt instead. `ranks` limits the download to those ranks' files. The returned manifest
-        carries `path` (the local tag directory) and `download_seconds`.
+        carries `path` (the local tag directory) and `download_seconds`. The tags quarantined by this call
+        are in `self.last_quarantined` [(tag, reason)]. Without an explicit tag the store then resumes
+        from the restored tag (mark_resumed).
         """
-        candidates = [tag] if tag else self.committed()
+        candidates = [tag] if tag else self.restore_candidates()
+        self.last_quarantined = [] if tag else self.last_quarantined
         want = None if ranks is None else {f"rank-{r}/" for r in ranks}
         for cand in candidates:
             try:
-                return self._restore_one(cand, local_dir, verify, want)
+                manifest = self.check_listing(cand, want)
+                out = self.download(manifest, local_dir, verify, want)
             except CheckpointCorrupt as exc:
                 if tag:
                     raise
                 log.warning("checkpoint %s skipped on restore: %s; falling back to an older one", cand, exc)
+                self.quarantine(cand, str(exc))
+                self.last_quarantined.append((cand, str(exc)))
+                continue
+            if not tag:
+                self.mark_resumed(cand, int(out["step"]))
+            return out
         if candidates:
             log.warning("no intact checkpoint among %d committed in %s", len(candidates), self.storage.uri)
         return None
 
-    def _restore_one(self, tag: str, local_dir: str, verify: bool, want: set[str] | None) -> dict:
-        t0 = time.monotonic()
+    def check_listing(self, tag: str, want: set[str] | None = None) -> dict:
+        """The manifest of `tag` when it is readable, not quarantined and every file it lists (those of
+        `want` rank prefixes) is stored with its size; CheckpointCorrupt otherwise. No download."""
+        if self.storage.exists(self._k(tag, QUARANTINE)):
+            raise CheckpointCorrupt(f"{tag}: quarantined")
         try:
             manifest = self.manifest(tag)
         except FileNotFoundError:
             raise CheckpointCorrupt(f"{tag}: no manifest (not committed)") from None
         except ValueError as exc:
             raise CheckpointCorrupt(f"{tag}: unreadable manifest ({exc})") from None
-        files = {rel: info for rel, info in manifest["files"].items()
-                 if want is None or any(rel.startswith(w) for w in want)}
         listed = self.storage.list(self._k(tag) + "/")
-        for rel, info in sorted(files.items()):
+        for rel, info in sorted(_wanted(manifest["files"], want).items()):
             size = listed.get(self._k(tag, rel))
             if size is None:
                 raise CheckpointCorrupt(f"{tag}: partial, {rel} is missing")
             if size != info["size"]:
                 raise CheckpointCorrupt(f"{tag}: {rel} has {size} bytes, manifest says {info['size']}")
-        stage = os.path.join(local_dir, f".partial-{tag}-{uuid.uuid4().hex[:8]}")
+        return manifest
+
+    def download(self, manifest: dict, local_dir: str, verify: bool = True,
+                 want: set[str] | None = None) -> dict:
+        """Download the files of a checked manifest to `local_dir/<tag>/`, verifying sizes and (verify)
+        sha256; CheckpointCorrupt on a mismatch. Returns the manifest with `path` and `download_seconds`."""
+        t0, tag = time.monotonic(), manifest["tag"]
+        files = _wanted(manifest["files"], want)
+        final = os.path.join(local_dir, tag)
+        self._fetch_verified(tag, files, final, verify)
+        with open(os.path.join(final, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        manifest = dict(manifest, path=final, download_seconds=time.monotonic() - t0)
+        log.info("checkpoint %s restored to %s: %d files, %.1f MB in %.2fs%s", tag, final, len(files),
+                 sum(i["size"] for i in files.values()) / 1e6, manifest["download_seconds"],
+                 " (sha256 verified)" if verify else "")
+        return manifest
+
+    def _fetch_verified(self, tag: str, files: dict[str, dict], final: str, verify: bool,
+                        sub: str = "") -> None:
+        """Download `files` (relative to `<tag>/<sub>`) into `final` through a staging folder."""
+        parent = os.path.dirname(final) or "."
+        os.makedirs(parent, exist_ok=True)
+        stage = os.path.join(parent, f".partial-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
         os.makedirs(stage)
         try:
-            prefixes = sorted({rel.split("/", 1)[0] for rel in files})
-            for top in prefixes:  # rank-<r> directories
-                self.storage.download_dir(self._k(tag, top), os.path.join(stage, top))
+            for top in sorted({rel.split("/", 1)[0] for rel in files if "/" in rel}):  # rank-<r>, zero
+                self.storage.download_dir(self._k(tag, sub, top), os.path.join(stage, top))
+            for rel in sorted(rel for rel in files if "/" not in rel):
+                self.storage.get_file(self._k(tag, sub, rel), os.path.join(stage, rel))
             got = local_files(stage)
             for rel, info in files.items():
                 if got.get(rel) != info["size"]:
@@ -241,47 +403,75 @@ class CheckpointStore:
                 for rel, info in sorted(files.items()):
                     if digests[rel] != info["sha256"]:
                         raise CheckpointCorrupt(f"{tag}: checksum mismatch in {rel}")
-            with open(os.path.join(stage, MANIFEST), "w") as f:
-                json.dump(manifest, f, indent=1)
-            final = os.path.join(local_dir, tag)
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(stage, final)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
-        manifest.update(path=final, download_seconds=time.monotonic() - t0)
-        log.info("checkpoint %s restored to %s: %d files, %.1f MB in %.2fs%s", tag, final, len(files),
-                 sum(i["size"] for i in files.values()) / 1e6, manifest["download_seconds"],
-                 " (sha256 verified)" if verify else "")
-        return manifest
+
+    # -- the universal (converted) copy -------------------------------------------------------------
+    def has_universal(self, tag: str) -> bool:
+        return self.storage.exists(self._k(tag, UNIVERSAL_INDEX))
+
+    def put_universal(self, tag: str, local_dir: str) -> int:
+        """Upload a universal-checkpoint folder converted from `tag` next to it (index written last, so
+        a reader never sees a partial copy); returns bytes. The first converter shares it with the rest."""
+        sizes = local_files(local_dir)
+        digests = hash_files(local_dir, list(sizes))
+        stats = self.storage.upload_dir(local_dir, self._k(tag, UNIVERSAL))
+        index = {rel: {"size": size, "sha256": digests[rel]} for rel, size in sizes.items()}
+        self.storage.put_bytes(self._k(tag, UNIVERSAL_INDEX), json.dumps({"tag": tag, "files": index}).encode())
+        return stats.bytes
+
+    def get_universal(self, tag: str, local_dir: str) -> dict:
+        """Download `tag`'s universal copy into `local_dir` (verified); CheckpointCorrupt when absent or
+        damaged (a damaged copy is deleted: the caller converts again)."""
+        try:
+            index = json.loads(self.storage.get_bytes(self._k(tag, UNIVERSAL_INDEX)))["files"]
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"{tag}: no universal copy") from None
+        except (ValueError, KeyError) as exc:
+            raise CheckpointCorrupt(f"{tag}: unreadable universal index ({exc})") from None
+        try:
+            self._fetch_verified(tag, index, local_dir, verify=True, sub=UNIVERSAL)
+        except CheckpointCorrupt:
+            self.storage.delete(self._k(tag, UNIVERSAL_INDEX))
+            raise
+        return index
 
     # -- retention ----------------------------------------------------------------------------------
     def discard_uncommitted(self) -> list[str]:
-        """Delete every tag without a manifest. Call it when (re)starting training, before any rank
-        uploads: at that moment every uncommitted tag is debris of a dead attempt."""
-        tags, done = self._tags()
-        doomed = [t for t in tags if t not in done]
+        """Delete every tag without a manifest (quarantined ones stay). Call it when (re)starting training,
+        before any rank uploads: at that moment every uncommitted tag is debris of a dead attempt."""
+        tags, done, bad = self._tags()
+        doomed = [t for t in tags if t not in done and t not in bad]
         for tag in doomed:
             self.storage.delete_prefix(self._k(tag))
         if doomed:
             log.info("checkpoint: discarded uncommitted tags %s", doomed)
         return doomed
 
-    def cleanup(self) -> list[str]:
-        """Delete committed tags beyond keep_last, and uncommitted tags older than the newest commit."""
-        tags, done = self._tags()
-        committed = [t for t in tags if t in done]
-        if not committed:
+    def cleanup(self, lineage: Lineage | None = None) -> list[str]:
+        """Retention by lineage: delete committed tags beyond the newest keep_last of the live lineage
+        (never its newest intact one), dead branches and old quarantined tags (the newest keep_last of
+        those stay for inspection), and uncommitted tags older than the head."""
+        lineage = lineage or self.lineage()
+        tags, done, bad = self._tags()
+        if lineage.head is None:
             return []
-        newest = tag_key(committed[0])
-        doomed = committed[self.keep_last:] if self.keep_last else []
-        orphans = [t for t in tags if t not in done and tag_key(t) < newest]
+        doomed = [t for t in lineage.deletable(self.keep_last) if t in done or t in bad]
+        newest = tag_key(lineage.head)
+        orphans = [t for t in tags if t not in done and t not in bad and tag_key(t) < newest]
         for tag in doomed:  # manifest first: a half-deleted tag must not look committed
             self.storage.delete(self._k(tag, MANIFEST))
             self.storage.delete_prefix(self._k(tag))
         for tag in orphans:
             self.storage.delete_prefix(self._k(tag))
         if doomed or orphans:
-            log.info("checkpoint retention (keep_last=%d): deleted %s; orphans deleted %s", self.keep_last,
-                     doomed or "none", orphans or "none")
+            log.info("checkpoint retention (keep_last=%d, live lineage %s): deleted %s; orphans deleted %s",
+                     self.keep_last, list(lineage.live[:4]), doomed or "none", orphans or "none")
         return doomed + orphans
+
+
+def _wanted(files: dict[str, dict], want: set[str] | None) -> dict[str, dict]:
+    return {rel: info for rel, info in files.items() if want is None or any(rel.startswith(w) for w in want)}

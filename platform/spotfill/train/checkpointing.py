@@ -64,7 +64,7 @@ class Checkpointer:
     def save(self, engine, step: int, client_state: dict, sync: bool = False,
              commit_timeout_s: float | None = None) -> dict:
         """Snapshot now, upload in the background (or wait with sync=True). Returns timings."""
-        tag = tag_for(step)
+        tag = tag_for(step, self.attempt)
         t0 = time.perf_counter()
         state = {**client_state, "step": step, "world_size": self.world_size,
                  "universal_checkpoint_info": {}}

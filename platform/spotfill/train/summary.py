@@ -93,4 +93,20 @@ def checkpoints_section(events: list[dict]) -> dict:
         "upload_seconds_mean": round(mean(e["upload_s"] for e in commits), 4) if commits else None,
         "bytes_last": commits[-1]["bytes"] if commits else None,
         "emergency": sum(1 for e in saves if e.get("emergency")),
+        **lineage_report(events),
     }
+
+
+def lineage_report(events: list[dict]) -> dict:
+    """`quarantined`: damaged tags ({tag, reason}, first report of each); `restored`: each restore's tag;
+    `fresh_starts`: restarts from step 0 although committed checkpoints existed
+    (on_no_intact_checkpoint: restart), with the cause."""
+    quarantined: dict[str, dict] = {}
+    for e in events:
+        if e["kind"] == "checkpoint_quarantined" and e["tag"] not in quarantined:
+            quarantined[e["tag"]] = {"tag": e["tag"], "reason": e["reason"]}
+    return {"quarantined": list(quarantined.values()),
+            "restored": [{"tag": e["tag"], "step": e.get("step"), "attempt": e.get("attempt"), "t": e.get("t")}
+                         for e in events if e["kind"] == "checkpoint_restored"],
+            "fresh_starts": [{"attempt": e.get("attempt"), "cause": e["cause"]}
+                             for e in events if e["kind"] == "fresh_start"]}

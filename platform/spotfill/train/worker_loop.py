@@ -19,6 +19,7 @@ from spotfill.config import constants
 from spotfill.train.batching import batch_shape, rank_micro_batches, stream_to_rows
 from spotfill.train.checkpointing import Checkpointer
 from spotfill.train.restore import restore_on_workers
+from spotfill.config.errors import NoIntactCheckpoint
 from spotfill.storage.checkpoint_store import CheckpointStore
 from spotfill.config.job import JobConfig, from_mapping
 from spotfill.ray_compat import local_preemption_info
@@ -81,7 +82,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
     node_dir = os.path.join(local_root, "restore")
 
     t0 = time.perf_counter()
-    plan = restore_on_workers(store, comms, rank, world, node_id, node_dir, t.zero_stage)
+    try:
+        plan = restore_on_workers(store, comms, rank, world, node_id, node_dir, t.zero_stage,
+                                  on_no_intact=t.on_no_intact_checkpoint,
+                                  emit=lambda kind, **f: sink.event.remote(kind, attempt=attempt, **f))
+    except NoIntactCheckpoint as exc:
+        return None if rank else ray.get(sink.finish.remote({"ok": False, "reason": str(exc)}))
     prep_s = time.perf_counter() - t0
 
     on_gpu = torch.cuda.is_available() and job.cluster.gpu_resource == "GPU"

@@ -1,0 +1,102 @@
+"""Checkpoint lineage (storage/lineage.py): hand-built manifests, expected values worked out by hand."""
+from __future__ import annotations
+
+import pytest
+
+from spotfill.storage.checkpoint_store import parse_tag, tag_for, tag_key
+from spotfill.storage.lineage import build_lineage
+
+_NO = object()
+
+
+def m(tag, step, created, attempt=None, parent=_NO):
+    out = {"tag": tag, "step": step, "created": created, "meta": {} if attempt is None else {"attempt": attempt}}
+    if parent is not _NO:
+        out["parent"] = parent
+    return out
+
+
+def ms(*items):
+    return {x["tag"]: x for x in items}
+
+
+# A run: attempt 0 commits 10, 20, 40; 40 is damaged; attempt 1 resumes from 20 and commits 25.
+RESUMED_PAST_DAMAGE = ms(m("s10", 10, 1.0, "0", None), m("s20", 20, 2.0, "0", "s10"),
+                         m("s40", 40, 3.0, "0", "s20"), m("s25", 25, 4.0, "1", "s20"))
+# The same run written before manifests had `parent` (legacy): parents come from attempts and resumes.
+LEGACY = ms(m("s10", 10, 1.0, "0"), m("s20", 20, 2.0, "0"), m("s40", 40, 3.0, "0"), m("s25", 25, 4.0, "1"))
+# attempt 1 started fresh (restart policy) after everything was damaged, then committed 5 and 10b
+FRESH = ms(m("s10", 10, 1.0, "0", None), m("s20", 20, 2.0, "0", "s10"),
+           m("s05", 5, 3.0, "1", None), m("s10b", 10, 4.0, "1", "s05"))
+# a superseded attempt committed 30 after attempt 2 resumed from 20 (a dead branch)
+DEAD_BRANCH = ms(m("s10", 10, 1.0, "0", None), m("s20", 20, 2.0, "0", "s10"),
+                 m("s30", 30, 5.0, "0", "s20"), m("s22", 22, 6.0, "2", "s20"))
+
+CASES = [
+    # id, manifests, quarantined, head, resumes, expected live, newest intact, deletable(1), deletable(2)
+    ("linear, no damage", ms(m("s10", 10, 1.0, "0", None), m("s20", 20, 2.0, "0", "s10"),
+                             m("s30", 30, 3.0, "0", "s20")), {}, "s30", [],
+     ("s30", "s20", "s10"), "s30", ("s20", "s10"), ("s10",)),
+    ("resumed past damaged 40, head given", RESUMED_PAST_DAMAGE, {"s40": "checksum"}, "s25", [],
+     ("s25", "s20", "s10"), "s25", ("s20", "s10"), ("s10",)),
+    ("resumed past damaged 40, latest still at 40", RESUMED_PAST_DAMAGE, {"s40": "checksum"}, "s40", [],
+     ("s25", "s20", "s10"), "s25", ("s20", "s10"), ("s10",)),
+    ("legacy manifests + resume events", LEGACY, {"s40": "checksum"}, None,
+     [{"attempt": "0", "from_tag": None}, {"attempt": "1", "from_tag": "s20"}],
+     ("s25", "s20", "s10"), "s25", ("s20", "s10"), ("s10",)),
+    ("restore time: head damaged, parent next", RESUMED_PAST_DAMAGE, {"s40": "x", "s25": "y"}, "s25", [],
+     ("s25", "s20", "s10"), "s20", ("s40", "s10"), ()),
+    ("damaged head: walk its chain, not a newer dead branch", DEAD_BRANCH, {"s22": "x"}, "s22", [],
+     ("s22", "s20", "s10"), "s20", ("s30", "s10"), ("s30",)),
+    ("fresh start after total damage", FRESH, {"s10": "a", "s20": "b"}, "s10b", [],
+     ("s10b", "s05"), "s10b", ("s05", "s10"), ()),
+    ("dead branch of a superseded attempt", DEAD_BRANCH, {}, "s22", [],
+     ("s22", "s20", "s10"), "s22", ("s30", "s20", "s10"), ("s30", "s10")),
+    ("nothing committed", {}, {}, None, [], (), None, (), ()),
+]
+
+
+@pytest.mark.parametrize("manifests,quarantined,head,resumes,live,newest,del1,del2",
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_lineage_table(manifests, quarantined, head, resumes, live, newest, del1, del2):
+    lin = build_lineage(manifests, quarantined, head, resumes)
+    assert lin.live == live
+    assert lin.newest_intact == newest
+    assert lin.restore_order == tuple(t for t in live if t not in quarantined)
+    assert set(lin.deletable(1)) == set(del1)
+    assert set(lin.deletable(2)) == set(del2)
+    assert lin.deletable(0) == ()
+    if newest:
+        assert newest not in lin.deletable(1)   # retention never deletes the newest intact live one
+
+
+def test_quarantined_listed_newest_first_and_kept_up_to_keep_last():
+    lin = build_lineage(FRESH, {"s10": "bad a", "s20": "bad b"}, "s10b")
+    assert lin.quarantined == (("s20", "bad b"), ("s10", "bad a"))
+    assert "s20" not in lin.deletable(1) and "s10" in lin.deletable(1)
+
+
+def test_head_from_the_last_resume_when_no_pointer():
+    # attempt 1 resumed from s20 and has committed nothing yet: the live head is s20, not the newer s40
+    lin = build_lineage(LEGACY, {}, None, [{"attempt": "0", "from_tag": None}, {"attempt": "1", "from_tag": "s20"}])
+    assert lin.live[:2] == ("s25", "s20")
+    only = {t: v for t, v in LEGACY.items() if t != "s25"}
+    lin = build_lineage(only, {}, None, [{"attempt": "1", "from_tag": "s20"}])
+    assert lin.head == "s20" and lin.live == ("s20", "s10")
+
+
+@pytest.mark.parametrize("step,attempt,tag,parsed", [
+    (120, None, "step-00000120", (120, None)),
+    (120, 3, "step-00000120-a3", (120, "3")),
+    (7, "run/2", "step-00000007-arun_2", (7, "run_2")),
+])
+def test_tag_for_is_unique_per_attempt_and_parseable(step, attempt, tag, parsed):
+    assert tag_for(step, attempt) == tag
+    assert parse_tag(tag) == parsed
+    assert tag_key(tag)[0] == step
+
+
+def test_tags_sort_by_step_then_attempt():
+    tags = ["step-00000120-a3", "step-00000020-a9", "step-00000120", "step-00000040-a1"]
+    assert sorted(tags, key=tag_key) == ["step-00000020-a9", "step-00000040-a1", "step-00000120",
+                                         "step-00000120-a3"]

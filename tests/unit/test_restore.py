@@ -1,0 +1,197 @@
+"""restore_on_workers as a collective, without Ray: ranks are threads, "nodes" are folders, the store a
+local directory. Checks the damaged-checkpoint paths (quarantine, fail loudly, opt-in restart) and that
+node leaders download at the same time, once per node."""
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+
+import pytest
+
+from spotfill.config.errors import NoIntactCheckpoint
+from spotfill.storage.base import open_storage
+from spotfill.storage.checkpoint_store import CheckpointStore, tag_for
+from spotfill.train.restore import restore_on_workers
+
+
+class _Group:
+    def __init__(self, world: int):
+        self.world, self.slots, self.barrier = world, [None] * world, threading.Barrier(world, timeout=30)
+
+    def exchange(self, rank: int, obj):
+        self.slots[rank] = copy.deepcopy(obj)     # like pickling across processes
+        self.barrier.wait()
+        out = copy.deepcopy(self.slots)
+        self.barrier.wait()
+        return out
+
+
+class ThreadComms:
+    """The slice of torch.distributed restore_on_workers uses."""
+
+    def __init__(self, group: _Group, rank: int):
+        self.group, self.rank, self.dist = group, rank, self
+
+    def bcast(self, obj):
+        return self.group.exchange(self.rank, obj)[0]
+
+    def all_gather_object(self, out: list, obj) -> None:
+        out[:] = self.group.exchange(self.rank, obj)
+
+    def barrier(self) -> None:
+        self.group.exchange(self.rank, None)
+
+
+def _save(store, root, step: int, world: int = 4, attempt: str = "0") -> str:
+    tag = tag_for(step, attempt)
+    for rank in range(world):
+        d = os.path.join(str(root), f"snap-{step}-{rank}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"zero_pp_rank_{rank}_optim_states.pt"), "wb") as f:
+            f.write(bytes([step % 256, rank]) * 2000)
+        store.upload_part(tag, rank, world, d, attempt=attempt)
+    store.commit(tag, step, world, attempt=attempt)
+    return tag
+
+
+def _flip(storage, key):
+    data = bytearray(storage.get_bytes(key))
+    data[len(data) // 2] ^= 0xFF
+    storage.put_bytes(key, bytes(data))
+
+
+def _run(uri, tmp_path, nodes, kwargs=None):
+    """Run restore_on_workers on len(nodes) thread-ranks; rank r sits on node nodes[r]."""
+    world = len(nodes)
+    group, results, events = _Group(world), [None] * world, []
+
+    def body(rank):
+        store = CheckpointStore(open_storage(uri), keep_last=5)
+        node_dir = os.path.join(str(tmp_path), f"node-{nodes[rank]}", "restore")
+        emit = (lambda kind, **f: events.append({"kind": kind, **f})) if rank == 0 else None
+        try:
+            results[rank] = restore_on_workers(store, ThreadComms(group, rank), rank, world, nodes[rank],
+                                               node_dir, 2, **(kwargs or {}), **({"emit": emit} if emit else {}))
+        except Exception as exc:  # noqa: BLE001 -- the test inspects it
+            results[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results, events
+
+
+@pytest.fixture
+def uri(tmp_path):
+    return str(tmp_path / "store")
+
+
+def test_damaged_newest_is_quarantined_and_the_previous_restored_on_every_rank(uri, tmp_path):
+    store = CheckpointStore(open_storage(uri), keep_last=5)
+    good, bad = _save(store, tmp_path, 10), _save(store, tmp_path, 20)
+    _flip(store.storage, f"checkpoints/{bad}/rank-3/zero_pp_rank_3_optim_states.pt")
+    plans, events = _run(uri, tmp_path, ["a", "a", "b", "b"])
+    assert all(not isinstance(p, Exception) for p in plans), plans
+    assert {p.tag for p in plans} == {good} and {p.step for p in plans} == {10}
+    assert plans[0].quarantined == [(bad, f"{bad}: checksum mismatch in rank-3/zero_pp_rank_3_optim_states.pt")]
+    assert [(e["kind"], e.get("tag")) for e in events] == [("checkpoint_quarantined", bad),
+                                                          ("checkpoint_restored", good)]
+    for node in ("a", "b"):   # each node has the flattened checkpoint
+        flat = tmp_path / f"node-{node}" / "restore" / "ds" / good
+        assert sorted(os.listdir(flat)) == [f"zero_pp_rank_{r}_optim_states.pt" for r in range(4)]
+    assert CheckpointStore(open_storage(uri)).latest_tag() == good
+    assert list(CheckpointStore(open_storage(uri)).quarantined()) == [bad]
+
+
+def test_no_intact_checkpoint_fails_loudly_on_every_rank_by_default(uri, tmp_path):
+    store = CheckpointStore(open_storage(uri), keep_last=5)
+    tags = [_save(store, tmp_path, s) for s in (10, 20)]
+    for tag in tags:
+        _flip(store.storage, f"checkpoints/{tag}/rank-0/zero_pp_rank_0_optim_states.pt")
+    results, events = _run(uri, tmp_path, ["a", "b"])
+    assert all(isinstance(r, NoIntactCheckpoint) for r in results), results
+    msg = str(results[0])
+    assert "\n" not in msg and all(t in msg for t in tags) and "on_no_intact_checkpoint" in msg
+    assert sorted(e["tag"] for e in events if e["kind"] == "checkpoint_quarantined") == sorted(tags)
+
+
+def test_no_intact_checkpoint_restart_is_opt_in_and_recorded(uri, tmp_path):
+    store = CheckpointStore(open_storage(uri), keep_last=5)
+    tag = _save(store, tmp_path, 10)
+    store.storage.delete(f"checkpoints/{tag}/rank-1/zero_pp_rank_1_optim_states.pt")
+    plans, events = _run(uri, tmp_path, ["a", "b"], {"on_no_intact": "restart"})
+    assert all(p.tag is None and p.fresh_start_cause for p in plans), plans
+    fresh = [e for e in events if e["kind"] == "fresh_start"]
+    assert len(fresh) == 1 and fresh[0]["damaged"] == [tag] and tag in fresh[0]["cause"]
+    assert CheckpointStore(open_storage(uri)).latest_tag() is None
+
+
+def test_empty_store_is_a_plain_fresh_start(uri, tmp_path):
+    plans, events = _run(uri, tmp_path, ["a", "b"])
+    assert all(p.tag is None and p.fresh_start_cause is None for p in plans) and events == []
+
+
+def test_node_leaders_download_in_parallel_once_per_node(uri, tmp_path, monkeypatch):
+    store = CheckpointStore(open_storage(uri), keep_last=5)
+    tag = _save(store, tmp_path, 10)
+    spans, lock = [], threading.Lock()
+    real = CheckpointStore.download
+
+    def slow_download(self, manifest, local_dir, verify=True, want=None):
+        t0 = time.monotonic()
+        time.sleep(0.5)
+        out = real(self, manifest, local_dir, verify, want)
+        with lock:
+            spans.append((local_dir, t0, time.monotonic()))
+        return out
+    monkeypatch.setattr(CheckpointStore, "download", slow_download)
+    t0 = time.monotonic()
+    plans, _ = _run(uri, tmp_path, ["a", "a", "b", "b"])
+    assert {p.tag for p in plans} == {tag}
+    assert sorted(os.path.basename(os.path.dirname(d)) for d, _, _ in spans) == ["node-a", "node-b"]
+    (_, s1, e1), (_, s2, e2) = spans
+    assert max(s1, s2) < min(e1, e2), "the two nodes' downloads did not overlap"
+    assert time.monotonic() - t0 < 0.95
+    assert plans[0].timings["nodes"] == 2
+
+
+def test_on_no_intact_checkpoint_is_validated_in_one_line():
+    from spotfill.config.errors import ConfigError
+    from spotfill.config.job import JobConfig, from_mapping
+
+    base = {"storage": "/tmp/s", "data": {"path": "/tmp/d"}}
+    assert from_mapping(JobConfig, base).training.on_no_intact_checkpoint == "fail"
+    ok = from_mapping(JobConfig, {**base, "training": {"on_no_intact_checkpoint": "restart"}})
+    assert ok.training.on_no_intact_checkpoint == "restart"
+    with pytest.raises(ConfigError) as err:
+        from_mapping(JobConfig, {**base, "training": {"on_no_intact_checkpoint": "ignore"}})
+    assert str(err.value) == "training.on_no_intact_checkpoint: bad value 'ignore'; accepted: fail, restart"
+
+
+def test_unreadable_manifest_is_quarantined_and_reported(uri, tmp_path):
+    store = CheckpointStore(open_storage(uri), keep_last=5)
+    good, bad = _save(store, tmp_path, 10), _save(store, tmp_path, 20)
+    store.storage.put_bytes(f"checkpoints/{bad}/manifest.json", b"{not json")
+    plans, events = _run(uri, tmp_path, ["a", "a", "b", "b"])
+    assert {p.tag for p in plans} == {good}
+    q = [e for e in events if e["kind"] == "checkpoint_quarantined"]
+    assert [e["tag"] for e in q] == [bad] and "unreadable manifest" in q[0]["reason"]
+
+
+def test_a_failed_conversion_is_raised_on_every_rank_not_waited_for(uri, tmp_path, monkeypatch):
+    import spotfill.train.restore as restore
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("ds_to_universal failed (1): boom")
+    monkeypatch.setattr(restore, "convert_to_universal", broken)
+    store = CheckpointStore(open_storage(uri), keep_last=5)
+    tag = _save(store, tmp_path, 10)          # saved on 4 ranks, restored on 2: universal
+    t0 = time.monotonic()
+    results, _ = _run(uri, tmp_path, ["a", "b"])
+    assert time.monotonic() - t0 < 10
+    assert all(isinstance(r, RuntimeError) and "boom" in str(r) and tag in str(r) for r in results), results
+    assert CheckpointStore(open_storage(uri)).quarantined() == {}     # not damage: nothing quarantined
