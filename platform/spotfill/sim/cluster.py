@@ -3,6 +3,7 @@
 Each worker node is a real raylet (ray.cluster_utils.Cluster) carrying `{gpu_resource: gpus}` and as many
 logical CPUs; the head carries no GPU slots, like cluster.yaml's head. Node failure detection is tightened
 (GCS health checks every second) so a killed node is noticed in seconds, as `cluster.yaml` configures too.
+Every node binds to loopback (LOOPBACK): nothing of the embedded cluster is reachable from the network.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import os
 log = logging.getLogger(__name__)
 
 # GCS health checks: a raylet that misses `failure_threshold` checks `period_ms` apart is declared dead.
+LOOPBACK = "127.0.0.1"
+# Node arguments that keep a node on loopback (Ray would otherwise use the machine's network address).
+LOOPBACK_NODE = {"node_ip_address": LOOPBACK, "dashboard_host": LOOPBACK}
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                           "health_check_timeout_ms": 1000}
 
@@ -23,7 +27,7 @@ class EmbeddedCluster:
 
         self.gpu_resource = gpu_resource
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
+            **LOOPBACK_NODE, "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
         self.node_ids: list[str] = []
 
@@ -33,7 +37,7 @@ class EmbeddedCluster:
 
     def add_node(self, gpus: int) -> int:
         """Add a worker node; returns its index (position in the order nodes were added)."""
-        node = self.cluster.add_node(num_cpus=gpus, resources={self.gpu_resource: gpus})
+        node = self.cluster.add_node(**LOOPBACK_NODE, num_cpus=gpus, resources={self.gpu_resource: gpus})
         self.nodes.append(node)
         self.node_ids.append(node.node_id)
         log.info("node %d added (%d %s, id %s)", len(self.nodes) - 1, gpus, self.gpu_resource, node.node_id[:12])
