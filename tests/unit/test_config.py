@@ -1,10 +1,12 @@
 """config.py: validated dataclasses, YAML loading, dotted overrides; errors name the field and the choices."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from spotfill.config.job import (ClusterConfig, DataConfig, JobConfig, PrepareConfig, TrainingConfig, from_mapping,
-                             load_job_config, load_yaml)
+                             load_job_config, load_prepare_config, load_yaml)
 from spotfill.config.errors import ConfigError
 
 
@@ -317,3 +319,13 @@ def test_storage_endpoint_env_is_endpoint_and_region_only(monkeypatch):
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
     assert constants.storage_endpoint_env() == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
                                                 "AWS_ENDPOINT_URL_S3": "http://s3.local:1", "AWS_REGION": "eu-west-1"}
+
+
+def test_prepare_source_stdlib_scheme_resolves_to_this_pythons_stdlib(tmp_path):
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    cfg = load_prepare_config(None, {"source": "stdlib:json", "output": str(tmp_path)})
+    assert cfg.source == os.path.join(stdlib, "json") and os.path.isfile(os.path.join(cfg.source, "decoder.py"))
+    assert load_prepare_config(None, {"source": "stdlib:", "output": "/o"}).source.rstrip("/") == stdlib.rstrip("/")
+    assert load_prepare_config(None, {"source": "s3://b/stdlib:x", "output": "/o"}).source == "s3://b/stdlib:x"
