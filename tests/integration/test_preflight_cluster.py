@@ -86,6 +86,18 @@ def test_every_node_of_the_embedded_cluster_binds_loopback(cluster):
     assert {n["NodeManagerAddress"] for n in nodes} == {"127.0.0.1"}, [n["NodeManagerAddress"] for n in nodes]
     assert {n["NodeManagerHostname"] for n in nodes} and cluster.address.startswith("127.0.0.1:")
     assert all("node:127.0.0.1" in n["Resources"] for n in nodes)
+    # and every socket its processes (children of this one) listen on is a loopback one
+    import psutil
+
+    listening = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            listening |= {(proc.name(), c.laddr.ip) for c in proc.net_connections(kind="inet")
+                          if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            continue
+    assert any(name == "gcs_server" for name, _ in listening), listening
+    assert {ip for _, ip in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
 
 
 @pytest.mark.parametrize("flags, expected, tail", [
@@ -106,7 +118,9 @@ def test_pretrain_fails_in_seconds_on_what_the_cluster_cannot_offer(cluster, loc
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(base))
     (tmp_path / "ok.yaml").write_text(yaml.safe_dump({**base, "cluster": {"gpu_resource": "GPU_SLOT"}}))
     args = [a.format(cfg=tmp_path / "bad.yaml", ok=tmp_path / "ok.yaml") for a in flags]
-    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    from spotfill.sim.cluster import LOOPBACK_CLIENT_ENV
+
+    env = {**os.environ, "RAY_ADDRESS": cluster.address, **LOOPBACK_CLIENT_ENV}
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, str(REPO / "jobs" / "pretrain.py"), *args], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
@@ -124,7 +138,7 @@ def test_validate_refuses_too_many_workers_in_process(cluster, local_data, tmp_p
 
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as err:
-        TrainingJob(_config(tmp_path, local_data, training={"workers": [2, 4], "global_batch": 4},
+        TrainingJob(_config(tmp_path, local_data, training={"workers": [2, 4], "global_batch": 12},
                             cluster={"gpus_per_worker": 1.5})).validate()
     assert err.value.field == "training.workers" and "holds at most 1 " in str(err.value)
     assert time.monotonic() - t0 < 30

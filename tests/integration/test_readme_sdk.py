@@ -2,7 +2,8 @@
 
 The python block is taken from README.md verbatim and run by this interpreter in a subprocess, against a
 Ray head this module starts the way the README says (`ray start --head --num-cpus=2 --resources='{"GPU_SLOT":
-2}'`), bound to 127.0.0.1 with its own ports and temp dir, found through RAY_ADDRESS. The subprocess runs in
+2}'`), bound to 127.0.0.1 with its own ports and temp dir, found through RAY_ADDRESS (with
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, without which Ray rewrites a 127.0.0.1 address to the machine's). The subprocess runs in
 a copy of the repository's `examples/` whose /tmp/spotfill paths point into this test's tmp dir, so a
 previous run's checkpoints cannot leak in; spotfill is imported from this checkout (as `pip install -e .`
 would), by the driver and by the head's workers.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from spotfill.sim.cluster import LOOPBACK_CLIENT_ENV
 from test_jobs_submit import MARK, RAY, _free_ports, _stop_head   # this folder's head helpers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +45,7 @@ def head():
     temp_dir = tempfile.mkdtemp(prefix="sfsdk-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [PLATFORM, env.get("PYTHONPATH")])),
-               RAY_USAGE_STATS_ENABLED="0", **{MARK: temp_dir})
+               RAY_USAGE_STATS_ENABLED="0", **{MARK: temp_dir}, **LOOPBACK_CLIENT_ENV)
     gcs, client, nm, om, agent, agent_grpc, renv, metrics = _free_ports(8)
     cmd = [RAY, "start", "--head", "--num-cpus=2", '--resources={"GPU_SLOT": 2}',   # the README's command
            "--node-ip-address=127.0.0.1", f"--port={gcs}", "--include-dashboard=false",

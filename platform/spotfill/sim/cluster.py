@@ -14,6 +14,8 @@ log = logging.getLogger(__name__)
 
 # GCS health checks: a raylet that misses `failure_threshold` checks `period_ms` apart is declared dead.
 LOOPBACK = "127.0.0.1"
+# A process outside this one (a `jobs/pretrain.py` driver) reaches the cluster at 127.0.0.1 with this set.
+LOOPBACK_CLIENT_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # Node arguments that keep a node on loopback (Ray would otherwise use the machine's network address).
 LOOPBACK_NODE = {"node_ip_address": LOOPBACK, "dashboard_host": LOOPBACK}
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
@@ -25,7 +27,10 @@ class EmbeddedCluster:
                  system_config: dict | None = None):
         from ray.cluster_utils import Cluster
 
+        from spotfill.ray_compat import single_host_loopback
+
         self.gpu_resource = gpu_resource
+        self._loopback_before = single_host_loopback(True)   # the driver connects on 127.0.0.1 too
         self.cluster = Cluster(initialize_head=True, head_node_args={
             **LOOPBACK_NODE, "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
@@ -64,10 +69,13 @@ class EmbeddedCluster:
 
     def shutdown(self) -> None:
         import ray
+
+        from spotfill.ray_compat import single_host_loopback
         try:
             ray.shutdown()
         finally:
             self.cluster.shutdown()
+            single_host_loopback(self._loopback_before)
 
 
 def quiet_expected_node_deaths() -> None:
