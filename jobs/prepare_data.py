@@ -26,21 +26,13 @@ except ImportError as exc:  # neither shipped with the working dir nor installed
                    "at the repository root or pip install it", file=sys.stderr) or 2)
 
 
-def stdlib_path(source: str) -> str:
-    """`stdlib:SUB` -> <this Python's stdlib>/SUB (a corpus every node has)."""
-    if not source.startswith("stdlib:"):
-        return source
-    import sysconfig
-    return os.path.join(sysconfig.get_paths()["stdlib"], source[len("stdlib:"):])
-
-
 def main(args) -> dict:
     from spotfill.config.job import load_prepare_config
 
     overrides = {k: v for k, v in (("source", args.source), ("output", args.output),
                                     ("seq_len", args.seq_len)) if v is not None}
     cfg = load_prepare_config(args.config, overrides)
-    cfg.source = jobkit.absolute("data.source", stdlib_path(cfg.source))
+    cfg.source = jobkit.absolute("data.source", cfg.source)    # `stdlib:SUB` is resolved by the loader
     cfg.output = jobkit.absolute("data.output", cfg.output)
     jobkit.init_ray(jobkit.runtime_env())
     from spotfill.train.prepare import prepare

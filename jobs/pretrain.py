@@ -37,8 +37,8 @@ def main(args) -> dict:
 
     env = jobkit.runtime_env(ray_train_env())
     job = TrainingJob(cfg, runtime_env=env)
-    job.validate()                      # storage, dataset, model: fail fast, before Ray starts
-    jobkit.init_ray(env)
+    # Config, storage, dataset and model first; then (connected to Ray with `env`) the cluster's resources.
+    job.validate()                      # ConfigError (exit 2) in seconds, before any worker starts
     report = job.fit()                  # JobFailed (exit 1) when training did not finish
     t = report["training"]
     return {"ok": report["ok"], "run_dir": job.run_dir, "report": os.path.join(job.run_dir, "report.json"),

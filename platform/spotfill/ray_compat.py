@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 
 import ray
+import ray._private.ray_constants as _ray_constants
 import ray._private.services as _services
 import ray._private.state as _state
 import ray._private.worker as _worker
@@ -49,6 +50,7 @@ HOOKS = [
     (_worker, "print_to_stdstream", ("data", "ignore_prefix")),
     (_services, "canonicalize_bootstrap_address_or_die", ("addr",)),
     (_raylet, "GcsClient", None),
+    (_ray_constants, "ENABLE_RAY_CLUSTER", None),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
@@ -102,3 +104,14 @@ def use_scaling_policy(trainer_cls, make_policy):
 
     Trainer.__name__ = Trainer.__qualname__ = f"Spotfill{trainer_cls.__name__}"
     return Trainer
+
+
+def single_host_loopback(enabled: bool) -> bool:
+    """Make this process treat Ray as single-host (the embedded cluster): node addresses default to
+    127.0.0.1 and a 127.0.0.1 bootstrap address stays 127.0.0.1 -- ray.init(address="127.0.0.1:port")
+    otherwise rewrites it to the machine's network address (services.get_node_ip_address), where a
+    loopback-bound GCS does not listen. Returns the previous setting (pass it back to restore). Child
+    processes get the same through RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in their environment."""
+    previous = _ray_constants.ENABLE_RAY_CLUSTER
+    _ray_constants.ENABLE_RAY_CLUSTER = not enabled
+    return not previous

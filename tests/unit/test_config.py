@@ -1,10 +1,12 @@
 """config.py: validated dataclasses, YAML loading, dotted overrides; errors name the field and the choices."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from spotfill.config.job import (ClusterConfig, DataConfig, JobConfig, PrepareConfig, TrainingConfig, from_mapping,
-                             load_job_config, load_yaml)
+                             load_job_config, load_prepare_config, load_yaml)
 from spotfill.config.errors import ConfigError
 
 
@@ -242,11 +244,88 @@ def test_load_job_config_bad_override_is_validated():
     assert err.value.field == "training.nope"
 
 
-@pytest.mark.parametrize("reader, raw, accepted", [("env_float", "fast", "a number"), ("env_int", "2.5", "an integer")])
+@pytest.mark.parametrize("reader, raw, accepted", [("env_float", "fast", "a number >= 0"),
+                                                   ("env_float", "nan", "a number >= 0"),
+                                                   ("env_float", "-1", "a number >= 0"),
+                                                   ("env_int", "2.5", "an integer >= 0")])
 def test_bad_numeric_environment_variables_are_one_line_config_errors(monkeypatch, reader, raw, accepted):
     from spotfill.config import constants
+    monkeypatch.setattr(constants, "ENV_NUMBERS", dict(constants.ENV_NUMBERS))  # the test knob stays local
     monkeypatch.setenv("SPOTFILL_TEST_KNOB", raw)
     with pytest.raises(ConfigError, match=f"^SPOTFILL_TEST_KNOB: bad value '{raw}'; accepted: {accepted}$"):
         getattr(constants, reader)("SPOTFILL_TEST_KNOB", 1)
     monkeypatch.setenv("SPOTFILL_TEST_KNOB", " ")
     assert getattr(constants, reader)("SPOTFILL_TEST_KNOB", 7) == 7
+
+
+# Every numeric SPOTFILL_* variable constants.py reads (an independent list: a new one must be added here).
+ENV_NUMBERS = {
+    "SPOTFILL_STORAGE_RETRIES": ("0", "an integer >= 1"),
+    "SPOTFILL_STORAGE_RETRY_BASE_S": ("-0.5", "a number >= 0"),
+    "SPOTFILL_STORAGE_RETRY_MAX_S": ("x", "a number >= 0"),
+    "SPOTFILL_STORAGE_RETRY_DEADLINE_S": ("0", "a number > 0"),
+    "SPOTFILL_STORAGE_CONCURRENCY": ("1.5", "an integer >= 1"),
+    "SPOTFILL_STORAGE_CHUNK_MB": ("0", "an integer >= 1"),
+    "SPOTFILL_STORAGE_CHECK_TIMEOUT_S": ("inf", "a number > 0"),
+    "SPOTFILL_CHECKPOINT_KEEP_LAST": ("abc", "an integer >= 1"),
+    "SPOTFILL_CHECKPOINT_COMMIT_TIMEOUT_S": ("nan", "a number > 0"),
+    "SPOTFILL_SPOT_POLL_S": ("0", "a number > 0"),
+    "SPOTFILL_IMDS_TIMEOUT_S": ("1s", "a number > 0"),
+    "SPOTFILL_WORKER_GROUP_START_TIMEOUT_S": ("-3", "a number > 0"),
+    "SPOTFILL_UNIVERSAL_INPROCESS_MAX_BYTES": ("1GB", "an integer >= 0"),
+}
+
+
+def test_check_env_knows_every_numeric_variable_read_in_constants():
+    import re
+    from pathlib import Path
+
+    from spotfill.config import constants
+    source = Path(constants.__file__).read_text()
+    read = set(re.findall(r'env_(?:int|float)\("(SPOTFILL_[A-Z0-9_]+)"', source))
+    assert read <= set(constants.ENV_NUMBERS), read - set(constants.ENV_NUMBERS)
+    assert set(ENV_NUMBERS) <= set(constants.ENV_NUMBERS)
+
+
+@pytest.mark.parametrize("name", sorted(ENV_NUMBERS))
+def test_check_env_rejects_each_bad_variable_in_one_line(monkeypatch, name):
+    from spotfill.config import constants
+    raw, accepted = ENV_NUMBERS[name]
+    constants.check_env()                          # the test environment itself is fine
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ConfigError) as err:
+        constants.check_env()
+    assert str(err.value) == f"{name}: bad value {raw!r}; accepted: {accepted}"
+
+
+def test_check_env_accepts_good_values(monkeypatch):
+    from spotfill.config import constants
+    for name, good in (("SPOTFILL_STORAGE_RETRIES", " 3 "), ("SPOTFILL_SPOT_POLL_S", "0.5"),
+                       ("SPOTFILL_STORAGE_RETRY_BASE_S", "0"), ("SPOTFILL_CHECKPOINT_KEEP_LAST", "")):
+        monkeypatch.setenv(name, good)
+    constants.check_env()
+
+
+def test_storage_endpoint_env_is_endpoint_and_region_only(monkeypatch):
+    from spotfill.config import constants
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", " http://127.0.0.1:9000 ")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "t0ken")
+    assert constants.storage_endpoint_env() == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"}
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://s3.local:1")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    assert constants.storage_endpoint_env() == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+                                                "AWS_ENDPOINT_URL_S3": "http://s3.local:1", "AWS_REGION": "eu-west-1"}
+
+
+def test_prepare_source_stdlib_scheme_resolves_to_this_pythons_stdlib(tmp_path):
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    cfg = load_prepare_config(None, {"source": "stdlib:json", "output": str(tmp_path)})
+    assert cfg.source == os.path.join(stdlib, "json") and os.path.isfile(os.path.join(cfg.source, "decoder.py"))
+    assert load_prepare_config(None, {"source": "stdlib:", "output": "/o"}).source.rstrip("/") == stdlib.rstrip("/")
+    assert load_prepare_config(None, {"source": "s3://b/stdlib:x", "output": "/o"}).source == "s3://b/stdlib:x"

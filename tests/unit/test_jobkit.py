@@ -15,6 +15,12 @@ def set_job_env(monkeypatch, runtime_env: dict) -> None:
     monkeypatch.setenv(jobkit.JOB_CONFIG_ENV, json.dumps({"runtime_env": runtime_env, "metadata": {}}))
 
 
+@pytest.fixture(autouse=True)
+def no_endpoint_env(monkeypatch):
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_source_tree_is_shipped_as_py_modules(monkeypatch):
     monkeypatch.delenv(jobkit.JOB_CONFIG_ENV, raising=False)
     assert jobkit.shipped()                    # the tests import spotfill from platform/, not site-packages
@@ -31,6 +37,20 @@ def test_fields_the_job_sets_are_left_to_the_job(monkeypatch):
     assert jobkit.runtime_env({"A": "mine", "B": "2"}) == {"env_vars": {"B": "2"}}
     set_job_env(monkeypatch, {"working_dir": "gcs://x.zip"})
     assert jobkit.runtime_env() == {"py_modules": [jobkit.library_dir()]}
+
+
+def test_driver_s3_endpoint_reaches_the_workers_but_no_secret(monkeypatch):
+    monkeypatch.delenv(jobkit.JOB_CONFIG_ENV, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
+    env = jobkit.runtime_env({"A": "1"})
+    assert env["env_vars"] == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_REGION": "eu-west-1", "A": "1"}
+    assert "s3cr3t" not in json.dumps(env) and "AKIDEXAMPLE" not in json.dumps(env)
+    # inside a Ray job that sets the endpoint itself, the job's value stands (ray.init refuses both)
+    set_job_env(monkeypatch, {"env_vars": {"AWS_ENDPOINT_URL": "http://job:1"}})
+    assert jobkit.runtime_env()["env_vars"] == {"AWS_REGION": "eu-west-1"}
 
 
 def test_absolute_paths(monkeypatch, tmp_path, caplog):

@@ -10,6 +10,12 @@ How spotfill travels with a job
     ahead of site-packages on every worker's PYTHONPATH (tasks, actors, Ray Train workers). Driver and
     workers thus run the same spotfill whether or not the cluster has it installed.
 
+Environment
+    Every numeric SPOTFILL_* variable is validated before the job's `main` runs (a bad value is one line
+    on stderr, exit 2), so `spotfill.config.constants` is imported only inside `run_main`. The S3 endpoint
+    and region variables set on the driver (never credentials) go into the runtime_env's env_vars: the
+    Ray workers on other nodes do not inherit the driver's environment.
+
 Runtime-env merging
     Inside a Ray job, ray.init() merges the job's runtime_env (`--runtime-env-json`, `--working-dir`) with
     the driver's and fails on a field or environment variable set by both. `runtime_env()` leaves out what
@@ -26,7 +32,6 @@ import sysconfig
 from typing import Callable, Sequence
 
 import spotfill
-from spotfill.config import constants
 from spotfill.config.errors import ConfigError, SpotfillError
 
 # Ray Jobs hands the job-level runtime_env to the entrypoint in this variable (ray.init merges it).
@@ -61,7 +66,11 @@ def in_ray_job() -> bool:
 
 
 def runtime_env(env_vars: dict[str, str] | None = None) -> dict:
-    """Driver runtime_env: ship the library (py_modules) and set `env_vars`, minus what the job sets."""
+    """Driver runtime_env: ship the library (py_modules) and set `env_vars` plus the driver's S3 endpoint
+    settings (constants.storage_endpoint_env), minus what the job sets."""
+    from spotfill.config import constants
+
+    env_vars = {**constants.storage_endpoint_env(), **(env_vars or {})}
     job = job_runtime_env()
     env: dict = {}
     if shipped():
@@ -100,6 +109,8 @@ def absolute(name: str, value: str) -> str:
 
 
 def setup_logging() -> None:
+    from spotfill.config import constants
+
     logging.basicConfig(level=getattr(logging, constants.LOG_LEVEL.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -117,6 +128,9 @@ def run_main(main: Callable[[argparse.Namespace], dict], ap: argparse.ArgumentPa
     0 success, 1 the job ran and failed (JobFailed), 2 bad usage/config/input (one line, no traceback)."""
     try:
         args = ap.parse_args(argv)
+        from spotfill.config import constants
+
+        constants.check_env()           # importing it already validates; check_env reads the variables now
         setup_logging()
         summary = main(args)
     except ConfigError as exc:

@@ -59,6 +59,9 @@ def build_parser() -> OneLineParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        from spotfill.config import constants
+
+        constants.check_env()   # every numeric SPOTFILL_* variable, before any subcommand runs
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
         if extra:  # name the subcommand they were given to, not the top-level parser

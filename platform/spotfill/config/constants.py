@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Iterator
 
@@ -14,25 +15,59 @@ SNAPSHOT_DIR = os.environ.get("SPOTFILL_SNAPSHOT_DIR", "auto")
 LOG_LEVEL = os.environ.get("SPOTFILL_LOG_LEVEL", "INFO")
 
 
-def _env_number(name: str, default, kind, accepted: str):
-    """Read a number from the environment, `default` when unset or empty. A malformed value is a
-    ConfigError naming the variable (one line, exit 2 at the CLI)."""
-    raw = os.environ.get(name, "")
-    if not raw.strip():
-        return default
-    try:
-        return kind(raw)
-    except ValueError:
-        from spotfill.config.errors import ConfigError
-        raise ConfigError(name, raw, accepted=accepted) from None
+class EnvNumber:
+    """One numeric spotfill environment variable: its type and the lowest accepted value."""
+
+    def __init__(self, name: str, kind: type, minimum: float = 0, strict: bool = False):
+        self.name, self.kind, self.minimum, self.strict = name, kind, minimum, strict
+
+    @property
+    def accepted(self) -> str:
+        what = "an integer" if self.kind is int else "a number"
+        return f"{what} {'>' if self.strict else '>='} {self.minimum:g}"
+
+    def parse(self, raw: str):
+        """The value of `raw`, or a ConfigError naming the variable, the value and what is accepted."""
+        try:
+            value = self.kind(raw.strip())
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < self.minimum \
+                or (self.strict and value == self.minimum):
+            from spotfill.config.errors import ConfigError
+            raise ConfigError(self.name, raw, accepted=self.accepted)
+        return value
+
+    def read(self, default):
+        """The value set in the environment now, `default` when unset or empty."""
+        raw = os.environ.get(self.name, "")
+        return self.parse(raw) if raw.strip() else default
 
 
-def env_float(name: str, default: float) -> float:
-    return _env_number(name, default, float, "a number")
+# Every numeric SPOTFILL_* variable, registered where it is read: check_env() validates them all.
+ENV_NUMBERS: dict[str, EnvNumber] = {}
 
 
-def env_int(name: str, default: int) -> int:
-    return _env_number(name, default, int, "an integer")
+def _env_number(name: str, default, kind, minimum: float, strict: bool):
+    spec = ENV_NUMBERS[name] = EnvNumber(name, kind, minimum, strict)
+    return spec.read(default)
+
+
+def env_float(name: str, default: float, minimum: float = 0.0, strict: bool = False) -> float:
+    """A number from the environment (>= minimum, or > minimum when strict); ConfigError when malformed."""
+    return _env_number(name, default, float, minimum, strict)
+
+
+def env_int(name: str, default: int, minimum: int = 0) -> int:
+    """An integer from the environment (>= minimum); ConfigError when malformed."""
+    return _env_number(name, default, int, minimum, False)
+
+
+def check_env() -> None:
+    """Validate every numeric spotfill environment variable as set now: the first bad one raises a
+    ConfigError naming it, its value and what is accepted. Every entrypoint calls this first."""
+    for spec in ENV_NUMBERS.values():
+        spec.read(None)
 
 
 # --- Object storage (storage.py, checkpoint_store.py) ---------------------------------------------
@@ -42,20 +77,20 @@ AWS_ENDPOINT_ENV_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")   # first se
 AWS_REGION_ENV_VARS = ("AWS_REGION", "AWS_DEFAULT_REGION")            # first set one wins
 AWS_REGION_DEFAULT = "us-east-1"
 # Attempts (first try included) for a storage operation that hits a transient fault, before StorageError.
-STORAGE_RETRIES = env_int("SPOTFILL_STORAGE_RETRIES", 8)
+STORAGE_RETRIES = env_int("SPOTFILL_STORAGE_RETRIES", 8, minimum=1)
 # Exponential backoff between those attempts: base seconds, cap per sleep, and a total deadline.
 STORAGE_RETRY_BASE_S = env_float("SPOTFILL_STORAGE_RETRY_BASE_S", 0.25)
 STORAGE_RETRY_MAX_S = env_float("SPOTFILL_STORAGE_RETRY_MAX_S", 8.0)
-STORAGE_RETRY_DEADLINE_S = env_float("SPOTFILL_STORAGE_RETRY_DEADLINE_S", 120.0)
+STORAGE_RETRY_DEADLINE_S = env_float("SPOTFILL_STORAGE_RETRY_DEADLINE_S", 120.0, strict=True)
 # Parallel transfers: worker threads (parts and files share one pool) and the multipart part size.
-STORAGE_CONCURRENCY = env_int("SPOTFILL_STORAGE_CONCURRENCY", 16)
-STORAGE_CHUNK_MB = env_int("SPOTFILL_STORAGE_CHUNK_MB", 16)
+STORAGE_CONCURRENCY = env_int("SPOTFILL_STORAGE_CONCURRENCY", 16, minimum=1)
+STORAGE_CHUNK_MB = env_int("SPOTFILL_STORAGE_CHUNK_MB", 16, minimum=1)
 # Storage.check(): connect/read timeout in seconds (it tries once, it must answer fast).
-STORAGE_CHECK_TIMEOUT_S = env_float("SPOTFILL_STORAGE_CHECK_TIMEOUT_S", 3.0)
+STORAGE_CHECK_TIMEOUT_S = env_float("SPOTFILL_STORAGE_CHECK_TIMEOUT_S", 3.0, strict=True)
 # Checkpoint retention: committed checkpoints kept (older ones are deleted after each commit).
-CHECKPOINT_KEEP_LAST = env_int("SPOTFILL_CHECKPOINT_KEEP_LAST", 3)
+CHECKPOINT_KEEP_LAST = env_int("SPOTFILL_CHECKPOINT_KEEP_LAST", 3, minimum=1)
 # How long commit() waits for every rank's done marker.
-CHECKPOINT_COMMIT_TIMEOUT_S = env_float("SPOTFILL_CHECKPOINT_COMMIT_TIMEOUT_S", 600.0)
+CHECKPOINT_COMMIT_TIMEOUT_S = env_float("SPOTFILL_CHECKPOINT_COMMIT_TIMEOUT_S", 600.0, strict=True)
 
 
 def aws_endpoint_url() -> str | None:
@@ -64,6 +99,14 @@ def aws_endpoint_url() -> str | None:
         if os.environ.get(name, "").strip():
             return os.environ[name].strip()
     return None
+
+
+def storage_endpoint_env() -> dict[str, str]:
+    """The non-secret S3 endpoint settings set in this process's environment (AWS_ENDPOINT_URL_S3,
+    AWS_ENDPOINT_URL, AWS_REGION, AWS_DEFAULT_REGION), for the Ray workers' runtime_env: a worker on
+    another node does not inherit the driver's environment. Credentials are never included."""
+    return {name: os.environ[name].strip() for name in (*AWS_ENDPOINT_ENV_VARS, *AWS_REGION_ENV_VARS)
+            if os.environ.get(name, "").strip()}
 
 
 def aws_region() -> str:
@@ -82,11 +125,14 @@ IMDS_ENDPOINT = os.environ.get("SPOTFILL_IMDS_ENDPOINT", "http://169.254.169.254
 SPOT_POLL_S = os.environ.get("SPOTFILL_SPOT_POLL_S", "2")
 IMDS_TIMEOUT_S = os.environ.get("SPOTFILL_IMDS_TIMEOUT_S", "1")
 SPOT_ON_REBALANCE = os.environ.get("SPOTFILL_SPOT_ON_REBALANCE", "log")
+# Registered (not parsed here: the CLI flags they default override them): check_env() validates them too.
+ENV_NUMBERS["SPOTFILL_SPOT_POLL_S"] = EnvNumber("SPOTFILL_SPOT_POLL_S", float, 0, strict=True)
+ENV_NUMBERS["SPOTFILL_IMDS_TIMEOUT_S"] = EnvNumber("SPOTFILL_IMDS_TIMEOUT_S", float, 0, strict=True)
 
 # --- elastic training ---
 # Ray Train waits this long for a worker group to start before it gives up on that size (stock: 60 s).
 # spotfill lowers it so a group that asks for a lost node's slots falls back to the live size quickly.
-WORKER_GROUP_START_TIMEOUT_S = env_float("SPOTFILL_WORKER_GROUP_START_TIMEOUT_S", 8.0)
+WORKER_GROUP_START_TIMEOUT_S = env_float("SPOTFILL_WORKER_GROUP_START_TIMEOUT_S", 8.0, strict=True)
 # Universal-checkpoint conversion runs in-process below this size (bytes), in a subprocess pool above.
 UNIVERSAL_INPROCESS_MAX_BYTES = env_int("SPOTFILL_UNIVERSAL_INPROCESS_MAX_BYTES", 1 << 30)
 

@@ -233,6 +233,9 @@ class PrepareConfig:
     rows_per_shard: int = 8192
     suffixes: list[str] = field(default_factory=lambda: [".txt", ".py", ".md", ".jsonl", ".json", ".parquet"])
 
+    def __post_init__(self) -> None:
+        self.source = stdlib_path(self.source)
+
     def validate(self, path: str) -> None:
         if not self.source:
             raise ConfigError(_join(path, "source"), self.source, accepted="a local path or s3:// URI")
@@ -241,6 +244,19 @@ class PrepareConfig:
         _choice(path, "format", self.format, ["auto", "text", "jsonl", "parquet"])
         _positive(path, "seq_len", self.seq_len)
         _positive(path, "rows_per_shard", self.rows_per_shard)
+
+
+STDLIB_SCHEME = "stdlib:"
+
+
+def stdlib_path(source: str) -> str:
+    """`stdlib:SUB` -> <this Python's standard library>/SUB, a corpus every node has (examples use it);
+    any other source unchanged."""
+    if not isinstance(source, str) or not source.startswith(STDLIB_SCHEME):
+        return source
+    import sysconfig
+
+    return os.path.join(sysconfig.get_paths()["stdlib"], source[len(STDLIB_SCHEME):])
 
 
 def load_job_config(path: str | None = None, overrides: dict | None = None) -> JobConfig:

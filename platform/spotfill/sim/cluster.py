@@ -3,6 +3,7 @@
 Each worker node is a real raylet (ray.cluster_utils.Cluster) carrying `{gpu_resource: gpus}` and as many
 logical CPUs; the head carries no GPU slots, like cluster.yaml's head. Node failure detection is tightened
 (GCS health checks every second) so a killed node is noticed in seconds, as `cluster.yaml` configures too.
+Every node binds to loopback (LOOPBACK): nothing of the embedded cluster is reachable from the network.
 """
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ import os
 log = logging.getLogger(__name__)
 
 # GCS health checks: a raylet that misses `failure_threshold` checks `period_ms` apart is declared dead.
+LOOPBACK = "127.0.0.1"
+# A process outside this one (a `jobs/pretrain.py` driver) reaches the cluster at 127.0.0.1 with this set.
+LOOPBACK_CLIENT_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Node arguments that keep a node on loopback (Ray would otherwise use the machine's network address).
+LOOPBACK_NODE = {"node_ip_address": LOOPBACK, "dashboard_host": LOOPBACK}
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                           "health_check_timeout_ms": 1000}
 
@@ -21,9 +27,12 @@ class EmbeddedCluster:
                  system_config: dict | None = None):
         from ray.cluster_utils import Cluster
 
+        from spotfill.ray_compat import single_host_loopback
+
         self.gpu_resource = gpu_resource
+        self._loopback_before = single_host_loopback(True)   # the driver connects on 127.0.0.1 too
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
+            **LOOPBACK_NODE, "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
         self.node_ids: list[str] = []
 
@@ -33,7 +42,7 @@ class EmbeddedCluster:
 
     def add_node(self, gpus: int) -> int:
         """Add a worker node; returns its index (position in the order nodes were added)."""
-        node = self.cluster.add_node(num_cpus=gpus, resources={self.gpu_resource: gpus})
+        node = self.cluster.add_node(**LOOPBACK_NODE, num_cpus=gpus, resources={self.gpu_resource: gpus})
         self.nodes.append(node)
         self.node_ids.append(node.node_id)
         log.info("node %d added (%d %s, id %s)", len(self.nodes) - 1, gpus, self.gpu_resource, node.node_id[:12])
@@ -60,10 +69,13 @@ class EmbeddedCluster:
 
     def shutdown(self) -> None:
         import ray
+
+        from spotfill.ray_compat import single_host_loopback
         try:
             ray.shutdown()
         finally:
             self.cluster.shutdown()
+            single_host_loopback(self._loopback_before)
 
 
 def quiet_expected_node_deaths() -> None:

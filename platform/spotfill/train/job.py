@@ -60,6 +60,8 @@ class TrainingJob:
         if cfg.training.model.startswith("hf:"):
             from spotfill.train.presets import check_hf_model
             check_hf_model(cfg.training.model, int(manifest["vocab_size"]), int(manifest["seq_len"]))
+        from spotfill.train.preflight import preflight
+        preflight(cfg, manifest, self.runtime_env)  # env numbers, seq_len, cluster resources (connects to Ray)
         self._manifest = manifest
         return manifest
 
@@ -92,7 +94,8 @@ class TrainingJob:
                 # spotfill keeps its own failure budget (training.max_failures) in the event sink, so
                 # planned exits (announced preemption, graceful grow) are not charged to it.
                 failure_config=FailureConfig(max_failures=-1),
-                worker_runtime_env={"env_vars": self.runtime_env.get("env_vars", {})},
+                worker_runtime_env={"env_vars": {**constants.storage_endpoint_env(),  # S3 endpoint, no secrets
+                                                 **self.runtime_env.get("env_vars", {})}},
             ),
         )
 
