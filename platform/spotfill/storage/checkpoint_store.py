@@ -98,8 +98,12 @@ class CheckpointStore:
         return marker
 
     def commit(self, tag: str, step: int, world_size: int, meta: dict | None = None,
-               timeout_s: float | None = None, attempt: str | None = None) -> dict[str, Any]:
+               timeout_s: float | None = None, attempt: str | None = None, guard=None) -> dict[str, Any]:
         """Wait for all ranks' markers, write the manifest, move `latest`, then retention + orphans.
+
+        `guard` (optional; e.g. an uploader.UploadJob): `guard.check()` runs each time the markers are
+        polled and `guard.claim()` right before the manifest is written; either raises to stop the commit
+        (a cancelled checkpoint never gets a manifest).
 
         Raises CheckpointCorrupt when some rank's marker does not appear within `timeout_s` (markers of
         another `attempt` do not count) or disagrees on world_size, or a listed file is missing.
@@ -108,6 +112,8 @@ class CheckpointStore:
         t0, delay = time.monotonic(), 0.05
         missing, markers = set(range(world_size)), {}
         while True:
+            if guard is not None:
+                guard.check()
             for r in sorted(missing):
                 try:
                     marker = json.loads(self.storage.get_bytes(self._k(tag, f"rank-{r}.done.json")))
@@ -135,6 +141,8 @@ class CheckpointStore:
                 raise CheckpointCorrupt(f"{tag}: {rel} missing or wrong size in storage")
         manifest = {"tag": tag, "step": int(step), "world_size": world_size, "created": time.time(),
                     "bytes": sum(f["size"] for f in files.values()), "files": files, "meta": meta or {}}
+        if guard is not None:
+            guard.claim()
         self.storage.put_bytes(self._k(tag, MANIFEST), json.dumps(manifest, indent=1).encode())
         current = self.latest()
         if current is None or tag_key(current["tag"]) <= tag_key(tag):
