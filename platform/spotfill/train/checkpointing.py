@@ -150,7 +150,6 @@ class Checkpointer:
         self._lock = threading.Lock()
         self.committed: list[dict] = []
         self.skipped: list[dict] = []
-        self._skip_noted: set[int] = set()
         self._failed_step = -1            # latest failed upload not yet shared with the other ranks
         self._snapshot_s = 0.0            # last measured snapshot and upload+commit seconds (estimates)
         self._upload_s = 0.0
@@ -366,9 +365,9 @@ class Checkpointer:
 
     def _note_skipped(self, job: UploadJob, tag: str, step: int | None, reason: str) -> None:
         with self._lock:
-            if id(job) in self._skip_noted:
+            if getattr(job, "skip_reported", False):
                 return
-            self._skip_noted.add(id(job))
+            job.skip_reported = True
             self.skipped.append({"tag": tag, "step": step, "reason": reason, "t": time.time()})
         log.warning("checkpoint %s skipped: %s", tag, reason)
 
