@@ -371,15 +371,17 @@ def test_emergency_that_cannot_commit_in_time_is_abandoned_uncommitted(snaps, mo
     (4.0, None, 0.0, "fresh"),        # 10 s to the deadline, 2 s margin: 8 s budget, a new one fits
     (4.0, 40, 1.0, "fresh"),          # fits: the running periodic upload is cancelled
     (9.0, 40, 3.0, "inflight"),       # a new one does not fit, the running one does
-    (9.0, 40, 8.5, "fresh"),          # neither fits: best effort with a new one
-    (9.0, None, 0.0, "fresh"),
+    (9.0, 40, 9.5, "fresh"),          # neither fits, the new one is closer: best effort with it
+    (9.0, 40, 8.5, "inflight"),       # neither fits, the running one is closer: best effort with it
+    (9.0, None, 0.0, "fresh"),        # best effort: its snapshot (1 s) fits
+    (30.0, None, 0.0, "abandon"),     # not even the snapshot (9 s) fits
 ])
 def test_plan_emergency_paths(fresh_s, inflight, left, path):
     plan = plan_emergency(now=100.0, deadline=110.0, margin_s=2.0, fresh_s=fresh_s, inflight_step=inflight,
-                          inflight_left_s=left)
+                          inflight_left_s=left, snapshot_s=1.0 if fresh_s < 30 else 9.0)
     assert plan.path == path and plan.budget_s == 8.0
-    if (fresh_s, left) == (9.0, 8.5):
-        assert "best effort" in plan.reason
+    assert ("best effort" in plan.reason) == (fresh_s > 8.0 and (left > 8.0 or inflight is None)
+                                              and path != "abandon")
 
 
 def test_plan_emergency_without_time_abandons():

@@ -74,11 +74,12 @@ class EmergencyPlan:
 
 
 def plan_emergency(now: float, deadline: float, margin_s: float, fresh_s: float,
-                   inflight_step: int | None, inflight_left_s: float) -> EmergencyPlan:
+                   inflight_step: int | None, inflight_left_s: float, snapshot_s: float = 0.0) -> EmergencyPlan:
     """Pure: budget = deadline - now - margin. `fresh_s`: estimated snapshot + upload + commit of a new
-    checkpoint (0 when nothing was measured yet); `inflight_left_s`: estimated rest of the running periodic
-    upload of `inflight_step` (None: none runs). A new checkpoint wins whenever it fits (it loses no steps);
-    else the running one if it fits; else a new one as a best effort, abandoned at the budget's end."""
+    checkpoint, `snapshot_s` the snapshot alone (0 when nothing was measured yet); `inflight_left_s`:
+    estimated rest of the running periodic upload of `inflight_step` (None: none runs). A new checkpoint
+    wins whenever it fits (it loses no steps); else the running one if it fits; else, as a best effort
+    abandoned at the budget's end, the running one or a new one -- unless even the snapshot cannot fit."""
     budget = deadline - now - margin_s
     if deadline >= NO_DEADLINE:
         return EmergencyPlan("fresh", "no preemption deadline known: a new checkpoint, no budget", math.inf)
@@ -93,10 +94,14 @@ def plan_emergency(now: float, deadline: float, margin_s: float, fresh_s: float,
         return EmergencyPlan("inflight", f"a new checkpoint needs ~{fresh_s:.1f}s > the {budget:.1f}s "
                              f"budget; the running upload of step {inflight_step} needs ~{inflight_left_s:.1f}s "
                              f"more: kept", budget)
-    return EmergencyPlan("fresh", f"best effort: a new checkpoint needs ~{fresh_s:.1f}s > the {budget:.1f}s "
-                         "budget" + (f" and the running upload of step {inflight_step} ~{inflight_left_s:.1f}s"
-                                     if inflight_step is not None else "")
-                         + "; abandoned uncommitted if not done in time", budget)
+    why = f"a new checkpoint needs ~{fresh_s:.1f}s > the {budget:.1f}s budget" + (
+        f" and the running upload of step {inflight_step} ~{inflight_left_s:.1f}s" if inflight_step is not None
+        else "")
+    if inflight_step is not None and inflight_left_s <= fresh_s:
+        return EmergencyPlan("inflight", f"best effort: {why}; the running one is closer", budget)
+    if snapshot_s > budget:
+        return EmergencyPlan("abandon", f"{why}; even its snapshot (~{snapshot_s:.1f}s) does not fit", budget)
+    return EmergencyPlan("fresh", f"best effort: {why}; abandoned uncommitted if not done in time", budget)
 
 
 class _Deadline:
@@ -108,7 +113,7 @@ class _Deadline:
     def check(self) -> None:
         self.job.check()
         if time.time() >= self.until:
-            self.ckpt._cancel(self.job, "not committed by deadline - margin: abandoned")
+            self.ckpt._cancel(self.job, "not committed by deadline - margin")
             self.job.check()
 
     def claim(self) -> None:
@@ -237,11 +242,12 @@ class Checkpointer:
         inflight = active.step if active is not None and active.step is not None else -1
         left = max(0.0, self._upload_s - active.running_s()) if active is not None else 0.0
         deadline = NO_DEADLINE if deadline_unix_s is None else float(deadline_unix_s)
-        now, neg_deadline, fresh_s, neg_lo, hi, left = self._reduce(engine, [
-            time.time(), -deadline, self._snapshot_s + self._upload_s, -inflight, inflight, left])
+        now, neg_deadline, fresh_s, neg_lo, hi, left, snapshot_s = self._reduce(engine, [
+            time.time(), -deadline, self._snapshot_s + self._upload_s, -inflight, inflight, left,
+            self._snapshot_s])
         deadline, same_inflight = -neg_deadline, int(-neg_lo) == int(hi) and hi >= 0
         plan = plan_emergency(now, deadline, constants.EMERGENCY_MARGIN_S, fresh_s,
-                              int(hi) if same_inflight else None, left)
+                              int(hi) if same_inflight else None, left, snapshot_s)
         until = deadline - constants.EMERGENCY_MARGIN_S
         log.warning("emergency checkpoint at step %d: %s (%s)", step, plan.path, plan.reason)
         if plan.path == "abandon":
@@ -274,8 +280,7 @@ class Checkpointer:
         is waited for until `hard` (None: no bound). Rank 0: whether it committed; other ranks: whether
         rank 0's manifest of `tag` (this attempt's) appeared by `until`."""
         job.wait(max(0.0, until - time.time()))
-        if self._cancel(job, f"not done {'by deadline - margin' if hard else 'within the commit timeout'}: "
-                             "abandoned uncommitted"):
+        if self._cancel(job, f"not done {'by deadline - margin' if hard else 'within the commit timeout'}"):
             return False
         if job.state == "committing":           # claimed in time: its manifest is being written
             job.wait(None if hard is None else max(0.0, hard - time.time()))
