@@ -7,11 +7,11 @@ trained a few steps so Adam state exists, saving to a loopback S3 endpoint that 
 (`python -m spotfill.testing.s3local`; a real endpoint does not share the trainer's interpreter). After one untimed
 warm-up save, each round runs, in this order:
 
-  spotfill   `Checkpointer.save()`: what the step loop waits for -- the local snapshot
-             (engine.save_checkpoint) plus back-pressure from a previous upload still running. The upload +
-             sha256 + commit then run on the Checkpointer's background thread (`background_upload_s`; with
-             --train-during-upload the loop keeps stepping meanwhile, else it waits idle). The stall is the
-             snapshot alone whenever checkpoint_every >= `steps_to_hide_upload`.
+  spotfill   `Checkpointer.save(kind="periodic")`: what the step loop waits for -- the local snapshot
+             (engine.save_checkpoint); a periodic save never waits for an upload (one still running makes
+             the new snapshot the pending one). The upload + sha256 + commit then run on the Checkpointer's
+             background thread (`background_upload_s`; with --train-during-upload the loop keeps stepping
+             meanwhile, else it waits idle).
   sync       engine.save_checkpoint + Storage.upload_dir of the same files to the same endpoint, in the
              step loop (spotfill's parallel uploader, so the baseline is not handicapped by a slow client).
   raw boto3  one `upload_file` (default TransferConfig) of a file holding the checkpoint's bytes
@@ -133,7 +133,7 @@ def bench_checkpoint(quick: bool = True, preset: str = "50m", repeats: int | Non
             for r in range(repeats):
                 # spotfill: what the step loop waits for; the upload + commit run in the background
                 step_no += 1
-                res = ckpt.save(engine, step_no, {"attempt": 0})
+                res = ckpt.save(engine, step_no, {"attempt": 0}, kind="periodic")
                 saves.append(res)
                 while train_during_upload and ckpt.uploader.busy:
                     busy_steps.append(step())
@@ -198,7 +198,7 @@ def bench_checkpoint(quick: bool = True, preset: str = "50m", repeats: int | Non
         "steps_to_hide_upload": math.ceil(median(u["upload_s"] for u in uploads) / median(warm[1:])),
         "step_s": rnd(median(warm[1:]), 6),
         "step_s_during_upload": rnd(median(busy_steps), 6) if busy_steps else None,
-        "snapshot_dir": os.path.dirname(saves[-1].get("snapshot_dir") or ckpt.snap_root),
+        "snapshot_dir": os.path.dirname(ckpt.snap_root),
         "snapshot_s_by_dir": {k: rnd(median(v), 6) for k, v in by_dir.items()},
         "samples": {"stall_s": [rnd(s["stall_s"], 6) for s in saves],
                     "sync_save_upload_s": [rnd(s["total_s"], 6) for s in syncs],

@@ -78,7 +78,7 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
                 engine.backward(loss)
                 engine.step()
         ckpt = Checkpointer(store, os.path.join(work, f"save-r{rank}"), rank, world, attempt="0")
-        ckpt.save(engine, 3, {"note": "test"}, sync=True)
+        ckpt.save(engine, 3, {"note": "test"}, kind="final")
         ckpt.close()
     else:
         _, client = engine.load_checkpoint(plan.load_dir, tag=plan.load_tag)

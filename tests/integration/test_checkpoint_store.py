@@ -10,7 +10,6 @@ import time
 import pytest
 
 from spotfill.storage.checkpoint_store import CheckpointStore, sha256_file, tag_for
-from spotfill.storage.uploader import AsyncUploader
 from spotfill.config.errors import CheckpointCorrupt, ConfigError
 from spotfill.storage.base import open_storage
 
@@ -184,67 +183,6 @@ def test_retention_keeps_last_k_and_removes_orphans(storage, tmp_path):
     assert store.latest_tag() == "step-00000030"
     with pytest.raises(ConfigError, match="keep_last"):
         CheckpointStore(storage, keep_last=-1)
-
-
-# -- AsyncUploader -----------------------------------------------------------------------------------
-def test_async_uploader_one_in_flight_and_back_pressure():
-    up = AsyncUploader()
-    running, peak, lock = [0], [0], threading.Lock()
-
-    def job(seconds, nbytes):
-        with lock:
-            running[0] += 1
-            peak[0] = max(peak[0], running[0])
-        time.sleep(seconds)
-        with lock:
-            running[0] -= 1
-        return nbytes
-
-    assert up.submit(job, 0.4, 100) < 0.05          # idle worker: no wait
-    t0 = time.monotonic()
-    blocked = up.submit(job, 0.1, {"bytes": 50})    # waits for the first one
-    assert 0.25 < blocked <= time.monotonic() - t0 + 0.01
-    assert up.wait(5)
-    st = up.stats()
-    assert peak[0] == 1 and st["jobs"] == 2 and st["bytes_total"] == 150 and st["failed"] == 0
-    assert len(st["upload_seconds"]) == 2 and st["upload_seconds"][0] >= 0.4
-    assert st["blocked_seconds_max"] == pytest.approx(blocked) and not up.busy
-    up.close()
-
-
-def test_async_uploader_errors_surface_on_next_submit_and_wait():
-    up = AsyncUploader()
-
-    def boom():
-        raise RuntimeError("upload exploded")
-
-    up.submit(boom)
-    with pytest.raises(RuntimeError, match="upload exploded"):
-        up.submit(lambda: 1)
-    up.submit(boom)
-    with pytest.raises(RuntimeError, match="upload exploded"):
-        up.wait()
-    assert up.wait(1) and up.stats()["failed"] == 2
-    up.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        up.submit(lambda: 1)
-
-
-def test_async_upload_then_commit_end_to_end(storage, tmp_path):
-    store = CheckpointStore(storage, keep_last=2)
-    up = AsyncUploader()
-    for step in (10, 20, 30):
-        tag = tag_for(step)
-
-        def job(tag=tag, step=step):
-            for rank in range(2):
-                store.upload_part(tag, rank, 2, make_rank_dir(tmp_path, step, rank))
-            return store.commit(tag, step, 2)
-        up.submit(job)
-    up.close()
-    assert store.committed() == ["step-00000030", "step-00000020"]
-    assert up.stats()["jobs"] == 3 and up.stats()["bytes_total"] > 0
-    assert store.restore(str(tmp_path / "r"))["step"] == 30
 
 
 # -- lineage: retention, `latest` and quarantine (issue 7, defects 1 and 6) -------------------------------

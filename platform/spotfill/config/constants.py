@@ -91,6 +91,11 @@ STORAGE_CHECK_TIMEOUT_S = env_float("SPOTFILL_STORAGE_CHECK_TIMEOUT_S", 3.0, str
 CHECKPOINT_KEEP_LAST = env_int("SPOTFILL_CHECKPOINT_KEEP_LAST", 3, minimum=1)
 # How long commit() waits for every rank's done marker.
 CHECKPOINT_COMMIT_TIMEOUT_S = env_float("SPOTFILL_CHECKPOINT_COMMIT_TIMEOUT_S", 600.0, strict=True)
+# Emergency checkpoint (preemption notice): seconds kept free before the deadline, so the save must be
+# committed by deadline - margin. It covers what still runs after the commit and before Ray Train tears the
+# workers down (rank 0's commit polls the other ranks' markers up to 2 s apart, the manifest + `latest` PUTs,
+# the planned-exit report to the event sink, Ray's ~1 s preemption poll), plus clock skew between nodes.
+EMERGENCY_MARGIN_S = env_float("SPOTFILL_EMERGENCY_MARGIN_S", 5.0, strict=True)
 
 
 def aws_endpoint_url() -> str | None:

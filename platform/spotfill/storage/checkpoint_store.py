@@ -129,10 +129,13 @@ class CheckpointStore:
                  len(sizes), stats.bytes / 1e6, time.monotonic() - t0)
         return marker
 
-    def _wait_markers(self, tag: str, world_size: int, timeout_s: float, attempt: str | None) -> dict:
+    def _wait_markers(self, tag: str, world_size: int, timeout_s: float, attempt: str | None,
+                      guard=None) -> dict:
         t0, delay = time.monotonic(), 0.05
         missing, markers = set(range(world_size)), {}
         while True:
+            if guard is not None:
+                guard.check()
             for r in sorted(missing):
                 try:
                     marker = json.loads(self.storage.get_bytes(self._k(tag, f"rank-{r}.done.json")))
@@ -150,16 +153,20 @@ class CheckpointStore:
             delay = min(delay * 1.5, 2.0)
 
     def commit(self, tag: str, step: int, world_size: int, meta: dict | None = None,
-               timeout_s: float | None = None, attempt: str | None = None) -> dict[str, Any]:
+               timeout_s: float | None = None, attempt: str | None = None, guard=None) -> dict[str, Any]:
         """Wait for all ranks' markers, write the manifest (with its `parent`), move `latest`, then
         retention + orphans.
+
+        `guard` (optional; e.g. an uploader.UploadJob): `guard.check()` runs each time the markers are
+        polled and `guard.claim()` right before the manifest is written; either raises to stop the commit
+        (a cancelled checkpoint never gets a manifest).
 
         Raises CheckpointCorrupt when some rank's marker does not appear within `timeout_s` (markers of
         another `attempt` do not count) or disagrees on world_size, or a listed file is missing.
         """
         timeout_s = constants.CHECKPOINT_COMMIT_TIMEOUT_S if timeout_s is None else timeout_s
         t0 = time.monotonic()
-        markers = self._wait_markers(tag, world_size, timeout_s, attempt)
+        markers = self._wait_markers(tag, world_size, timeout_s, attempt, guard)
         files: dict[str, dict] = {}
         for rank, marker in sorted(markers.items()):
             if marker.get("world_size") != world_size:
@@ -175,6 +182,8 @@ class CheckpointStore:
         parent_known, parent = self._head_known, self._head
         if parent_known:
             manifest["parent"] = parent
+        if guard is not None:
+            guard.claim()
         self.storage.put_bytes(self._k(tag, MANIFEST), json.dumps(manifest, indent=1).encode())
         self._head, self._head_known = tag, True
         lineage, current = self.lineage(head=tag), self.latest_tag()
