@@ -12,6 +12,7 @@ import spotfill
 PURE = [
     "spotfill.planning.planner", "spotfill.planning.hardware", "spotfill.planning.sizing", "spotfill.cli.plan",
     "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets",
+    "spotfill.train.step_policy", "spotfill.train.sample_ledger",
     "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}

@@ -51,3 +51,7 @@ class StorageError(SpotfillError):
 
 class CheckpointCorrupt(SpotfillError):
     """A checkpoint is partial or fails checksum verification."""
+
+
+class NoIntactCheckpoint(SpotfillError):
+    """Committed checkpoints exist but none is intact, and the job did not opt in to a fresh start."""

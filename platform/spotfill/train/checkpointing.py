@@ -61,9 +61,12 @@ class Checkpointer:
         self.uploader = AsyncUploader(name=f"ckpt-upload-r{rank}")
         self.committed: list[dict] = []
 
-    def save(self, engine, step: int, client_state: dict, sync: bool = False,
-             commit_timeout_s: float | None = None) -> dict:
-        """Snapshot now, upload in the background (or wait with sync=True). Returns timings."""
+    def save(self, engine, step: int, client_state: dict, *, kind: str,
+             deadline_unix_s: float | None = None) -> dict:
+        """Snapshot now; `periodic` uploads in the background, `final`/`grow`/`emergency` wait for the
+        commit (emergency: with the time left before `deadline_unix_s` as the commit timeout)."""
+        sync = kind != "periodic"
+        commit_timeout_s = None if deadline_unix_s is None else max(0.0, deadline_unix_s - time.time())
         tag = tag_for(step)
         t0 = time.perf_counter()
         state = {**client_state, "step": step, "world_size": self.world_size,
@@ -79,8 +82,9 @@ class Checkpointer:
             t1 = time.perf_counter()
             self.uploader.wait()
             wait_s = time.perf_counter() - t1
-        return {"tag": tag, "step": step, "snapshot_s": snapshot_s, "blocked_s": blocked_s,
-                "wait_s": wait_s, "stall_s": snapshot_s + blocked_s + wait_s, "snapshot_dir": self.snap_root}
+        return {"tag": tag, "step": step, "kind": kind, "path": self.snap_root, "reason": kind,
+                "committed": sync, "snapshot_s": snapshot_s, "blocked_s": blocked_s,
+                "wait_s": wait_s, "stall_s": snapshot_s + blocked_s + wait_s}
 
     def _choose_root(self, engine) -> str:
         """tmpfs when it has room for two snapshots of every local rank (the one uploading and the new
@@ -108,6 +112,10 @@ class Checkpointer:
                                    "upload_s": time.perf_counter() - t0, "t": time.time()})
         shutil.rmtree(local_dir, ignore_errors=True)
         return marker
+
+    def pop_skipped(self) -> list[dict]:
+        """Checkpoints dropped without a commit (none here: every save is uploaded in turn)."""
+        return []
 
     def pop_committed(self) -> list[dict]:
         done, self.committed = self.committed, []
