@@ -29,11 +29,15 @@ from spotfill.train.data import Prefetcher, ShardReader, read_step
 from spotfill.train.engine import build_engine, ds_config, resolve_precision
 from spotfill.train.restore import restore_on_workers
 from spotfill.train.sample_ledger import FeedRecorder, SampleLedger
-from spotfill.train.step_policy import FINISH, StepDecision, StepFacts, StepPolicy
+from spotfill.train.step_policy import CONTINUE, FINISH, StepDecision, StepFacts, StepPolicy
 
 log = logging.getLogger(__name__)
 
 LEDGER_KEY = "sample_ledger"    # in every checkpoint's client_state
+# Rank 0 sends step events at most this often (and before every save or exit, so a step is on record
+# before any checkpoint containing it): one actor call per step was the loop's largest fixed cost on a
+# small model. A hard loss can leave up to this much of the newest steps off the record.
+STEP_EVENTS_FLUSH_S = 0.25
 _F_LOSS, _F_PREEMPT, _F_DEADLINE, _F_GROW = range(4)
 
 
@@ -135,11 +139,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
             run.recorder.record(batch.positions)        # what the model was fed, as the loader returned it
             facts, loss = run.gather(step + 1, loss_sum / shape.accum)
             tc = time.perf_counter()
-            if rank == 0:  # fire-and-forget, ordered: on record before any checkpoint containing it
-                sink.log.remote([{"t": time.time(), "kind": "step", "step": step + 1, "attempt": attempt,
-                                  "loss": loss / world, "world_size": world, "tokens": tokens_per_step,
-                                  "lr": engine.get_lr()[0], "step_s": tc - ts, "data_wait_s": td - ts,
-                                  "compute_s": tc - td}])
+            if rank == 0:
+                run.step_event({"t": time.time(), "kind": "step", "step": step + 1, "attempt": attempt,
+                                "loss": loss / world, "world_size": world, "tokens": tokens_per_step,
+                                "lr": engine.get_lr()[0], "step_s": tc - ts, "data_wait_s": td - ts,
+                                "compute_s": tc - td})
             decision = run.policy.decide(facts)
             run.apply(decision, step + 1)
             if decision.action == FINISH:
@@ -201,6 +205,20 @@ class _Executor:
                                  "CPU": job.cluster.cpus_per_worker}, t.max_workers)
                       if rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers else None)
         self._grow_every, self._last_grow = t.resize_check_s, time.monotonic()
+        self._steps: list[dict] = []
+        self._steps_sent = time.monotonic()
+
+    def step_event(self, event: dict) -> None:
+        """Rank 0: queue a step event; send the queue every STEP_EVENTS_FLUSH_S (fire-and-forget, ordered)."""
+        self._steps.append(event)
+        if time.monotonic() - self._steps_sent >= STEP_EVENTS_FLUSH_S:
+            self._flush_steps()
+
+    def _flush_steps(self) -> None:
+        if self._steps:
+            self.sink.log.remote(self._steps)
+            self._steps = []
+        self._steps_sent = time.monotonic()
 
     def gather(self, done: int, loss) -> tuple[StepFacts, float]:
         """The step's one collective: every rank's loss, preemption notice (deadline) and grow count."""
@@ -226,6 +244,8 @@ class _Executor:
 
     def apply(self, d: StepDecision, done: int) -> None:
         """Save, record commits (rank 0: a kill may come next) and leave, as `d` says."""
+        if self.rank == 0 and d.action != CONTINUE:
+            self._flush_steps()                 # the steps land before the save and commit that hold them
         if d.saves:
             self._save(d, done)
         if self.rank == 0:
@@ -264,5 +284,6 @@ class _Executor:
 
     def close(self) -> None:
         if self.rank == 0:
+            self._flush_steps()
             self._record_checkpoints()
         self.ckpt.close(wait=False)
