@@ -193,17 +193,17 @@ class _Executor:
 
     def __init__(self, job: JobConfig, sink, comms: _Comms, engine, rank: int, world: int, attempt: int,
                  ledger: SampleLedger, ckpt: Checkpointer):
-        from spotfill.train.elastic import GrowCheck
-
         t = job.training
         self.sink, self.comms, self.engine, self.ckpt = sink, comms, engine, ckpt
         self.rank, self.world, self.attempt, self.global_batch = rank, world, attempt, t.global_batch
         self.policy = StepPolicy(t.steps, t.checkpoint_every)
         self.ledger, self.recorder = ledger, FeedRecorder()
         self.flags = comms.torch.zeros(4, dtype=comms.torch.float64, device=engine.device)
-        self._grow = (GrowCheck({job.cluster.gpu_resource: job.cluster.gpus_per_worker,
-                                 "CPU": job.cluster.cpus_per_worker}, t.max_workers)
-                      if rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers else None)
+        self._grow = None
+        if rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers:
+            from spotfill.train.elastic import GrowCheck
+            self._grow = GrowCheck({job.cluster.gpu_resource: job.cluster.gpus_per_worker,
+                                    "CPU": job.cluster.cpus_per_worker}, t.max_workers)
         self._grow_every, self._last_grow = t.resize_check_s, time.monotonic()
         self._steps: list[dict] = []
         self._steps_sent = time.monotonic()
