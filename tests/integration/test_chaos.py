@@ -17,7 +17,8 @@ def _run(seed: int, tmp_path, steps: int) -> dict:
     assert report["ok"], json.dumps(data["events"]) + "\n" + digest(report)
     tr = report["training"]
     assert tr["steps_completed"] == steps
-    assert tr["samples"] == {"consumed": steps * 12, "duplicates": 0, "missing": 0}
+    assert tr["samples"] == {"consumed": steps * 12, "duplicates": 0, "missing": 0,
+                             "source": "checkpoint-ledger"}
     return report
 
 

@@ -46,7 +46,8 @@ def test_every_invariant_holds(scenario_run):
     assert json.loads((out / "report.json").read_text())["ok"]
     tr = report["training"]
     assert tr["steps_completed"] == STEPS
-    assert tr["samples"] == {"consumed": STEPS * 12, "duplicates": 0, "missing": 0}
+    assert tr["samples"] == {"consumed": STEPS * 12, "duplicates": 0, "missing": 0,
+                             "source": "checkpoint-ledger"}
 
 
 def test_announced_preemption_loses_no_step(scenario_run):

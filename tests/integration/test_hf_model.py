@@ -38,7 +38,8 @@ def test_hf_llama_trains_and_reshards(llama_dir, tmp_path):
     assert report["ok"], digest(report)
     tr = report["training"]
     assert tr["steps_completed"] == STEPS
-    assert tr["samples"] == {"consumed": STEPS * 8, "duplicates": 0, "missing": 0}
+    assert tr["samples"] == {"consumed": STEPS * 8, "duplicates": 0, "missing": 0,
+                             "source": "checkpoint-ledger"}
     assert [n for _, n in tr["world_size_timeline"]] == [2, 1]
     resumes = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["kind"] == "resume"]
     assert resumes and resumes[0]["universal"] and resumes[0]["from_world_size"] == 2

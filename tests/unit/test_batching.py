@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spotfill.train.batching import (BatchShape, audit_samples, batch_shape, check_elastic_range,
-                               rank_micro_batches, step_stream_indices, stream_to_rows, valid_world_sizes)
+from spotfill.train.batching import (BatchShape, batch_shape, check_elastic_range,
+                               rank_micro_batches, rank_positions, step_stream_indices, stream_to_rows, valid_world_sizes)
 from spotfill.config.errors import ConfigError
 
 FAST = settings(max_examples=150, deadline=None)
@@ -163,53 +163,11 @@ def test_stream_to_rows_pointwise_matches_whole_epoch(indices, n_rows, seed):
         assert r == full[g % n_rows]
 
 
-# -- audit_samples -----------------------------------------------------------------------------------
-def _records(attempt: int, steps: range, global_batch: int, world: int) -> list:
-    shape = batch_shape(global_batch, world, 4)
-    return [(attempt, s, [g for mb in rank_micro_batches(s, shape, r) for g in mb])
-            for s in steps for r in range(world)]
-
-
-def test_audit_clean_history():
-    out = audit_samples(_records(0, range(10), 8, 2), steps=10, global_batch=8)
-    assert out == {"consumed": 80, "duplicates": 0, "missing": 0}
-
-
-def test_audit_rollback_replaces_lost_steps():
-    # attempt 0 ran steps 0..5 at world 4; it died; attempt 1 resumed from the step-3 checkpoint at world 2
-    records = _records(0, range(0, 6), 8, 4) + _records(1, range(3, 10), 8, 2)
-    out = audit_samples(records, steps=10, global_batch=8)
-    assert out == {"consumed": 80, "duplicates": 0, "missing": 0}
-
-
-def test_audit_counts_a_skipped_step_as_missing():
-    records = [r for r in _records(0, range(10), 8, 2) if r[1] != 4]
-    out = audit_samples(records, steps=10, global_batch=8)
-    assert out == {"consumed": 72, "duplicates": 0, "missing": 8}
-
-
-def test_audit_counts_a_lost_rank_as_missing():
-    records = [r for r in _records(0, range(4), 8, 2) if not (r[1] == 2 and r[2][0] % 8 == 4)]
-    out = audit_samples(records, steps=4, global_batch=8)
-    assert out["missing"] == 4 and out["duplicates"] == 0
-
-
-def test_audit_counts_duplicated_ids():
-    records = _records(0, range(4), 8, 2)
-    attempt, step, ids = records[3]
-    records[3] = (attempt, step, ids[:2] + ids[:2])        # a rank re-read two samples, skipped two
-    out = audit_samples(records, steps=4, global_batch=8)
-    assert out["duplicates"] == 2 and out["missing"] == 2 and out["consumed"] == 32
-
-
-def test_audit_counts_ids_from_another_step_as_duplicates():
-    records = _records(0, range(4), 8, 2)
-    records.append((0, 3, [0, 1]))                        # step 0's samples consumed again at step 3
-    out = audit_samples(records, steps=4, global_batch=8)
-    assert out["duplicates"] == 2 and out["missing"] == 0
-
-
-def test_audit_ignores_steps_past_the_target():
-    records = _records(0, range(6), 8, 2)
-    out = audit_samples(records, steps=4, global_batch=8)
-    assert out == {"consumed": 32, "duplicates": 0, "missing": 0}
+# -- rank_positions ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
+def test_rank_positions_is_rank_micro_batches_flattened(world):
+    shape = batch_shape(12, world, 2)
+    for step in (0, 5):
+        for r in range(world):
+            flat = [g for mb in rank_micro_batches(step, shape, r) for g in mb]
+            assert rank_positions(step, shape, r).tolist() == flat

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from spotfill.train.data import (BYTE_VOCAB, EOD, FORMAT, Prefetcher, ShardReader, ShardWriter, StepBatch, byte_encode,
+from spotfill.train.data import (BYTE_VOCAB, EOD, FORMAT, Prefetcher, ShardReader, ShardWriter, StepBatch, byte_encode, read_step,
                            iter_corpus_files, load_tokenizer, pack, read_manifest, token_dtype)
 from spotfill.config.errors import CheckpointCorrupt, ConfigError
 from spotfill.storage.base import open_storage
@@ -101,6 +101,28 @@ def test_shard_round_trip(tmp_path):
     assert np.array_equal(again.rows(ids), data[ids])
 
 
+def test_read_returns_each_rows_identity_across_shards(tmp_path):
+    storage, data, _ = _write(tmp_path)                     # shards of 3, 3, 3, 1 rows
+    reader = ShardReader(storage, str(tmp_path / "cache"))
+    ids = np.array([9, 0, 3, 3, 7, 2, 5])
+    tokens, read_ids = reader.read(ids)
+    assert np.array_equal(tokens, data[ids]) and read_ids.tolist() == [9, 0, 3, 3, 7, 2, 5]
+    with pytest.raises(IndexError):
+        reader.read(np.array([10]))
+
+
+def test_read_step_keeps_rows_and_their_positions_together(tmp_path):
+    from spotfill.train.batching import stream_to_rows
+
+    storage, data, _ = _write(tmp_path)
+    reader = ShardReader(storage, str(tmp_path / "cache"))
+    positions = np.array([13, 14, 15, 16])                 # epoch 1 of a 10-row dataset
+    b = read_step(reader, step=3, positions=positions, accum=2, seed=7)
+    rows = stream_to_rows(positions, 10, 7)
+    assert b.step == 3 and b.positions.tolist() == [13, 14, 15, 16] and b.row_ids.tolist() == rows.tolist()
+    assert len(b.micro_batches) == 2 and np.array_equal(np.concatenate(b.micro_batches), data[rows])
+
+
 def test_shard_round_trip_through_file_uri(tmp_path):
     _write(tmp_path)
     reader = ShardReader(open_storage(f"file://{tmp_path / 'ds'}"), str(tmp_path / "cache2"))
@@ -146,7 +168,7 @@ def test_writer_with_no_complete_row_is_a_config_error(tmp_path):
 
 # -- prefetcher ----------------------------------------------------------------------------------
 def _batch(step: int) -> StepBatch:
-    return StepBatch(step, [np.full((1, 3), step)], [step])
+    return StepBatch(step, [np.full((1, 3), step)], np.array([step]))
 
 
 def test_prefetcher_yields_steps_in_order():

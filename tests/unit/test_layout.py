@@ -14,7 +14,8 @@ PURE = [
     "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets", "spotfill.sim.scenario",
     "spotfill.sim.outcomes", "spotfill.config", "spotfill.telemetry.ledger", "spotfill.telemetry.diagnosis",
     "spotfill.telemetry.html", "spotfill.telemetry.report", "spotfill.telemetry.live",
-    "spotfill.storage.lineage", "spotfill.train.preflight",
+    "spotfill.storage.lineage", "spotfill.train.preflight", "spotfill.train.step_policy",
+    "spotfill.train.sample_ledger",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 

@@ -9,19 +9,19 @@ G = 12
 
 
 def _steps(attempt, first, last, world, t0, dt=0.1):
-    """Steps first..last done (1-based), each with the samples record of the stream indices it consumed."""
+    """Steps first..last done (1-based)."""
     out = []
     for i, s in enumerate(range(first, last + 1)):
         out.append({"t": t0 + i * dt, "kind": "step", "attempt": attempt, "step": s, "world_size": world,
                     "loss": 1.0, "tokens": 10, "step_s": dt, "data_wait_s": 0.0, "compute_s": dt})
-        out.append({"t": t0 + i * dt, "kind": "samples", "attempt": attempt, "step": s - 1, "rank": 0,
-                    "ids": list(range((s - 1) * G, s * G))})
     return out
 
 
-def _save(t, attempt, step, emergency=False):
+def _save(t, attempt, step, emergency=False, ledger=None):
+    """A save whose checkpoint carries a clean ledger of `step` steps unless `ledger` says otherwise."""
     return {"t": t, "kind": "checkpoint_save", "attempt": attempt, "step": step, "emergency": emergency,
-            "stall_s": 0.1}
+            "stall_s": 0.1, "ledger": ledger or {"consumed": step * G, "duplicates": 0, "missing": 0,
+                                                  "owed": step * G}}
 
 
 def _commit(t, attempt, step):
@@ -88,11 +88,33 @@ def test_invariants_pass_and_fail():
         {"kind": "hard", **node_event_outcome(ev, 123.3)}]}
     inv = invariants(report, checkpoint_every=20)
     assert all(i["ok"] for i in inv.values()), inv
-    assert report["training"]["samples"] == {"consumed": 80 * G, "duplicates": 0, "missing": 0}
+    assert report["training"]["samples"] == {"consumed": 80 * G, "duplicates": 0, "missing": 0,
+                                             "source": "checkpoint-ledger"}
     report["preemptions"][1]["lost_steps"] = 21
     assert not invariants(report, checkpoint_every=20)["hard_loss_within_interval"]["ok"]
     report["preemptions"][0]["committed_before_deadline"] = False
     assert not invariants(report, checkpoint_every=20)["announced_preemption_loses_nothing"]["ok"]
+
+
+def test_samples_come_from_the_ledger_of_the_newest_commit():
+    """The final model is the newest commit's, even when an older attempt committed a higher step."""
+    ev = _timeline()
+    bad = {"consumed": 50 * G, "duplicates": 3 * G, "missing": 3 * G, "owed": 50 * G}
+    ev += [_save(140.0, 4, 50, ledger=bad), _commit(140.1, 4, 50)]
+    assert training_section(ev, 80, G)["samples"] == {"consumed": 50 * G, "duplicates": 3 * G,
+                                                      "missing": 3 * G, "source": "checkpoint-ledger"}
+    report = {"training": training_section(ev, 80, G), "preemptions": []}
+    assert not invariants(report, checkpoint_every=20)["no_sample_lost_or_repeated"]["ok"]
+
+
+def test_samples_without_a_ledger_on_record_prove_nothing():
+    ev = [e for e in _timeline() if e["kind"] != "checkpoint_save"]
+    assert training_section(ev, 80, G)["samples"] == {"consumed": 0, "duplicates": 0, "missing": 80 * G,
+                                                      "source": "none"}
+    ev = _timeline()
+    ev[-2:-2] = [_commit(133.25, 3, 80)]     # a commit with no save event carrying its ledger
+    ev = [e for e in ev if not (e["kind"] == "checkpoint_save" and e["step"] == 80)]
+    assert training_section(ev, 80, G)["samples"]["source"] == "none"
 
 
 def test_attempt_history_says_how_each_attempt_ended():

@@ -3,7 +3,7 @@
 The global batch G is fixed. At world size W each rank takes G/W samples per optimizer step, split into
 `accum` micro-batches of `micro` samples: micro x accum x W == G at every W in [min, max].
 
-Samples are addressed by their *stream index*: step s consumes stream indices [s*G, (s+1)*G). Stream index
+Samples are addressed by their *stream index* (stream position): step s consumes stream indices [s*G, (s+1)*G). Stream index
 g maps to dataset row perm_e[g mod N] where e = g // N is the epoch and perm_e a seeded permutation. Which
 samples a step consumes depends only on the step, never on the world size, so after any resize or restart
 no sample is repeated or skipped.
@@ -71,6 +71,13 @@ def rank_micro_batches(step: int, shape: BatchShape, rank: int) -> list[list[int
             for i in range(shape.accum)]
 
 
+def rank_positions(step: int, shape: BatchShape, rank: int) -> np.ndarray:
+    """The stream positions rank `rank` consumes at `step`, in micro-batch order (rank_micro_batches,
+    flattened, as one array)."""
+    start = step * shape.global_batch + rank * shape.per_rank
+    return np.arange(start, start + shape.per_rank, dtype=np.int64)
+
+
 @lru_cache(maxsize=4)
 def _epoch_permutation(n_rows: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n_rows)
@@ -85,23 +92,3 @@ def stream_to_rows(indices: list[int] | range, n_rows: int, seed: int) -> np.nda
         mask = epochs == e
         rows[mask] = _epoch_permutation(n_rows, seed, int(e))[idx[mask] % n_rows]
     return rows
-
-
-def audit_samples(records: list[tuple[int, int, list[int]]], steps: int, global_batch: int) -> dict:
-    """Count duplicates and missing samples over the history the final model descends from.
-
-    `records` are (attempt, step, stream_indices) as ranks reported them. For each step the newest
-    attempt that ran it wins (a step redone after a rollback replaces the lost one).
-    """
-    newest: dict[int, int] = {}
-    for attempt, step, _ in records:
-        newest[step] = max(newest.get(step, -1), attempt)
-    seen: dict[int, int] = {}
-    for attempt, step, ids in records:
-        if newest.get(step) == attempt and step < steps:
-            for g in ids:
-                seen[g] = seen.get(g, 0) + 1
-    owed = set(range(steps * global_batch))
-    duplicates = sum(c - 1 for c in seen.values() if c > 1) + sum(1 for g in seen if g not in owed)
-    missing = len(owed - seen.keys())
-    return {"consumed": sum(seen.values()), "duplicates": duplicates, "missing": missing}

@@ -24,6 +24,7 @@ import numpy as np
 
 from spotfill.config.errors import CheckpointCorrupt, ConfigError
 from spotfill.storage.base import sha256_file
+from spotfill.train.batching import stream_to_rows
 
 log = logging.getLogger(__name__)
 
@@ -146,18 +147,41 @@ class ShardReader:
         self._starts = np.cumsum([0] + [len(a) for a in self._arrays])
 
     def rows(self, row_ids: np.ndarray) -> np.ndarray:
+        return self.read(row_ids)[0]
+
+    def read(self, row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Token rows for dataset rows `row_ids`, and each row's identity as read: its shard's first row
+        plus the offset it was read at. One fancy-index per shard (no Python loop per row: this runs on the
+        prefetch thread, and a per-row loop holds the GIL the step loop needs)."""
+        row_ids = np.asarray(row_ids, dtype=np.int64)
         out = np.empty((len(row_ids), self.seq_len + 1), dtype=np.int64)
+        read_ids = np.empty_like(row_ids)
         shard_of = np.searchsorted(self._starts, row_ids, side="right") - 1
-        for i, (s, r) in enumerate(zip(shard_of, row_ids)):
-            out[i] = self._arrays[s][r - self._starts[s]]
-        return out
+        if row_ids.size and (shard_of.min() < 0 or row_ids.max() >= self.num_samples):
+            raise IndexError(f"dataset rows out of range [0, {self.num_samples})")
+        for s in np.unique(shard_of):
+            where = np.flatnonzero(shard_of == s)
+            offsets = row_ids[where] - self._starts[s]
+            out[where] = self._arrays[s][offsets]
+            read_ids[where] = self._starts[s] + offsets
+        return out, read_ids
 
 
 @dataclass
 class StepBatch:
+    """One rank's rows for one optimizer step, with the identity of every row the loader returned."""
     step: int
-    micro_batches: list[np.ndarray]     # accum x [micro, seq_len + 1] token rows
-    stream_indices: list[int]           # what this rank consumed at this step
+    micro_batches: list[np.ndarray]     # accum x [micro, seq_len + 1] token rows, in the order fed
+    positions: np.ndarray               # stream position of each row, same order (the ledger records it)
+    row_ids: np.ndarray | None = None   # dataset row each was read from (shard + offset of the read)
+
+
+def read_step(reader: ShardReader, step: int, positions: np.ndarray, accum: int, seed: int) -> StepBatch:
+    """Read the rows for stream `positions` (this rank's share of `step`) and keep each row's identity with
+    it: the rows fed and the positions recorded come from the same read, not from the step number."""
+    positions = np.asarray(positions, dtype=np.int64)
+    tokens, read_ids = reader.read(stream_to_rows(positions, reader.num_samples, seed))
+    return StepBatch(step, np.split(tokens, accum), positions, read_ids)
 
 
 class Prefetcher:

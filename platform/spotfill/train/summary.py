@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from statistics import mean
 
-from spotfill.train.batching import audit_samples
 
 
 def training_section(events: list[dict], steps_target: int, global_batch: int,
@@ -19,9 +18,8 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
             newest[e["step"]] = e
     lineage = [newest[s] for s in sorted(newest)]
     history = attempt_history(events)
-    records = [(e["attempt"], e["step"], e["ids"]) for e in events if e["kind"] == "samples"]
     completed = max(newest) if newest else 0
-    samples = audit_samples(records, completed, global_batch)
+    samples = samples_section(events, completed, global_batch)
     timeline: list[list[float]] = []
     for e in sorted(steps, key=lambda e: e["t"]):
         if not timeline or timeline[-1][1] != e["world_size"]:
@@ -54,6 +52,21 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
             "checkpoint_stall": round(stall, 3),
         },
     }
+
+
+def samples_section(events: list[dict], steps_completed: int, global_batch: int) -> dict:
+    """`training.samples`: the exactly-once ledger of the final model -- the one the newest committed
+    checkpoint carried (sample_ledger.py), as its checkpoint_save event reported it. No ledger on record
+    (no checkpoint committed, or one from before ledgers): nothing is proven, every owed sample counts as
+    missing."""
+    saves = {(e["attempt"], e["step"]): e["ledger"] for e in events
+             if e["kind"] == "checkpoint_save" and e.get("ledger")}
+    commits = [e for e in events if e["kind"] == "checkpoint"]
+    ledger = saves.get((commits[-1]["attempt"], commits[-1]["step"])) if commits else None
+    if ledger is None:
+        return {"consumed": 0, "duplicates": 0, "missing": steps_completed * global_batch, "source": "none"}
+    return {"consumed": ledger["consumed"], "duplicates": ledger["duplicates"], "missing": ledger["missing"],
+            "source": "checkpoint-ledger"}
 
 
 def attempt_history(events: list[dict]) -> list[dict]:

@@ -1,11 +1,15 @@
 """The Ray Train worker loop: one DeepSpeed engine per worker, elastic and preemption-aware.
 
-Every optimizer step consumes the stream indices [step*G, (step+1)*G) whatever the world size; each rank
-takes its slice as micro-batches (batching.py). After each step one all-reduce carries the loss and two
-flags: "a node of ours got a preemption notice" (ray.train.get_preemption_info) and "more workers fit now".
-Either flag makes every rank take a checkpoint at the same step, commit it, and leave with PlannedExit, so
-Ray Train restarts the group at the size the cluster now holds -- with no step lost. Other checkpoints are
-every `checkpoint_every` steps and upload in the background.
+The loop is an executor. After each step it gathers the step's facts -- its loss, whether this rank holds
+a preemption notice (and its deadline), whether more workers fit (rank 0 asks every resize_check_s) -- in
+the step's one collective, so every rank sees every rank's facts; it asks the pure StepPolicy
+(step_policy.py) what to do, and applies the decision: continue, a periodic checkpoint, a checkpoint and a
+planned exit (Ray Train restarts the group at the size the cluster now holds), or the final save.
+
+Every optimizer step consumes the stream positions [step*G, (step+1)*G) whatever the world size; each rank
+takes its slice as micro-batches (batching.py). Every rank records the positions it actually fed (the
+identities the loader returned with the rows); at each checkpoint the ranks' records are combined into the
+exactly-once ledger (sample_ledger.py), which travels in the checkpoint with the model state.
 """
 from __future__ import annotations
 
@@ -13,21 +17,28 @@ import logging
 import os
 import time
 
-import numpy as np
-
 from spotfill.config import constants
-from spotfill.train.batching import batch_shape, rank_micro_batches, stream_to_rows
-from spotfill.train.checkpointing import Checkpointer
-from spotfill.train.restore import restore_on_workers
 from spotfill.config.errors import NoIntactCheckpoint
-from spotfill.storage.checkpoint_store import CheckpointStore
 from spotfill.config.job import JobConfig, from_mapping
 from spotfill.ray_compat import local_preemption_info
-from spotfill.train.engine import build_engine, ds_config, resolve_precision
-from spotfill.train.data import Prefetcher, ShardReader, StepBatch
 from spotfill.storage.base import open_storage
+from spotfill.storage.checkpoint_store import CheckpointStore
+from spotfill.train.batching import BatchShape, batch_shape, rank_positions
+from spotfill.train.checkpointing import Checkpointer
+from spotfill.train.data import Prefetcher, ShardReader, read_step
+from spotfill.train.engine import build_engine, ds_config, resolve_precision
+from spotfill.train.restore import restore_on_workers
+from spotfill.train.sample_ledger import FeedRecorder, SampleLedger
+from spotfill.train.step_policy import CONTINUE, FINISH, StepDecision, StepFacts, StepPolicy
 
 log = logging.getLogger(__name__)
+
+LEDGER_KEY = "sample_ledger"    # in every checkpoint's client_state
+# Rank 0 sends step events at most this often (and before every save or exit, so a step is on record
+# before any checkpoint containing it): one actor call per step was the loop's largest fixed cost on a
+# small model. A hard loss can leave up to this much of the newest steps off the record.
+STEP_EVENTS_FLUSH_S = 0.25
+_F_LOSS, _F_PREEMPT, _F_DEADLINE, _F_GROW = range(4)
 
 
 class PlannedExit(RuntimeError):
@@ -37,9 +48,11 @@ class PlannedExit(RuntimeError):
 class _Comms:
     """Tiny helpers over torch.distributed (already initialised by Ray Train's TorchConfig)."""
 
-    def __init__(self):
+    def __init__(self, world: int):
+        import torch
         import torch.distributed as dist
-        self.dist = dist
+        self.dist, self.torch, self.world = dist, torch, world
+        self._gathered: list | None = None
 
     def bcast(self, obj):
         buf = [obj]
@@ -49,15 +62,23 @@ class _Comms:
     def barrier(self):
         self.dist.barrier()
 
+    def gather_flags(self, flags) -> list[list[float]]:
+        """Every rank's flags row; the step's one collective and its one host sync."""
+        if self._gathered is None:
+            self._gathered = [self.torch.empty_like(flags) for _ in range(self.world)]
+        self.dist.all_gather(self._gathered, flags)
+        return self.torch.stack(self._gathered).tolist()
+
+    def gather_objects(self, obj) -> list:
+        out = [None] * self.world
+        self.dist.all_gather_object(out, obj)
+        return out
+
 
 def train_loop_per_worker(loop_config: dict) -> None:
     import ray
     import ray.train
     import torch
-    import torch.nn.functional as F
-
-    from spotfill.train.elastic import GrowCheck
-    from spotfill.train.model import build_model
 
     job: JobConfig = from_mapping(JobConfig, loop_config["job"])
     t = job.training
@@ -65,46 +86,38 @@ def train_loop_per_worker(loop_config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     node_id = ray.get_runtime_context().get_node_id()
-    comms = _Comms()
+    comms = _Comms(world)
     t_start = time.time()
 
-    info = ray.get(sink.begin_attempt.remote(world)) if rank == 0 else None
-    info = comms.bcast(info)
+    info = comms.bcast(ray.get(sink.begin_attempt.remote(world)) if rank == 0 else None)
     if info["give_up"]:
-        if rank == 0:
-            ray.get(sink.finish.remote({"ok": False, "reason": f"{info['unplanned_failures']} unplanned "
-                                        f"failures exceed training.max_failures={t.max_failures}"}))
-        return
+        return _finish(sink, rank, {"ok": False, "reason": f"{info['unplanned_failures']} unplanned "
+                                    f"failures exceed training.max_failures={t.max_failures}"})
     attempt = info["attempt"]
     shape = batch_shape(t.global_batch, world, t.max_micro_batch)
     store = CheckpointStore(open_storage(job.storage).child(job.name), keep_last=t.keep_checkpoints)
     local_root = os.path.join(constants.LOCAL_DIR, job.name, f"node-{node_id[:12]}")
     node_dir = os.path.join(local_root, "restore")
-
     t0 = time.perf_counter()
     try:
         plan = restore_on_workers(store, comms, rank, world, node_id, node_dir, t.zero_stage,
                                   on_no_intact=t.on_no_intact_checkpoint,
                                   emit=lambda kind, **f: sink.event.remote(kind, attempt=attempt, **f))
     except NoIntactCheckpoint as exc:
-        return None if rank else ray.get(sink.finish.remote({"ok": False, "reason": str(exc)}))
+        return _finish(sink, rank, {"ok": False, "reason": str(exc)})
     prep_s = time.perf_counter() - t0
 
-    on_gpu = torch.cuda.is_available() and job.cluster.gpu_resource == "GPU"
-    precision = resolve_precision(t.precision, on_gpu)
+    precision = resolve_precision(t.precision, torch.cuda.is_available() and job.cluster.gpu_resource == "GPU")
     torch.manual_seed(t.seed)
     reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
-    model = build_model(t.model, seq_len=reader.seq_len, vocab_size=None if t.model.startswith("hf:")
-                        else reader.manifest["vocab_size"])
-    engine = build_engine(model, ds_config(job, shape.micro_batch, shape.accum, precision, plan.universal))
-    start_step = 0
-    t1 = time.perf_counter()
+    engine, vocab = _engine(job, reader, shape, precision, plan.universal)
+    start_step, ledger, load_s = 0, SampleLedger(), 0.0
     if plan.tag:
-        load_dir = os.path.join(node_dir, "ds")
-        _, client_state = engine.load_checkpoint(load_dir, tag=plan.load_tag, load_optimizer_states=True,
-                                                 load_lr_scheduler_states=True)
-        start_step = int(client_state["step"])
-    load_s = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        _, client_state = engine.load_checkpoint(os.path.join(node_dir, "ds"), tag=plan.load_tag,
+                                                 load_optimizer_states=True, load_lr_scheduler_states=True)
+        start_step, ledger = int(client_state["step"]), SampleLedger.from_state(client_state.get(LEDGER_KEY))
+        load_s = time.perf_counter() - t1
     if rank == 0:
         sink.event.remote("resume" if plan.tag else "start", attempt=attempt, step=start_step,
                           world_size=world, micro_batch=shape.micro_batch, accum=shape.accum,
@@ -112,89 +125,167 @@ def train_loop_per_worker(loop_config: dict) -> None:
                           restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
                           startup_s=round(time.time() - t_start, 3), precision=precision)
 
-    def make(step: int) -> StepBatch:
-        mbs = rank_micro_batches(step, shape, rank)
-        flat = [g for mb in mbs for g in mb]
-        rows = reader.rows(stream_to_rows(flat, reader.num_samples, job.data.seed))
-        return StepBatch(step, np.split(rows, len(mbs)), flat)
+    def make(step: int):
+        return read_step(reader, step, rank_positions(step, shape, rank), shape.accum, job.data.seed)
 
-    ckpt = Checkpointer(store, local_root, rank, world, attempt=f"{attempt}")
-
-    def record_commits() -> None:
-        """Send the checkpoints committed since the last call (fire-and-forget, in order)."""
-        if ckpt.committed:
-            sink.log.remote([{"kind": "checkpoint", "attempt": attempt, **c} for c in ckpt.pop_committed()])
+    run = _Executor(job, sink, comms, engine, rank, world, attempt, ledger,
+                    Checkpointer(store, local_root, rank, world, attempt=f"{attempt}"))
     prefetch = Prefetcher(make, start_step, t.steps, depth=job.data.prefetch)
-    device = engine.device
-    vocab = model.cfg.vocab_size
-    events: list[dict] = []
-    last_grow_check, grow_every = time.monotonic(), t.resize_check_s
-    per_worker = {job.cluster.gpu_resource: job.cluster.gpus_per_worker, "CPU": job.cluster.cpus_per_worker}
-    grow_check = GrowCheck(per_worker, t.max_workers)
     tokens_per_step = t.global_batch * reader.seq_len
     try:
         for step in range(start_step, t.steps):
             ts = time.perf_counter()
             batch = prefetch.get(step)
             td = time.perf_counter()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)   # no host sync per micro-batch
-            for mb in batch.micro_batches:
-                x = torch.from_numpy(mb[:, :-1]).to(device)
-                y = torch.from_numpy(mb[:, 1:]).to(device)
-                logits = engine(x)
-                loss = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
-                engine.backward(loss)
-                engine.step()
-                loss_sum += loss.detach().double()
-            preempt = local_preemption_info()
-            grow = 0
-            if (rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers
-                    and time.monotonic() - last_grow_check > grow_every):
-                last_grow_check = time.monotonic()
-                grow = grow_check.extra_workers(world, time.monotonic())
-            flags = torch.tensor([0.0, 1.0 if preempt else 0.0, float(grow)], dtype=torch.float64, device=device)
-            flags[0] = loss_sum / shape.accum
-            comms.dist.all_reduce(flags)
-            loss_total, preempt_votes, grow_votes = flags.tolist()   # the step's one host sync
+            loss_sum = _train_step(engine, batch.micro_batches, vocab)
+            run.recorder.record(batch.positions)        # what the model was fed, as the loader returned it
+            facts, loss = run.gather(step + 1, loss_sum / shape.accum)
             tc = time.perf_counter()
-            done = step + 1
-            emergency, grow_now = preempt_votes > 0, grow_votes > 0
-            events.append({"t": time.time(), "kind": "samples", "attempt": attempt, "step": step,
-                           "rank": rank, "ids": batch.stream_indices})
             if rank == 0:
-                # Sent now (fire-and-forget, ordered): a step is on record even if the node dies next,
-                # and always before a checkpoint that contains it commits.
-                sink.log.remote([{"t": time.time(), "kind": "step", "step": done, "attempt": attempt,
-                                  "loss": loss_total / world, "world_size": world,
-                                  "tokens": tokens_per_step, "lr": engine.get_lr()[0],
-                                  "step_s": tc - ts, "data_wait_s": td - ts, "compute_s": tc - td}])
-            if emergency or grow_now or done % t.checkpoint_every == 0 or done == t.steps:
-                ray.get(sink.log.remote(events))          # sample records land before the commit
-                events = []
-                sync = emergency or grow_now or done == t.steps
-                stall = ckpt.save(engine, done, {"attempt": attempt}, sync=sync)
-                if rank == 0:  # sent now, like steps: a hard loss during the upload must find it on record
-                    sink.log.remote([{"t": time.time(), "kind": "checkpoint_save", "attempt": attempt,
-                                      "emergency": emergency, "grow": grow_now, **stall,
-                                      "deadline_ms": getattr(preempt, "deadline_ms", None)}])
-            if rank == 0:  # commits too go on record at once (a kill may come next)
-                record_commits()
-            if len(events) >= 32:
-                sink.log.remote(events)
-                events = []
-            if emergency or grow_now:
-                if rank == 0:
-                    ray.get(sink.planned_exit.remote("preemption" if emergency else "grow", step=done,
-                                                     world_size=world))
-                raise PlannedExit(f"{'preemption notice' if emergency else 'capacity for more workers'}"
-                                  f" at step {done}: checkpoint committed; restarting the worker group")
-        ckpt.uploader.wait()
-        if rank == 0:
-            record_commits()
+                run.step_event({"t": time.time(), "kind": "step", "step": step + 1, "attempt": attempt,
+                                "loss": loss / world, "world_size": world, "tokens": tokens_per_step,
+                                "lr": engine.get_lr()[0], "step_s": tc - ts, "data_wait_s": td - ts,
+                                "compute_s": tc - td})
+            decision = run.policy.decide(facts)
+            run.apply(decision, step + 1)
+            if decision.action == FINISH:
+                break
     finally:
         prefetch.close()
-        if events:
-            ray.get(sink.log.remote(events))
-        ckpt.close(wait=False)
+        run.close()
+    _finish(sink, rank, {"ok": True, "steps_completed": t.steps, "attempt": attempt})
+
+
+def _finish(sink, rank: int, verdict: dict) -> None:
+    """Rank 0 hands the job's verdict to the sink; every rank returns."""
     if rank == 0:
-        ray.get(sink.finish.remote({"ok": True, "steps_completed": t.steps, "attempt": attempt}))
+        import ray
+        ray.get(sink.finish.remote(verdict))
+
+
+def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: str, universal: bool):
+    from spotfill.train.model import build_model
+
+    t = job.training
+    model = build_model(t.model, seq_len=reader.seq_len, vocab_size=None if t.model.startswith("hf:")
+                        else reader.manifest["vocab_size"])
+    config = ds_config(job, shape.micro_batch, shape.accum, precision, universal)
+    return build_engine(model, config), model.cfg.vocab_size
+
+
+def _train_step(engine, micro_batches, vocab: int):
+    """Forward, backward and step over the micro-batches; the summed loss stays on the device."""
+    import torch
+    import torch.nn.functional as F
+
+    device = engine.device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)   # no host sync per micro-batch
+    for mb in micro_batches:
+        x = torch.from_numpy(mb[:, :-1]).to(device)
+        y = torch.from_numpy(mb[:, 1:]).to(device)
+        loss = F.cross_entropy(engine(x).float().reshape(-1, vocab), y.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        loss_sum += loss.detach().double()
+    return loss_sum
+
+
+class _Executor:
+    """Gathers a step's facts and applies the policy's decisions for one rank of one attempt."""
+
+    def __init__(self, job: JobConfig, sink, comms: _Comms, engine, rank: int, world: int, attempt: int,
+                 ledger: SampleLedger, ckpt: Checkpointer):
+        t = job.training
+        self.sink, self.comms, self.engine, self.ckpt = sink, comms, engine, ckpt
+        self.rank, self.world, self.attempt, self.global_batch = rank, world, attempt, t.global_batch
+        self.policy = StepPolicy(t.steps, t.checkpoint_every)
+        self.ledger, self.recorder = ledger, FeedRecorder()
+        self.flags = comms.torch.zeros(4, dtype=comms.torch.float64, device=engine.device)
+        self._grow = None
+        if rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers:
+            from spotfill.train.elastic import GrowCheck
+            self._grow = GrowCheck({job.cluster.gpu_resource: job.cluster.gpus_per_worker,
+                                    "CPU": job.cluster.cpus_per_worker}, t.max_workers)
+        self._grow_every, self._last_grow = t.resize_check_s, time.monotonic()
+        self._steps: list[dict] = []
+        self._steps_sent = time.monotonic()
+
+    def step_event(self, event: dict) -> None:
+        """Rank 0: queue a step event; send the queue every STEP_EVENTS_FLUSH_S (fire-and-forget, ordered)."""
+        self._steps.append(event)
+        if time.monotonic() - self._steps_sent >= STEP_EVENTS_FLUSH_S:
+            self._flush_steps()
+
+    def _flush_steps(self) -> None:
+        if self._steps:
+            self.sink.log.remote(self._steps)
+            self._steps = []
+        self._steps_sent = time.monotonic()
+
+    def gather(self, done: int, loss) -> tuple[StepFacts, float]:
+        """The step's one collective: every rank's loss, preemption notice (deadline) and grow count."""
+        notice = local_preemption_info()
+        deadline_ms = getattr(notice, "deadline_ms", None) if notice is not None else None
+        f = self.flags
+        f[_F_LOSS] = loss
+        f[_F_PREEMPT] = 1.0 if notice is not None else 0.0
+        f[_F_DEADLINE] = deadline_ms / 1000.0 if deadline_ms else 0.0
+        f[_F_GROW] = self._grow_workers()
+        rows = self.comms.gather_flags(f)
+        deadlines = [r[_F_DEADLINE] for r in rows if r[_F_PREEMPT] and r[_F_DEADLINE] > 0]
+        return StepFacts(done=done, now=time.time(), preempt_votes=int(sum(r[_F_PREEMPT] for r in rows)),
+                         deadline_unix_s=min(deadlines) if deadlines else None,
+                         grow_workers=int(max(r[_F_GROW] for r in rows)),
+                         upload_in_flight=self.ckpt.uploader.busy), sum(r[_F_LOSS] for r in rows)
+
+    def _grow_workers(self) -> int:
+        if self._grow is None or time.monotonic() - self._last_grow < self._grow_every:
+            return 0
+        self._last_grow = time.monotonic()
+        return self._grow.extra_workers(self.world, self._last_grow)
+
+    def apply(self, d: StepDecision, done: int) -> None:
+        """Save, record commits (rank 0: a kill may come next) and leave, as `d` says."""
+        if self.rank == 0 and d.action != CONTINUE:
+            self._flush_steps()                 # the steps land before the save and commit that hold them
+        if d.saves:
+            self._save(d, done)
+        if self.rank == 0:
+            self._record_checkpoints()
+        if d.leaves:
+            if self.rank == 0:
+                import ray
+                ray.get(self.sink.planned_exit.remote(d.reason, step=done, world_size=self.world,
+                                                      detail=d.detail, budget_s=d.budget_s))
+            raise PlannedExit(f"{d.reason} at step {done} ({d.detail}); restarting the worker group")
+
+    def _save(self, d: StepDecision, done: int) -> None:
+        """Fold every rank's feeds since the last checkpoint into the ledger (one collective), then save
+        the ledger with the model state."""
+        self.ledger = self.ledger.with_fed(*self.comms.gather_objects(self.recorder.take()))
+        out = self.ckpt.save(self.engine, done, {"attempt": self.attempt, LEDGER_KEY: self.ledger.to_state()},
+                             kind=d.save_kind, deadline_unix_s=d.save_deadline_unix_s)
+        if self.rank == 0:  # sent now: a hard loss during the upload must find it on record
+            summary = self.ledger.summary(owed=done * self.global_batch)
+            self.sink.log.remote([{
+                "t": time.time(), "kind": "checkpoint_save", "attempt": self.attempt, "step": done,
+                "save_kind": out["kind"], "reason": out.get("reason") or d.reason, "decision": d.reason,
+                "detail": d.detail, "emergency": d.save_kind == "emergency", "grow": d.save_kind == "grow",
+                "tag": out["tag"], "path": out["path"], "committed": out["committed"],
+                "budget_s": d.budget_s, "save_deadline_unix_s": d.save_deadline_unix_s,
+                "ledger": {"consumed": summary.consumed, "duplicates": summary.duplicates,
+                           "missing": summary.missing, "owed": summary.owed},
+                **{k: out[k] for k in ("snapshot_s", "blocked_s", "wait_s", "stall_s")}}])
+
+    def _record_checkpoints(self) -> None:
+        """Send the checkpoints committed or skipped since the last call (fire-and-forget, in order)."""
+        events = [{"kind": "checkpoint", "attempt": self.attempt, **c} for c in self.ckpt.pop_committed()]
+        events += [{"kind": "checkpoint_skipped", "attempt": self.attempt, **s} for s in self.ckpt.pop_skipped()]
+        if events:
+            self.sink.log.remote(events)
+
+    def close(self) -> None:
+        if self.rank == 0:
+            self._flush_steps()
+            self._record_checkpoints()
+        self.ckpt.close(wait=False)
