@@ -11,12 +11,18 @@ import pytest
 
 from spotfill.config import constants
 from spotfill.storage.base import LocalStorage
-from spotfill.storage.checkpoint_store import CheckpointStore, tag_for
+from spotfill.storage.checkpoint_store import CheckpointStore
+from spotfill.storage.checkpoint_store import tag_for as _tag_for
 from spotfill.storage.uploader import AsyncUploader, Cancelled
 from spotfill.train.checkpointing import Checkpointer, plan_emergency
 
 
 # -- fault-injecting storage and a stand-in engine -------------------------------------------------------
+
+def tag_for(step: int) -> str:
+    """The tag a Checkpointer of attempt "0" (every Checkpointer here) gives `step`."""
+    return _tag_for(step, "0")
+
 class GatedStorage(LocalStorage):
     """A local directory whose uploads under a tag can be held (until released) or made to fail, and
     whose listing (commit's last step before the manifest) can be held too."""
