@@ -11,7 +11,8 @@ import spotfill
 
 PURE = [
     "spotfill.planning.planner", "spotfill.planning.hardware", "spotfill.planning.sizing", "spotfill.cli.plan",
-    "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets",
+    "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets", "spotfill.train.restarts",
+    "spotfill.train.opcache",
     "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
