@@ -23,7 +23,7 @@ import ray.train.v2._internal.callbacks.placement_group_callback as _pg_callback
 import ray.train.v2._internal.execution.controller.placement_group_cleaner as _pg_cleaner
 from ray.train.torch import TorchTrainer as _TorchTrainer
 from ray.train.v2._internal.execution import context as _train_context
-from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.util.state.exception import RayStateApiException
 import torch.utils.cpp_extension as _cpp_ext
@@ -74,6 +74,7 @@ HOOKS = [
     (_pg_callback, "PlacementGroupCleaner", None),
     (_pg_callback.PlacementGroupCleanerCallback, "after_controller_start", ("train_run_context",)),
     (ControllerCallback, "after_controller_state_update", ("previous_state", "current_state")),
+    (WorkerGroupCallback, "after_worker_group_start", ("worker_group",)),
     # torch's JIT extension build (DeepSpeed ops load through it): its lock and its version memo
     (_cpp_ext, "FileBaton", None),
     (_cpp_ext, "load", ("name", "sources")),

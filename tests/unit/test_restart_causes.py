@@ -51,3 +51,10 @@ def test_attempt_history_shows_each_attempts_cause():
     assert [a["cause"] for a in h] == ["first start", "planned: preemption", "unplanned: worker died or node lost"]
     assert h[2]["error"].startswith("ray.exceptions.ActorDiedError") and h[2]["planned"] is False
     assert [a["ended"] for a in h] == ["preemption", "failed", "finished"]
+
+
+def test_a_run_torn_down_under_its_live_controller_is_named_so():
+    from spotfill.train.restarts import PLACEMENT_GROUP_REMOVED
+    f = classify_failure(f"{PLACEMENT_GROUP_REMOVED}\n{NODE_LOST}")
+    assert f.kind == "placement group removed (cleaner teardown)" and "ActorDiedError" in f.detail
+    assert attempt_cause(1, None, f)["cause"] == "unplanned: placement group removed (cleaner teardown)"

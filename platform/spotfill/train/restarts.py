@@ -22,7 +22,12 @@ class Failure:
     detail: str     # the most telling line of Ray Train's error, shortened
 
 
+# Marks a failure whose worker group lost its placement group while the controller lived: the
+# placement-group cleaner tore the run down (ray-project/ray#65447), whatever error the workers then saw.
+PLACEMENT_GROUP_REMOVED = "PlacementGroupRemoved: the run's placement group was removed while its controller was alive"
+
 _KINDS = (  # first match wins; checked against Ray Train 2.60's error texts
+    ("placement group removed (cleaner teardown)", ("PlacementGroupRemoved:",)),
     ("planned exit", ("PlannedExit",)),
     ("workers not scheduled in time", ("WorkerGroupStartupTimeoutError", "StartupTimeout",
                                        "Timed out waiting for the placement group")),

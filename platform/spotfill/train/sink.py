@@ -12,9 +12,10 @@ import time
 
 import ray
 
-from spotfill.ray_compat import ControllerCallback
+from spotfill.ray_compat import ControllerCallback, WorkerGroupCallback
 from spotfill.telemetry.events import EventLog
-from spotfill.train.restarts import RESTART_STATES, Failure, attempt_cause, classify_failure
+from spotfill.train.restarts import (PLACEMENT_GROUP_REMOVED, RESTART_STATES, Failure, attempt_cause,
+                                    classify_failure)
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +75,27 @@ class EventSink:
         self._log.close()
 
 
-class RestartCauseCallback(ControllerCallback):
+class RestartCauseCallback(ControllerCallback, WorkerGroupCallback):
     """Runs inside Ray Train's controller: sends each controller state change (with the failure Ray Train
     saw, the preemption it was told of, the size it decided) to the run's event sink, fire-and-forget.
-    Public ControllerCallback hooks only (RunConfig(callbacks=[...]))."""
+    A failure that finds the group's placement group already removed (the controller alive) is a
+    placement-group cleaner teardown. Public DeveloperAPI callbacks only (RunConfig(callbacks=[...]))."""
 
     def __init__(self, sink_name: str, namespace: str):
         self.sink_name, self.namespace = sink_name, namespace
         self._sink = None
+        self._placement_group = None
+
+    def after_worker_group_start(self, worker_group) -> None:
+        self._placement_group = worker_group.get_worker_group_state().placement_group_handle.placement_group
+
+    def _placement_group_removed(self) -> bool:
+        if self._placement_group is None:
+            return False
+        try:
+            return ray.util.placement_group_table(self._placement_group).get("state") == "REMOVED"
+        except Exception:
+            return False
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         state, previous = _state_name(current_state), _state_name(previous_state)
@@ -91,6 +105,8 @@ class RestartCauseCallback(ControllerCallback):
         error = getattr(current_state, "training_failed_error", None)
         if error is not None:
             fields["error"] = str(error)
+            if self._placement_group_removed():
+                fields["error"] = f"{PLACEMENT_GROUP_REMOVED}\n{error}"
         decision = getattr(current_state, "scaling_decision", None)
         if decision is not None and hasattr(decision, "num_workers"):
             fields["num_workers"] = decision.num_workers
