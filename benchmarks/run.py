@@ -35,7 +35,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
 }
 DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu")
 TARGETS = {("checkpoint", "stall_ratio"): ("<=", 0.10), ("checkpoint", "upload_ratio"): (">=", 0.70),
-           ("overhead", "ratio"): (">=", 0.95), ("recovery", "speedup"): (">=", 4.0),
+           ("overhead", "ratio"): (">=", 0.95), ("recovery", "speedup"): (">=", 8.0),
+           ("recovery", "speedup_vs_tuned"): (">=", 2.0),
            ("preemption", "lost_steps"): ("<=", 0)}
 
 
@@ -127,6 +128,12 @@ def targets(result: dict) -> dict[str, bool]:
     return out
 
 
+def _breakdown_lines(section: dict) -> list[str]:
+    """One line per side: where the recovery seconds went."""
+    return [f"  {side:<12} " + ", ".join(f"{k} {v}" for k, v in parts.items())
+            for side, parts in (section.get("recovery_breakdown") or {}).items() if parts]
+
+
 def summary(result: dict) -> str:
     """A readable multi-line summary of a benchmark JSON dict."""
     met = targets(result)
@@ -142,11 +149,17 @@ def summary(result: dict) -> str:
         lines.append(f"recovery    hard node loss -> stepping again: spotfill {r['spotfill_s']}s vs stock Ray "
                      f"{r['stock_ray_s']}s -> {r['speedup']}x {mark('recovery.speedup')}; lost "
                      f"{r['lost_steps']} steps")
+        if r.get("stock_tuned_s") is not None:
+            lines.append(f"  vs stock Ray with spotfill's Ray timeouts {r['stock_tuned_s']}s -> "
+                         f"{r['speedup_vs_tuned']}x {mark('recovery.speedup_vs_tuned')}")
+        lines += _breakdown_lines(r)
     p = result.get("preemption")
     if p:
         lines.append(f"preemption  drain with {p['deadline_s']}s deadline: lost {p['lost_steps']} steps "
                      f"{mark('preemption.lost_steps')}, stepping again after {p['resume_s']}s vs stock "
-                     f"{p['stock_resume_s']}s")
+                     f"{p['stock_resume_s']}s" + (f", stock-tuned {p['stock_tuned_resume_s']}s"
+                                                   if p.get("stock_tuned_resume_s") is not None else ""))
+        lines += _breakdown_lines(p)
     c = result.get("checkpoint")
     if c:
         lines += [f"checkpoint  {c['params'] / 1e6:.1f}M params ({c.get('preset')}), {c['bytes'] / 1e6:.0f} MB "

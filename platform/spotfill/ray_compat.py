@@ -8,6 +8,10 @@ fallback deep inside a training run. tests/unit/test_ray_compat.py imports it.
 from __future__ import annotations
 
 import inspect
+import logging
+import os
+import socket
+import time
 
 import ray
 import ray._private.ray_constants as _ray_constants
@@ -15,11 +19,21 @@ import ray._private.services as _services
 import ray._private.state as _state
 import ray._private.worker as _worker
 import ray._raylet as _raylet
+import ray.experimental.internal_kv as _kv
+import ray.train.v2._internal.callbacks.placement_group_callback as _pg_callback
+import ray.train.v2._internal.execution.controller.placement_group_cleaner as _pg_cleaner
 from ray.train.torch import TorchTrainer as _TorchTrainer
 from ray.train.v2._internal.execution import context as _train_context
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ray.util.state.exception import RayStateApiException
+import torch.utils.cpp_extension as _cpp_ext
+from torch.utils.file_baton import FileBaton as _FileBaton
+
+from spotfill.train.opcache import boot_id, owner_record, parse_owner, pid_alive, stale_reason
 
 RAY_VERSION_CHECKED = "2.60.0"
+log = logging.getLogger(__name__)
 
 
 class RayCompatError(ImportError):
@@ -51,6 +65,25 @@ HOOKS = [
     (_services, "canonicalize_bootstrap_address_or_die", ("addr",)),
     (_raylet, "GcsClient", None),
     (_ray_constants, "ENABLE_RAY_CLUSTER", None),
+    (ElasticScalingPolicy, "make_decision_for_running_worker_group", ("worker_group_state", "worker_group_status")),
+    (_state.GlobalState, "available_resources_per_node", ()),
+    (_state.GlobalState, "actor_table", ("actor_id",)),
+    (_kv, "_internal_kv_get", ("key",)),
+    (_kv, "_internal_kv_put", ("key", "value")),
+    (_pg_cleaner, "is_actor_alive", ("actor_id", "timeout")),
+    (_pg_cleaner.PlacementGroupCleaner, "__init__", ("controller_actor_id", "check_interval_s",
+                                                     "get_actor_timeout_s", "stop_timeout")),
+    (_pg_callback, "PlacementGroupCleaner", None),
+    (_pg_callback.PlacementGroupCleanerCallback, "after_controller_start", ("train_run_context",)),
+    (ControllerCallback, "after_controller_state_update", ("previous_state", "current_state")),
+    (WorkerGroupCallback, "after_worker_group_start", ("worker_group",)),
+    # torch's JIT extension build (DeepSpeed ops load through it): its lock and its version memo
+    (_cpp_ext, "FileBaton", None),
+    (_cpp_ext, "load", ("name", "sources")),
+    (_cpp_ext, "JIT_EXTENSION_VERSIONER", None),
+    (_cpp_ext.JIT_EXTENSION_VERSIONER, "entries", None),
+    (_FileBaton, "wait", ()),
+    (_FileBaton, "try_acquire", ()),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
@@ -92,14 +125,70 @@ def wrap_driver_stdstream(wrapper) -> None:
     _worker.print_to_stdstream = print_to_stdstream
 
 
-def use_scaling_policy(trainer_cls, make_policy):
+def available_resources_per_node() -> dict[str, dict[str, float]]:
+    """Node id -> resources available now (not reserved by any task, actor or placement group), from the
+    GCS's view of each raylet's last report."""
+    return _state.state.available_resources_per_node() or {}
+
+
+def kv_get(key: str) -> bytes | None:
+    """A value from the GCS key-value store (cluster-wide, outlives worker processes)."""
+    return _kv._internal_kv_get(key, namespace="spotfill")
+
+
+def kv_put(key: str, value: str) -> None:
+    _kv._internal_kv_put(key, value, overwrite=True, namespace="spotfill")
+
+
+def gcs_actor_alive(actor_id: str, timeout=None) -> bool:
+    """Whether the actor is alive, asked of the GCS (the owner of actor state), not the State API.
+
+    Ray 2.60's is_actor_alive asks the dashboard's State API and reads a miss (None) as death; the GCS
+    never forgets a live actor. A GCS that cannot answer raises RayStateApiException, which the cleaner
+    loop treats as "unknown, keep monitoring"."""
+    try:
+        info = _state.state.actor_table(actor_id)
+    except Exception as exc:
+        raise RayStateApiException(f"GCS actor lookup failed: {exc}") from exc
+    return bool(info) and info.get("State") != "DEAD"
+
+
+class GcsCheckedPlacementGroupCleaner(_pg_cleaner.PlacementGroupCleaner):
+    """Ray Train's placement-group cleaner, deciding "the controller is dead" through the GCS.
+
+    Stock, a State API miss (dashboard slow or restarting, the actor not yet in its cache) made the cleaner
+    remove a healthy run's placement group -- killing every worker (ray-project/ray#65447). The cleaner runs
+    in its own detached actor process, so replacing the module's liveness function there touches nothing
+    else."""
+
+    def __init__(self, controller_actor_id, check_interval_s, get_actor_timeout_s, stop_timeout):
+        super().__init__(controller_actor_id, check_interval_s, get_actor_timeout_s, stop_timeout)
+        _pg_cleaner.is_actor_alive = gcs_actor_alive
+
+
+class GcsCheckedPlacementGroupCleanerCallback(_pg_callback.PlacementGroupCleanerCallback):
+    """Launches GcsCheckedPlacementGroupCleaner instead of Ray's (in the controller actor's process)."""
+
+    cleaner_cls = GcsCheckedPlacementGroupCleaner
+
+    def after_controller_start(self, train_run_context):
+        _pg_callback.PlacementGroupCleaner = self.cleaner_cls
+        return super().after_controller_start(train_run_context)
+
+
+def use_spotfill_controller(trainer_cls, make_policy=None):
     """A subclass of `trainer_cls` whose controller gets `make_policy(scaling_config)` instead of Ray's
-    ElasticScalingPolicy (the policy is built on the driver and handed to the controller actor)."""
+    ElasticScalingPolicy, when given (the policy is built on the driver and handed to the controller
+    actor), and the GCS-checked placement-group cleaner instead of Ray's."""
 
     class Trainer(trainer_cls):
         def _initialize_and_run_controller(self, **kwargs):
-            if isinstance(kwargs.get("scaling_policy"), ElasticScalingPolicy):
+            if make_policy and isinstance(kwargs.get("scaling_policy"), ElasticScalingPolicy):
                 kwargs["scaling_policy"] = make_policy(self.scaling_config)
+            callbacks = [GcsCheckedPlacementGroupCleanerCallback()
+                         if type(cb) is _pg_callback.PlacementGroupCleanerCallback else cb
+                         for cb in kwargs.get("callbacks") or []]
+            kwargs["callbacks"] = callbacks
             return super()._initialize_and_run_controller(**kwargs)
 
     Trainer.__name__ = Trainer.__qualname__ = f"Spotfill{trainer_cls.__name__}"
@@ -115,3 +204,65 @@ def single_host_loopback(enabled: bool) -> bool:
     previous = _ray_constants.ENABLE_RAY_CLUSTER
     _ray_constants.ENABLE_RAY_CLUSTER = not enabled
     return not previous
+class StaleBuildLock(RuntimeError):
+    """A JIT op build lock whose owner is gone was removed; the load starts over."""
+
+
+class OwnedFileBaton(_FileBaton):
+    """torch's JIT build lock, with its owner written in it and a wait that ends when the owner is gone
+    (torch's own waits forever on a lock a killed worker left behind). Decisions: spotfill.train.opcache."""
+
+    def try_acquire(self):
+        got = super().try_acquire()
+        if got:   # torch opens it read-only: record the owner through a second descriptor
+            try:
+                with open(self.lock_file_path, "w") as f:
+                    f.write(owner_record(socket.gethostname(), boot_id(), os.getpid(), time.time()))
+            except BaseException:
+                self.release()    # never leave an ownerless lock behind
+                raise
+        return got
+
+    def wait(self):
+        while os.path.exists(self.lock_file_path):
+            reason = self._stale()
+            if reason:
+                try:
+                    os.remove(self.lock_file_path)
+                except FileNotFoundError:
+                    pass
+                log.warning("removed stale JIT op build lock %s: %s", self.lock_file_path, reason)
+                raise StaleBuildLock(f"{self.lock_file_path}: {reason}")
+            time.sleep(self.wait_seconds)
+
+    def _stale(self) -> str | None:
+        try:
+            age = time.time() - os.stat(self.lock_file_path).st_mtime
+            with open(self.lock_file_path) as f:
+                owner = parse_owner(f.read())
+        except FileNotFoundError:
+            return None
+        return stale_reason(owner, age, socket.gethostname(), boot_id(), pid_alive)
+
+
+def guard_jit_op_builds(retries: int = 3) -> None:
+    """Make torch's JIT extension loads (DeepSpeed's ops) survive build locks left by killed processes:
+    the lock records its owner, a waiter removes a stale one and the load starts over (building the op
+    itself). Idempotent; this process only."""
+    if getattr(_cpp_ext.load, "_spotfill_guarded", False):
+        return
+    original = _cpp_ext.load
+
+    def load(*args, **kwargs):
+        name = kwargs.get("name", args[0] if args else None)
+        for _ in range(retries):
+            try:
+                return original(*args, **kwargs)
+            except StaleBuildLock:
+                # torch remembers it already "built" this op in this process; forget it, so the retry builds
+                _cpp_ext.JIT_EXTENSION_VERSIONER.entries.pop(name, None)
+        return original(*args, **kwargs)
+
+    load._spotfill_guarded = True
+    _cpp_ext.FileBaton = OwnedFileBaton
+    _cpp_ext.load = load

@@ -53,7 +53,7 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
     from spotfill.config.job import JobConfig, from_mapping
     from spotfill.train.model import build_model
     from spotfill.storage.base import open_storage
-    from spotfill.train.engine import ds_config
+    from spotfill.train.engine import build_engine, ds_config
 
     job = from_mapping(JobConfig, {"storage": storage_uri, "data": {"path": "/unused"},
                                    "training": {"workers": [1, 3], "global_batch": 6, "zero_stage": stage,
@@ -67,8 +67,8 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
         plan = restore_on_workers(store, _Comms(dist), rank, world, f"node-{rank}", node_dir, stage)
     torch.manual_seed(0)
     model = build_model("tiny")
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_config(job, shape.micro_batch, shape.accum, "fp32", plan.universal))
+    # the production engine (train.engine.build_engine: torch AdamW client optimizer)
+    engine = build_engine(model, ds_config(job, shape.micro_batch, shape.accum, "fp32", plan.universal))
     if mode == "save":
         g = torch.Generator().manual_seed(1234 + rank)
         for _ in range(3):

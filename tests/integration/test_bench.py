@@ -88,3 +88,17 @@ def test_cli_names_the_same_sections_as_the_runner():
     from spotfill.cli.bench import SECTIONS as CLI_SECTIONS
 
     assert sorted(CLI_SECTIONS) == sorted(SECTIONS)
+
+
+def test_recovery_summary_shows_stock_tuned_side_targets_and_breakdown():
+    sys.path.insert(0, REPO)
+    from benchmarks.run import summary, targets
+
+    fake = {"recovery": {"spotfill_s": 4.0, "stock_ray_s": 40.0, "speedup": 10.0, "stock_tuned_s": 6.0,
+                         "speedup_vs_tuned": 1.5, "lost_steps": 3,
+                         "recovery_breakdown": {"spotfill": {"detect_s": 0.5, "decide_s": 0.6},
+                                                "stock-tuned": {"detect_decide_workers_start_s": 3.0}}}}
+    assert targets(fake) == {"recovery.speedup": True, "recovery.speedup_vs_tuned": False}
+    text = summary(fake)
+    assert "stock Ray with spotfill's Ray timeouts 6.0s -> 1.5x (target >= 2: MISSED)" in text
+    assert "spotfill     detect_s 0.5, decide_s 0.6" in text and "stock-tuned  detect_decide" in text

@@ -1,10 +1,14 @@
-"""Worker counting and the raylet reachability probe the elastic policy sizes restarts with."""
+"""Free-capacity counting, the one-grow-per-capacity-state gate and the raylet reachability probe that the
+elastic policy (restart sizing) and rank 0's grow check use."""
 from __future__ import annotations
 
 import socket
 import time
 
-from spotfill.train.capacity import count_workers, reachable
+from spotfill.train.capacity import (GrowGate, NodeCapacity, capacity_state, count_workers, free_resources,
+                                     reachable)
+
+PER_WORKER = {"GPU_SLOT": 1, "CPU": 1}
 
 
 def test_count_workers_per_node_and_capped():
@@ -13,6 +17,56 @@ def test_count_workers_per_node_and_capped():
     assert count_workers(nodes, {"GPU": 1, "CPU": 2}, max_workers=8) == 2      # b lacks the CPUs
     assert count_workers(nodes, {"GPU": 1, "CPU": 1}, max_workers=2) == 2
     assert count_workers({}, {"GPU": 1}, max_workers=4) == 0
+
+
+def test_a_slot_held_by_someone_else_is_not_free():
+    # two nodes of 2 slots; another actor holds one slot on node b: 3 workers fit, not 4
+    nodes = {"a": NodeCapacity({"GPU_SLOT": 2, "CPU": 2}, {"GPU_SLOT": 2, "CPU": 2}),
+             "b": NodeCapacity({"GPU_SLOT": 2, "CPU": 2}, {"GPU_SLOT": 1, "CPU": 1})}
+    assert count_workers(free_resources(nodes), PER_WORKER, 4) == 3
+
+
+def test_restart_sizing_counts_the_runs_own_slots_as_free_but_not_more_than_the_node_has():
+    # our 3-worker group holds a:2, b:1; another actor holds b's other slot. Ray Train sizes the next
+    # group before it releases ours: 3 fit again, not 0 (available only) and not 4 (totals)
+    nodes = {"a": NodeCapacity({"GPU_SLOT": 2, "CPU": 2}, {"GPU_SLOT": 0, "CPU": 0}),
+             "b": NodeCapacity({"GPU_SLOT": 2, "CPU": 2}, {"GPU_SLOT": 0, "CPU": 0})}
+    own = {"a": {"GPU_SLOT": 2, "CPU": 2}, "b": {"GPU_SLOT": 1, "CPU": 1}}
+    assert count_workers(free_resources(nodes, own), PER_WORKER, 4) == 3
+    assert count_workers(free_resources(nodes), PER_WORKER, 4) == 0
+    # a stale view (available not yet lowered for our own group) never adds up past the node's total
+    stale = {"a": NodeCapacity({"GPU_SLOT": 2, "CPU": 2}, {"GPU_SLOT": 2, "CPU": 2})}
+    assert free_resources(stale, {"a": {"GPU_SLOT": 2, "CPU": 2}}) == {"a": {"GPU_SLOT": 2, "CPU": 2}}
+
+
+def test_capacity_state_ignores_order_and_leftover_fractions():
+    one = {"a": {"GPU_SLOT": 1.0, "CPU": 3.5}, "b": {"GPU_SLOT": 0.0, "CPU": 1.0}}
+    two = {"b": {"CPU": 1.9, "GPU_SLOT": 0.5}, "a": {"CPU": 3.0, "GPU_SLOT": 1.2}}
+    assert capacity_state(one, PER_WORKER) == capacity_state(two, PER_WORKER)
+    assert capacity_state(one, PER_WORKER) != capacity_state({**one, "b": {"GPU_SLOT": 1, "CPU": 1}}, PER_WORKER)
+
+
+def test_one_grow_attempt_per_capacity_state():
+    gate = GrowGate()
+    s1 = capacity_state({"a": {"GPU_SLOT": 1, "CPU": 1}}, PER_WORKER)
+    first = gate.decide(world=3, fitting=4, state=s1)
+    assert first.extra == 1
+    # the restart could not get the slot (someone took it): back at 3 workers, the same free capacity is
+    # seen again -- no second attempt, however often the check runs
+    for _ in range(5):
+        assert gate.decide(world=3, fitting=4, state=s1).extra == 0
+    assert "already tried" in gate.decide(3, 4, s1).reason
+    # capacity changed (a node came): one new attempt
+    s2 = capacity_state({"a": {"GPU_SLOT": 1, "CPU": 1}, "c": {"GPU_SLOT": 2, "CPU": 2}}, PER_WORKER)
+    assert gate.decide(world=3, fitting=4, state=s2).extra == 1
+    assert gate.decide(world=3, fitting=4, state=s2).extra == 0
+
+
+def test_no_grow_without_free_capacity_and_nothing_remembered():
+    gate = GrowGate()
+    s = capacity_state({"a": {"GPU_SLOT": 0, "CPU": 0}}, PER_WORKER)
+    assert gate.decide(world=3, fitting=3, state=s).extra == 0
+    assert gate.tried == set()
 
 
 def test_reachable_tells_a_listening_port_from_a_closed_one():

@@ -15,7 +15,7 @@ PURE = [
     "spotfill.sim.outcomes", "spotfill.config", "spotfill.telemetry.ledger", "spotfill.telemetry.diagnosis",
     "spotfill.telemetry.html", "spotfill.telemetry.report", "spotfill.telemetry.live",
     "spotfill.storage.lineage", "spotfill.train.preflight", "spotfill.train.step_policy",
-    "spotfill.train.sample_ledger",
+    "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.train.opcache",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 

@@ -22,7 +22,9 @@ SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "upload")
 def register(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks, JSON out",
                        description="Measure spotfill against stock Ray Train / plain DeepSpeed / raw boto3 "
-                       "on this machine, in one run: recovery after node loss and preemption, checkpoint stall and upload, training overhead, GPU MFU.")
+                       "on this machine, in one run: recovery after node loss and preemption (vs stock Ray Train with its "
+                       "defaults and with spotfill's Ray timeouts, 'stock-tuned'), checkpoint stall and upload, "
+                       "training overhead, GPU MFU.")
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about 10 minutes on 2 cores)")
     p.add_argument("--json", metavar="PATH", help="write the benchmark JSON here")
     p.add_argument("--only", metavar="SECTION,...",

@@ -138,6 +138,9 @@ ENV_NUMBERS["SPOTFILL_IMDS_TIMEOUT_S"] = EnvNumber("SPOTFILL_IMDS_TIMEOUT_S", fl
 # Ray Train waits this long for a worker group to start before it gives up on that size (stock: 60 s).
 # spotfill lowers it so a group that asks for a lost node's slots falls back to the live size quickly.
 WORKER_GROUP_START_TIMEOUT_S = env_float("SPOTFILL_WORKER_GROUP_START_TIMEOUT_S", 8.0, strict=True)
+# Ray Train's controller polls its workers this often (stock: 2 s): a worker that exited or died is seen
+# at the next poll, so every restart waits up to one interval (a planned exit, two).
+HEALTH_CHECK_INTERVAL_S = env_float("SPOTFILL_HEALTH_CHECK_INTERVAL_S", 0.5, strict=True)
 # Universal-checkpoint conversion runs in-process below this size (bytes), in a subprocess pool above.
 UNIVERSAL_INPROCESS_MAX_BYTES = env_int("SPOTFILL_UNIVERSAL_INPROCESS_MAX_BYTES", 1 << 30)
 

@@ -1,5 +1,16 @@
-"""The DeepSpeed engine a worker trains with: its config from the job config and the batch shape."""
+"""The DeepSpeed engine a worker trains with: its config from the job config and the batch shape.
+
+The optimizer is torch's AdamW handed to deepspeed.initialize as a client optimizer (ZeRO supports it):
+DeepSpeed's own "AdamW" resolves to FusedAdam, whose JIT op costs a build lock, a compile on first use and
+~2 s of py-cpuinfo probing on every worker start -- on the recovery critical path. The update is the same
+decoupled-weight-decay Adam; the config keeps the "optimizer" section so the parameters live in one place.
+JIT ops DeepSpeed still loads (the CPU shared-memory comm op) build in a cache folder of this environment
+and through a lock that cannot outlive its owner (spotfill.train.opcache).
+"""
 from __future__ import annotations
+
+import os
+import sys
 
 from spotfill.config.job import JobConfig
 
@@ -34,10 +45,37 @@ def resolve_precision(requested: str, on_gpu: bool) -> str:
     return requested
 
 
+def jit_cache_dir(base: str | None = None) -> str:
+    """This environment's own JIT op cache (interpreter, torch and DeepSpeed versions in its name)."""
+    from importlib.metadata import version
+
+    from spotfill.train.opcache import extensions_dir
+    base = base or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    return extensions_dir(base, sys.executable, sys.version.split()[0], version("torch"), version("deepspeed"))
+
+
+def client_optimizer(params, optimizer: dict):
+    """torch.optim.AdamW from the config's "optimizer" section (the only type spotfill configures)."""
+    import torch
+
+    if optimizer.get("type", "").lower() != "adamw":
+        raise ValueError(f"optimizer.type {optimizer.get('type')!r}: spotfill builds AdamW only")
+    p = optimizer.get("params", {})
+    return torch.optim.AdamW(params, lr=p["lr"], betas=tuple(p.get("betas", (0.9, 0.999))),
+                             eps=p.get("eps", 1e-8), weight_decay=p.get("weight_decay", 0.0))
+
+
 def build_engine(model, config: dict):
-    """deepspeed.initialize over the model's trainable parameters; returns the engine."""
+    """deepspeed.initialize over the model's trainable parameters, with torch's AdamW as the client
+    optimizer (no JIT op); returns the engine."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_cache_dir())
+    from spotfill.ray_compat import guard_jit_op_builds
+    guard_jit_op_builds()
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config)
+    config = dict(config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = client_optimizer(params, config.pop("optimizer")) if "optimizer" in config else None
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
+                                           config=config)
     return engine

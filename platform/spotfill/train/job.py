@@ -28,7 +28,17 @@ def ray_train_env() -> dict[str, str]:
     """Ray Train knobs spotfill sets for the controller and workers (see constants.py). They must be in
     the job's runtime_env (ray.init) since Ray Train's controller actor reads them."""
     return {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(constants.WORKER_GROUP_START_TIMEOUT_S),
-            "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")}
+            "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1"),
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(constants.HEALTH_CHECK_INTERVAL_S)}
+
+
+def worker_env_vars(base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for the training workers: the job's own, plus this environment's JIT op cache folder
+    (DeepSpeed ops built by another virtual environment must not be loaded or rebuilt here)."""
+    from spotfill.train.engine import jit_cache_dir
+    env = dict(base or {})
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or jit_cache_dir())
+    return env
 
 
 class TrainingJob:
@@ -70,6 +80,7 @@ class TrainingJob:
         from ray.train.torch import TorchConfig, TorchTrainer
 
         from spotfill.train.elastic import SpotfillTorchTrainer
+        from spotfill.train.sink import RestartCauseCallback
 
         from spotfill.train.worker_loop import train_loop_per_worker
 
@@ -94,8 +105,10 @@ class TrainingJob:
                 # spotfill keeps its own failure budget (training.max_failures) in the event sink, so
                 # planned exits (announced preemption, graceful grow) are not charged to it.
                 failure_config=FailureConfig(max_failures=-1),
-                worker_runtime_env={"env_vars": {**constants.storage_endpoint_env(),  # S3 endpoint, no secrets
-                                                 **self.runtime_env.get("env_vars", {})}},
+                worker_runtime_env={"env_vars": worker_env_vars({**constants.storage_endpoint_env(),  # no secrets
+                                                                 **self.runtime_env.get("env_vars", {})})},
+                # every controller state change (failures it saw, sizes it chose) into events.jsonl
+                callbacks=[RestartCauseCallback(sink_name, namespace)],
             ),
         )
 
@@ -121,9 +134,9 @@ class TrainingJob:
                                   global_batch=self.config.training.global_batch,
                                   workers=self.config.training.workers, dataset_samples=manifest["num_samples"]))
         # Ray Train propagates these from the driver's environment to its controller and workers; a value
-        # the user set wins. The stock policy runs with Ray's own defaults.
-        spotfill = self.config.training.elastic_restarts == "spotfill"
-        knobs = {k: (os.environ.get(k, v) if spotfill else None) for k, v in ray_train_env().items()}
+        # the user set wins. "stock" runs with Ray's own defaults, "stock-tuned" with spotfill's knobs.
+        tuned = self.config.training.elastic_restarts in ("spotfill", "stock-tuned")
+        knobs = {k: (os.environ.get(k, v) if tuned else None) for k, v in ray_train_env().items()}
         t0 = time.time()
         error = None
         with constants.scoped_env(**knobs):

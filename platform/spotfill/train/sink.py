@@ -1,15 +1,23 @@
 """The run's event sink: one Ray actor on the driver's node that owns RUN_DIR/events.jsonl.
 
 Workers on any node send events to it; it also hands out attempt numbers (one per worker-group start),
-keeps the failure budget (planned exits -- announced preemption, graceful grow -- are free), and holds the
-stop verdict that `TrainingJob.fit()` reads when Ray Train returns.
+keeps the failure budget (planned exits -- announced preemption, graceful grow -- are free), records why
+each attempt started (RestartCauseCallback reports what Ray Train's controller saw), and holds the stop
+verdict that `TrainingJob.fit()` reads when Ray Train returns.
 """
 from __future__ import annotations
 
+import logging
+import time
 
 import ray
 
+from spotfill.ray_compat import ControllerCallback, WorkerGroupCallback
 from spotfill.telemetry.events import EventLog
+from spotfill.train.restarts import (PLACEMENT_GROUP_REMOVED, RESTART_STATES, Failure, attempt_cause,
+                                    classify_failure)
+
+log = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
@@ -19,24 +27,35 @@ class EventSink:
         self._attempt = -1
         self._unplanned = 0
         self._max_failures = max_failures
-        self._planned_exit = False
+        self._planned_exit: str | None = None
+        self._failure: Failure | None = None
         self._verdict: dict | None = None
 
     def begin_attempt(self, world_size: int) -> dict:
         """Called by rank 0 when a worker group starts. Counts an unplanned failure if the last attempt
-        ended without saying why. Returns {"attempt", "give_up"}."""
+        ended without saying why; records the attempt's cause. Returns {"attempt", "give_up", ...}."""
         if self._attempt >= 0 and not self._planned_exit:
             self._unplanned += 1
         self._attempt += 1
-        self._planned_exit = False
+        cause = attempt_cause(self._attempt, self._planned_exit, self._failure)
+        self._planned_exit, self._failure = None, None
         give_up = self._max_failures >= 0 and self._unplanned > self._max_failures
         self._log.write("attempt", attempt=self._attempt, world_size=world_size,
-                        unplanned_failures=self._unplanned)
+                        unplanned_failures=self._unplanned, **cause)
         return {"attempt": self._attempt, "give_up": give_up, "unplanned_failures": self._unplanned}
 
     def planned_exit(self, reason: str, **fields) -> None:
-        self._planned_exit = True
+        self._planned_exit = reason
         self._log.write("planned_exit", reason=reason, attempt=self._attempt, **fields)
+
+    def controller_state(self, state: str, previous: str, t: float, error: str | None = None, **fields) -> None:
+        """A Ray Train controller state change (from RestartCauseCallback, in the controller actor)."""
+        failure = classify_failure(error) if error else None
+        if state in RESTART_STATES and failure and failure.kind != "planned exit":
+            self._failure = failure
+        extra = {"failure": failure.kind, "error": failure.detail} if failure else {}
+        self._log.write("controller_state", t=t, state=state, previous=previous, attempt=self._attempt,
+                        **extra, **fields)
 
     def log(self, events: list[dict]) -> int:
         self._log.write_many(events)
@@ -54,3 +73,54 @@ class EventSink:
 
     def close(self) -> None:
         self._log.close()
+
+
+class RestartCauseCallback(ControllerCallback, WorkerGroupCallback):
+    """Runs inside Ray Train's controller: sends each controller state change (with the failure Ray Train
+    saw, the preemption it was told of, the size it decided) to the run's event sink, fire-and-forget.
+    A failure that finds the group's placement group already removed (the controller alive) is a
+    placement-group cleaner teardown. Public DeveloperAPI callbacks only (RunConfig(callbacks=[...]))."""
+
+    def __init__(self, sink_name: str, namespace: str):
+        self.sink_name, self.namespace = sink_name, namespace
+        self._sink = None
+        self._placement_group = None
+
+    def after_worker_group_start(self, worker_group) -> None:
+        self._placement_group = worker_group.get_worker_group_state().placement_group_handle.placement_group
+
+    def _placement_group_removed(self) -> bool:
+        if self._placement_group is None:
+            return False
+        try:
+            return ray.util.placement_group_table(self._placement_group).get("state") == "REMOVED"
+        except Exception:
+            return False
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        state, previous = _state_name(current_state), _state_name(previous_state)
+        if state == previous == "RUNNING":
+            return     # one per health-check poll: not a change
+        fields: dict = {}
+        error = getattr(current_state, "training_failed_error", None)
+        if error is not None:
+            fields["error"] = str(error)
+            if self._placement_group_removed():
+                fields["error"] = f"{PLACEMENT_GROUP_REMOVED}\n{error}"
+        decision = getattr(current_state, "scaling_decision", None)
+        if decision is not None and hasattr(decision, "num_workers"):
+            fields["num_workers"] = decision.num_workers
+        info = getattr(current_state, "preemption_info", None)
+        if info is not None:
+            fields["preemption"] = str(info)[:300]
+        try:
+            if self._sink is None:
+                self._sink = ray.get_actor(self.sink_name, namespace=self.namespace)
+            self._sink.controller_state.remote(state, previous, time.time(), **fields)
+        except Exception as exc:  # the sink is gone (run over): nothing left to tell
+            log.warning("cannot report controller state %s to the event sink: %s", state, exc)
+
+
+def _state_name(state) -> str:
+    kind = getattr(state, "_state_type", None)
+    return getattr(kind, "state_name", type(state).__name__)

@@ -70,14 +70,19 @@ def samples_section(events: list[dict], steps_completed: int, global_batch: int)
 
 
 def attempt_history(events: list[dict]) -> list[dict]:
-    """One line per worker-group attempt: its size, the steps it ran, and how it ended -- a planned exit
-    ("preemption" or "grow"), "finished", "failed" (no reason given: a node or process died), or "running"."""
+    """One line per worker-group attempt: its size, the steps it ran, why it started (`cause`: "first
+    start", "planned: <reason>" or "unplanned: <what Ray Train saw>", with `error`, its telling line) and
+    how it ended -- a planned exit ("preemption" or "grow"), "finished", "failed" (no reason given: a node
+    or process died), or "running"."""
     out: dict[int, dict] = {}
+    causes: dict[int, dict] = {}   # why each attempt started (the sink's "attempt" event)
     for e in events:
         kind, a = e["kind"], e.get("attempt")
-        if kind in ("start", "resume"):
+        if kind == "attempt" and "cause" in e:
+            causes[a] = {k: e[k] for k in ("cause", "planned", "error") if k in e}
+        elif kind in ("start", "resume"):
             out[a] = {"attempt": a, "world_size": e["world_size"], "from_step": e["step"], "to_step": e["step"],
-                      "ended": "running", "checkpoints": []}
+                      "ended": "running", "checkpoints": [], **causes.get(a, {})}
         elif a not in out:
             continue
         elif kind == "step":
