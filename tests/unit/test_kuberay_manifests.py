@@ -345,3 +345,22 @@ def test_one_ray_version_everywhere(cluster):
     base = re.search(r"^FROM rayproject/ray:(\S+?)-py(\d)(\d+)-gpu$", docker, re.M)
     assert base and base.group(1) == cluster["spec"]["rayVersion"] == ray.__version__
     assert f"ray[train,tune,serve,data,default]=={ray.__version__}" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_autoscaler_gives_up_on_a_pending_spot_pod_well_before_ray_default(cluster):
+    """The fallback knob is one Ray 2.60's autoscaler v2 reads (InstanceReconcileConfig, read in a fresh
+    interpreter with the manifest's env), set below its one-hour default and above a GPU node's
+    provisioning + image pull."""
+    import os
+    import sys
+
+    env = {e["name"]: e["value"] for e in cluster["spec"]["autoscalerOptions"]["env"]}
+    name = "RAY_AUTOSCALER_RECONCILE_ALLOCATE_STATUS_TIMEOUT_S"
+    code = ("from ray.autoscaler.v2.instance_manager.config import InstanceReconcileConfig as C; "
+            "print(C().allocate_status_timeout_s)")
+    base = {k: v for k, v in os.environ.items() if k != name}
+    default = int(subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True,
+                                 check=True).stdout)
+    read = int(subprocess.run([sys.executable, "-c", code], env={**base, name: env[name]}, capture_output=True,
+                              text=True, check=True).stdout)
+    assert read == int(env[name]) and 300 <= read < default == 3600
