@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,11 @@ def readme_sdk_block() -> str:
 def head():
     temp_dir = tempfile.mkdtemp(prefix="sfsdk-", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # `ray start --head` turns token auth on for a local head; a driver given RAY_ADDRESS must then carry
+    # the token (as in test_jobs_submit): one made up here, for this head only.
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [PLATFORM, env.get("PYTHONPATH")])),
-               RAY_USAGE_STATS_ENABLED="0", **{MARK: temp_dir}, **LOOPBACK_CLIENT_ENV)
+               RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=uuid.uuid4().hex * 2,
+               **{MARK: temp_dir}, **LOOPBACK_CLIENT_ENV)
     gcs, client, nm, om, agent, agent_grpc, renv, metrics = _free_ports(8)
     cmd = [RAY, "start", "--head", "--num-cpus=2", '--resources={"GPU_SLOT": 2}',   # the README's command
            "--node-ip-address=127.0.0.1", f"--port={gcs}", "--include-dashboard=false",
