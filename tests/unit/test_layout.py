@@ -12,7 +12,7 @@ import spotfill
 PURE = [
     "spotfill.planning.planner", "spotfill.planning.hardware", "spotfill.planning.sizing", "spotfill.cli.plan",
     "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets",
-    "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config",
+    "spotfill.sim.scenario", "spotfill.sim.outcomes", "spotfill.config", "spotfill.fillin.policy",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 
