@@ -15,6 +15,7 @@ import ray._private.state as _state
 import ray._private.worker as _worker
 import ray._raylet as _raylet
 from ray.train.torch import TorchTrainer as _TorchTrainer
+from ray.train.v2._internal.execution import callback as _train_callback
 from ray.train.v2._internal.execution import context as _train_context
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 
@@ -49,6 +50,8 @@ HOOKS = [
     (_worker, "print_to_stdstream", ("data", "ignore_prefix")),
     (_services, "canonicalize_bootstrap_address_or_die", ("addr",)),
     (_raylet, "GcsClient", None),
+    (_state, "available_resources_per_node", ()),                       # fill-in arbiter snapshot
+    (_train_callback.ControllerCallback, "before_controller_execute_resize_decision", ("resize_decision",)),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
@@ -66,6 +69,17 @@ def local_preemption_info():
 def draining_node_ids() -> dict:
     """Node id -> drain deadline (ms) of every draining node, as Ray Train's PreemptionWatcher reads it."""
     return _state.state.get_draining_nodes() or {}
+
+
+def available_resources_per_node() -> dict:
+    """Node id -> {resource: amount available now}: what no task, actor or placement group holds. Ray's
+    public API gives cluster-wide totals only; the fill-in arbiter needs them per node."""
+    return _state.available_resources_per_node() or {}
+
+
+# Ray Train's controller callback (a DeveloperAPI with no public import path in 2.60): fill-in claims
+# GPUs in `before_controller_execute_resize_decision`, before a group starts, restarts or grows.
+ControllerCallback = _train_callback.ControllerCallback
 
 
 def gcs_client(address: str | None):

@@ -27,6 +27,8 @@ def lease(lid, kind, node, gpus=1, at=0.0, reclaiming=None):
     ("a restarting job that can reach min reserves up to max",
      [Node("a", 2, 2), Node("b", 2, 2)], [TrainingJob("j", 2, 3, restarting=True, current_workers=3)],
      {"b": 1}),
+    ("GPUs claimed but not yet taken by training are never lent",
+     [Node("a", 2, 2)], [TrainingJob("j", 1, 1, current_workers=1, pending_gpus=1)], {"a": 1}),
     ("draining and dead nodes lend nothing",
      [Node("a", 2, 2, draining=True), Node("b", 2, 2, alive=False), Node("c", 1, 1)], [], {"c": 1}),
 ])

@@ -37,6 +37,7 @@ class TrainingJob:
     current_workers: int = 0
     gpus_per_worker: int = 1
     restarting: bool = False        # its group is down and about to start again (counts as 0 running)
+    pending_gpus: int = 0           # claimed and freed, not yet taken by its new group: never lent
 
     @property
     def running(self) -> int:
@@ -124,6 +125,14 @@ def reserved_for_training(snap: Snapshot) -> tuple[dict[str, int], list[str]]:
     why: list[str] = []
     for job in snap.jobs:
         gpw = max(1, job.gpus_per_worker)
+        pending = job.pending_gpus
+        for node_id in sorted(left, key=lambda k: (-left[k], k)):
+            take = min(pending, left[node_id])
+            reserved[node_id] += take
+            left[node_id] -= take
+            pending -= take
+        if job.pending_gpus:
+            why.append(f"{job.job} claimed {job.pending_gpus} GPU(s) its group has not taken yet")
         need = max(0, job.max_workers - job.running)
         if need == 0:
             why.append(f"{job.job} runs its max {job.max_workers} workers")
@@ -278,7 +287,8 @@ def rebuild_leases(holdings: Iterable[Holding], known: Iterable[Lease], now: flo
         leases.append(Lease(h.key, h.tenant, h.kind, h.node_id, h.gpus, h.reclaim_method, h.grace_s,
                             granted_at=now))
         decisions.append(Decision("adopt", h.tenant, h.gpus, at=now, node_id=h.node_id, lease_id=h.key,
-                                  reason="found holding GPUs with no lease record (arbiter restarted)"))
+                                  reason="tenant holds GPUs with no lease record (deployed before it registered, "
+                                         "replaced a lost replica, or the arbiter restarted): adopted"))
     for le in known:
         if le.lease_id not in seen:
             decisions.append(Decision("drop", le.tenant, le.gpus, at=now, node_id=le.node_id,
