@@ -62,9 +62,9 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 10.0)
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"null"), dict(resp.headers)
+            return resp.status, json.loads(resp.read() or b"null"), resp.headers   # case-insensitive get
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"null"), dict(exc.headers)
+        return exc.code, json.loads(exc.read() or b"null"), exc.headers
 
 
 def wait_for(check, timeout: float, what: str, every: float = 0.2):
