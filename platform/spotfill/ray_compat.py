@@ -23,6 +23,7 @@ import ray.experimental.internal_kv as _kv
 import ray.train.v2._internal.callbacks.placement_group_callback as _pg_callback
 import ray.train.v2._internal.execution.controller.placement_group_cleaner as _pg_cleaner
 from ray.train.torch import TorchTrainer as _TorchTrainer
+from ray.train.v2._internal.execution import callback as _train_callback
 from ray.train.v2._internal.execution import context as _train_context
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
@@ -84,6 +85,8 @@ HOOKS = [
     (_cpp_ext.JIT_EXTENSION_VERSIONER, "entries", None),
     (_FileBaton, "wait", ()),
     (_FileBaton, "try_acquire", ()),
+    (_state, "available_resources_per_node", ()),                       # fill-in arbiter snapshot
+    (_train_callback.ControllerCallback, "before_controller_execute_resize_decision", ("resize_decision",)),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
@@ -101,6 +104,17 @@ def local_preemption_info():
 def draining_node_ids() -> dict:
     """Node id -> drain deadline (ms) of every draining node, as Ray Train's PreemptionWatcher reads it."""
     return _state.state.get_draining_nodes() or {}
+
+
+def available_resources_per_node() -> dict:
+    """Node id -> {resource: amount available now}: what no task, actor or placement group holds. Ray's
+    public API gives cluster-wide totals only; the fill-in arbiter needs them per node."""
+    return _state.available_resources_per_node() or {}
+
+
+# Ray Train's controller callback (a DeveloperAPI with no public import path in 2.60): fill-in claims
+# GPUs in `before_controller_execute_resize_decision`, before a group starts, restarts or grows.
+ControllerCallback = _train_callback.ControllerCallback
 
 
 def gcs_client(address: str | None):

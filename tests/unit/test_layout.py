@@ -16,6 +16,7 @@ PURE = [
     "spotfill.telemetry.html", "spotfill.telemetry.report", "spotfill.telemetry.live",
     "spotfill.storage.lineage", "spotfill.train.preflight", "spotfill.train.step_policy",
     "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.train.opcache",
+    "spotfill.fillin.policy",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 

@@ -45,6 +45,7 @@ def build_parser() -> OneLineParser:
     from spotfill.cli import demo as demo_cli
     from spotfill.cli import plan as planner_cli
     from spotfill.cli import report as report_cli
+    from spotfill.cli import serve as serve_cli
     from spotfill.cli import spot_watch as spot_cli
     from spotfill.cli import status as status_cli
 
@@ -52,7 +53,7 @@ def build_parser() -> OneLineParser:
         "Elastic DeepSpeed training on Ray across spot GPUs, with spare-GPU fill-in."))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
-    for module in (planner_cli, demo_cli, report_cli, status_cli, spot_cli, bench_cli):
+    for module in (planner_cli, demo_cli, report_cli, status_cli, spot_cli, bench_cli, serve_cli):
         module.register(sub)
     return parser
 

@@ -1,0 +1,339 @@
+"""The fill-in arbiter: one detached, named Ray actor on the head node (no CPUs, no GPUs reserved).
+
+Thin around fillin/policy.py: every second it builds a snapshot from Ray's state (nodes and their GPU
+totals, what is available per node, draining nodes, what each tenant holds), reconciles (a lease on a dead
+node is gone; one on a draining node is reclaimed), and lends what training cannot use to its tenants.
+Training claims GPUs through `claim(job, gpus, deadline_s)`: the arbiter reclaims leases in order and
+answers when the GPUs are free, or at the deadline with what it could free. Every decision is logged with
+its reason and kept for `spotfill status`.
+
+The actor restarts (max_restarts=-1) and rebuilds: training registrations, tenants and recent decisions
+from its state file on the head node, leases from what the tenants are seen holding (adopted).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import replace
+
+from spotfill.fillin.policy import (DEFAULT_ORDER, Decision, DecisionLog, Lease, Node, Snapshot, TrainingJob,
+                                    decide_claim, decide_lend, ownership, rebuild_leases, reconcile)
+from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
+
+log = logging.getLogger("spotfill.fillin.arbiter")
+ARBITER_NAME = "spotfill-arbiter"
+NAMESPACE = "spotfill"
+CLAIM_HOLD_S = 30.0        # freed GPUs stay reserved for the claiming job this long (its group takes them)
+START_PATIENCE_S = 30.0    # a replica asked for but not running after this long: stop asking for it
+
+
+class Arbiter:
+    def __init__(self, gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,
+                 state_path: str | None = None, interval_s: float = 1.0):
+        logging.basicConfig(level=logging.INFO)
+        self.gpu_resource, self.order, self.interval_s = gpu_resource, tuple(order), interval_s
+        self.state_path = state_path or os.path.join(tempfile.gettempdir(), "spotfill-arbiter", "state.json")
+        self.lock = threading.RLock()
+        self.jobs: dict[str, TrainingJob] = {}
+        self.pending: dict[str, tuple[int, float]] = {}      # job -> (GPUs claimed, hold until)
+        self.tenants: dict[str, ServeTenant] = {}
+        self.asked_at: dict[str, float] = {}                  # tenant -> when it was last scaled up
+        self.leases: tuple[Lease, ...] = ()
+        self.reclaiming: dict[str, float] = {}                # lease id -> since
+        self.decisions = DecisionLog()
+        self.handbacks: list[dict] = []
+        self.claims_in_flight = 0
+        self.started = time.time()
+        self.restored = self._load()
+        self._stop = threading.Event()
+        threading.Thread(target=self._loop, name="arbiter-tick", daemon=True).start()
+
+    # -- persistence -----------------------------------------------------------------------------------
+    def _load(self) -> bool:
+        try:
+            with open(self.state_path) as f:
+                state = json.load(f)
+        except (OSError, ValueError):
+            return False
+        self.jobs = {j["job"]: TrainingJob(**j) for j in state.get("jobs", [])}
+        for spec in state.get("tenants", []):
+            tenant = ServeTenant(ServeTenantSpec(**spec["spec"]))
+            tenant.target = spec.get("target")
+            self.tenants[tenant.tenant] = tenant
+        self.leases = tuple(Lease(**le) for le in state.get("leases", []))
+        self.reclaiming = dict(state.get("reclaiming", {}))
+        self.decisions.add(Decision(**d) for d in state.get("decisions", []))
+        self.handbacks = state.get("handbacks", [])
+        self._record([Decision("adopt", "arbiter", 0, at=time.time(), reason=(
+            f"arbiter restarted: {len(self.jobs)} training job(s), {len(self.tenants)} tenant(s) and "
+            f"{len(self.leases)} lease record(s) read from {self.state_path}; leases re-checked against "
+            f"what the tenants hold"))])
+        return True
+
+    def _save(self) -> None:
+        state = {"jobs": [j.__dict__ for j in self.jobs.values()],
+                 "tenants": [{"spec": t.spec.as_dict(), "target": t.target} for t in self.tenants.values()],
+                 "leases": [le.__dict__ for le in self.leases], "reclaiming": self.reclaiming,
+                 "decisions": [d.as_dict() for d in self.decisions.items[-50:]],
+                 "handbacks": self.handbacks[-200:]}
+        os.makedirs(os.path.dirname(self.state_path), exist_ok=True)
+        tmp = f"{self.state_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, self.state_path)
+
+    def _record(self, decisions) -> None:
+        for d in decisions:
+            log.info("fill-in %s %s: %d GPU(s)%s -- %s", d.action, d.tenant, d.gpus,
+                     f" on {d.node_id[:12]}" if d.node_id else "", d.reason)
+        self.decisions.add(decisions)
+
+    # -- registration ----------------------------------------------------------------------------------
+    def register_tenant(self, spec: dict) -> dict:
+        with self.lock:
+            tenant = ServeTenant(ServeTenantSpec(**spec))
+            old = self.tenants.get(tenant.tenant)
+            tenant.target = old.target if old else None
+            self.tenants[tenant.tenant] = tenant
+            self.tick()                         # adopt what it already holds, lend what is spare
+            return {"tenant": tenant.tenant, "scale_url": tenant.scale_url, "target": tenant.target}
+
+    def register_job(self, job: str, min_workers: int, max_workers: int, gpus_per_worker: int = 1,
+                     current_workers: int = 0, restarting: bool = False) -> None:
+        with self.lock:
+            self.jobs[job] = TrainingJob(job, int(min_workers), int(max_workers), int(current_workers),
+                                         int(gpus_per_worker), bool(restarting))
+            self._save()
+
+    def release_job(self, job: str) -> None:
+        with self.lock:
+            self.jobs.pop(job, None)
+            self.pending.pop(job, None)
+            self._save()
+
+    # -- snapshot --------------------------------------------------------------------------------------
+    def _nodes(self) -> list[Node]:
+        import ray
+
+        from spotfill.ray_compat import available_resources_per_node, draining_node_ids
+        avail, draining = available_resources_per_node(), draining_node_ids()
+        nodes = []
+        for n in ray.nodes():
+            node_id, res = n["NodeID"], n.get("Resources") or {}
+            if self.gpu_resource not in res and n.get("Alive"):
+                continue
+            free = int(avail.get(node_id, {}).get(self.gpu_resource, 0) + 1e-9)
+            nodes.append(Node(node_id, int(res.get(self.gpu_resource, 0)), free, bool(n.get("Alive")),
+                              node_id in draining))
+        return nodes
+
+    def _snapshot(self, now: float) -> Snapshot:
+        holdings = [h for t in self.tenants.values() for h in self._holdings(t)]
+        nodes = self._nodes()                  # after the holdings: a replica gone with its node is "lost"
+        alive = {n.node_id for n in nodes if n.alive}
+        lost = reconcile(Snapshot(tuple(nodes), (), tuple(le for le in self.leases if le.node_id not in alive)),
+                         now)
+        self._record(lost)
+        known = tuple(le for le in self.leases if le.node_id in alive)
+        holdings = [h for h in holdings if h.node_id in alive]
+        leases, changes = rebuild_leases(holdings, known, now)
+        self._record(changes)
+        self.leases = self._mark_reclaiming(leases)
+        self.reclaiming = {le.lease_id: le.reclaiming_since for le in self.leases if le.reclaiming_since}
+        for job, (_, until) in list(self.pending.items()):
+            if now > until:
+                del self.pending[job]
+        jobs = tuple(replace(j, pending_gpus=self.pending.get(j.job, (0, 0))[0]) for j in self.jobs.values())
+        return Snapshot(tuple(nodes), jobs, self.leases)
+
+    @staticmethod
+    def _holdings(tenant: ServeTenant):
+        try:
+            return tenant.holdings()
+        except Exception as exc:  # noqa: BLE001 - a state-API hiccup must not stop the arbiter
+            log.warning("fill-in: cannot read what %s holds: %s", tenant.tenant, exc)
+            return []
+
+    def _mark_reclaiming(self, leases: tuple[Lease, ...]) -> tuple[Lease, ...]:
+        """Serve stops replicas of its own choosing: per tenant, as many leases as it holds beyond its
+        target are going away -- those the arbiter chose when still held, else the newest."""
+        out = []
+        for name, tenant in self.tenants.items():
+            mine = [le for le in leases if le.tenant == name]
+            going = max(0, len(mine) - tenant.target) if tenant.target is not None else 0
+            mine.sort(key=lambda le: (le.lease_id not in self.reclaiming, -le.granted_at))
+            for i, le in enumerate(mine):
+                since = self.reclaiming.get(le.lease_id, time.time()) if i < going else None
+                out.append(replace(le, reclaiming_since=since))
+        return tuple(out) + tuple(le for le in leases if le.tenant not in self.tenants)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001
+                log.exception("fill-in arbiter tick failed; next tick in %.1fs", self.interval_s)
+
+    def tick(self) -> dict:
+        with self.lock:
+            now = time.time()
+            snap = self._snapshot(now)
+            drains = [d for d in reconcile(snap, now) if d.action == "reclaim"]
+            self._apply_reclaims(drains, now)
+            if not self.claims_in_flight:
+                for tenant in self.tenants.values():
+                    self._grow(tenant, snap, now)
+            self._save()
+            return {"leases": len(self.leases), "jobs": len(self.jobs)}
+
+    def _grow(self, tenant: ServeTenant, snap: Snapshot, now: float) -> None:
+        spec = tenant.spec
+        held = sum(1 for le in snap.leases if le.tenant == tenant.tenant)
+        first = tenant.target is None          # just registered: take over the count Serve deployed with
+        if first:
+            tenant.target = held
+        if tenant.target > held:               # replicas still starting: wait for them, not twice
+            if now - self.asked_at.get(tenant.tenant, now) < START_PATIENCE_S:
+                return
+            self._record([Decision("refuse", tenant.tenant, (tenant.target - held) * spec.gpus_per_replica,
+                                   at=now, reason=f"replicas not placed within {START_PATIENCE_S:.0f}s; "
+                                                  f"asking for {held} instead of {tenant.target}")])
+            tenant.set_replicas(held)
+            return
+        wanted = (spec.max_replicas - tenant.target) * spec.gpus_per_replica
+        if wanted <= 0:
+            if first and not tenant.set_replicas(held):
+                tenant.target = None
+            return
+        lends = [d for d in decide_lend(snap, tenant.tenant, spec.kind, wanted, now, grace_s=spec.grace_s)
+                 if d.action == "lend"]
+        replicas = sum(d.gpus for d in lends) // spec.gpus_per_replica
+        if replicas and tenant.set_replicas(tenant.target + replicas):
+            self.asked_at[tenant.tenant] = now
+            self._record(lends)
+        elif first and not tenant.set_replicas(held):
+            tenant.target = None               # Serve not reachable yet: take over on a later tick
+
+    def _apply_reclaims(self, reclaims, now: float) -> None:
+        for d in reclaims:
+            tenant = self.tenants.get(d.tenant)
+            if tenant is None or d.lease_id in self.reclaiming:
+                continue
+            self.reclaiming[d.lease_id] = now
+            self.leases = tuple(replace(le, reclaiming_since=now) if le.lease_id == d.lease_id else le
+                                for le in self.leases)
+            current = tenant.target if tenant.target is not None else len(
+                [le for le in self.leases if le.tenant == d.tenant])
+            if tenant.set_replicas(current - max(1, d.gpus // tenant.spec.gpus_per_replica)):
+                self._record([d])
+
+    # -- training's claim ---------------------------------------------------------------------------------
+    def claim(self, job: str, gpus: int, deadline_s: float = 10.0, gpus_per_worker: int = 1,
+              min_workers: int | None = None, max_workers: int | None = None) -> dict:
+        """Make `gpus` GPUs available to `job`'s next worker group: reclaim leases as needed and answer
+        when enough are free (or at `deadline_s` with what could be freed)."""
+        t0, started = time.monotonic(), time.time()
+        gpw = max(1, int(gpus_per_worker))
+        with self.lock:
+            self.claims_in_flight += 1
+            prev = self.jobs.get(job)
+            snap = self._snapshot(started)
+            own = min(sum(row["training"] for row in ownership(snap).values()),
+                      prev.running * prev.gpus_per_worker if prev else 0)
+            wanted = max(0, int(gpus) - own)
+        reclaimed: list[str] = []
+        try:
+            while True:
+                with self.lock:
+                    now = time.time()
+                    plan = decide_claim(self._snapshot(now), job, wanted, gpw, now, self.order)
+                    new = [d for d in plan.reclaims if d.lease_id not in self.reclaiming]
+                    self._apply_reclaims(new, now)
+                    reclaimed += [d.lease_id for d in new]
+                done = plan.free_now >= wanted or (plan.short_by and not any(
+                    le.reclaiming_since for le in self.leases))
+                if done or time.monotonic() - t0 > deadline_s:
+                    break
+                time.sleep(0.1)
+            return self._answer(job, gpus, wanted, plan, reclaimed, gpw, min_workers, max_workers, prev, t0)
+        finally:
+            with self.lock:
+                self.claims_in_flight -= 1
+
+    def _answer(self, job, gpus, wanted, plan, reclaimed, gpw, min_workers, max_workers, prev, t0) -> dict:
+        waited = time.monotonic() - t0
+        now = time.time()
+        ok = plan.free_now >= wanted
+        with self.lock:
+            self.jobs[job] = TrainingJob(
+                job, int(min_workers or (prev.min_workers if prev else 1)),
+                int(max_workers or (prev.max_workers if prev else max(1, gpus // gpw))),
+                current_workers=max(1, int(gpus) // gpw), gpus_per_worker=gpw)
+            self.pending[job] = (min(wanted, plan.free_now), now + CLAIM_HOLD_S)
+            why = (f"{plan.free_now} of {wanted} needed GPU(s) free after {waited:.2f}s"
+                   + (f", {len(reclaimed)} lease(s) reclaimed" if reclaimed else "")
+                   + ("" if ok else f"; short by {wanted - plan.free_now} (deadline or nothing left to reclaim)"))
+            self._record([Decision("grant" if ok else "refuse", job, min(wanted, plan.free_now), at=now,
+                                   reason=why)])
+            if reclaimed:
+                self.handbacks.append({"job": job, "seconds": round(waited, 3), "leases": len(reclaimed),
+                                       "gpus": wanted, "ok": ok, "at": now})
+            self._save()
+        return {"ok": ok, "job": job, "gpus": int(gpus), "needed": wanted, "free": plan.free_now,
+                "reclaimed": reclaimed, "waited_s": round(waited, 3), "reason": why}
+
+    # -- reading ----------------------------------------------------------------------------------------
+    def status(self, last: int = 20) -> dict:
+        with self.lock:
+            now = time.time()
+            snap = self._snapshot(now)
+            return {
+                "gpu_resource": self.gpu_resource, "order": list(self.order), "since": self.started,
+                "restored": self.restored, "nodes": ownership(snap),
+                "jobs": [j.__dict__ for j in snap.jobs],
+                "tenants": [{"tenant": t.tenant, "target": t.target, **t.spec.as_dict()}
+                            for t in self.tenants.values()],
+                "leases": [le.__dict__ for le in snap.leases],
+                "pending_reclaims": [{"lease_id": le.lease_id, "tenant": le.tenant, "node_id": le.node_id,
+                                      "gpus": le.gpus, "since": le.reclaiming_since,
+                                      "deadline": le.reclaiming_since + le.grace_s}
+                                     for le in snap.leases if le.reclaiming_since is not None],
+                "decisions": [d.as_dict() for d in self.decisions.items[-last:]],
+                "handbacks": self.handbacks[-last:],
+            }
+
+    def ping(self) -> str:
+        return "ok"
+
+
+def ensure_arbiter(gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,
+                   state_path: str | None = None, runtime_env: dict | None = None):
+    """The arbiter actor: found by name, else started detached on the head node (0 CPUs)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head = next((n["NodeID"] for n in ray.nodes() if n.get("Alive")
+                 and "node:__internal_head__" in (n.get("Resources") or {})), None)
+    options = dict(name=ARBITER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                   num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=16)
+    if head:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
+    if runtime_env:
+        options["runtime_env"] = runtime_env
+    handle = ray.remote(Arbiter).options(**options).remote(gpu_resource, tuple(order), state_path)
+    ray.get(handle.ping.remote(), timeout=60)
+    return handle
+
+
+def get_arbiter():
+    """The running arbiter actor, or None."""
+    import ray
+    try:
+        return ray.get_actor(ARBITER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None

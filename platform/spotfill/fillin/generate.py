@@ -1,0 +1,126 @@
+"""Text generation from a run's newest committed checkpoint (what the Serve fill-in tenant runs).
+
+A run's checkpoints live under `<storage>/checkpoints/<tag>/rank-<r>/` (storage/checkpoint_store.py), each
+rank folder holding that rank's DeepSpeed files. Loading consolidates them into one state dict:
+  * ZeRO partitions (zero_pp_rank_*_optim_states.pt present): DeepSpeed's zero_to_fp32 merges the fp32
+    master weights from every rank's shard (stages 1-3, any world size);
+  * otherwise the module weights in mp_rank_00_model_states.pt.
+The model shape is read from the weights (vocabulary, width, depth, context); heads come from the preset
+with that shape (or `model=` names the preset). The byte-level tokenizer of spotfill's presets is used.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+from spotfill.config.errors import ConfigError
+
+log = logging.getLogger(__name__)
+EOD = 256
+
+
+@dataclass
+class Loaded:
+    model: object
+    tag: str
+    step: int
+    load_s: float
+    loaded_at: float
+
+
+def consolidate(tag_dir: str, tag: str) -> dict:
+    """One full fp32 state dict from a restored checkpoint tag folder (rank-*/ inside)."""
+    import torch
+
+    from spotfill.train.restore import flatten_ranks
+    flat_root = tempfile.mkdtemp(prefix="spotfill-serve-ds-")
+    try:
+        flatten_ranks(tag_dir, os.path.join(flat_root, tag))
+        files = os.listdir(os.path.join(flat_root, tag))
+        if any(f.endswith("optim_states.pt") for f in files):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            state = get_fp32_state_dict_from_zero_checkpoint(flat_root, tag=tag)
+        else:
+            (path,) = glob.glob(os.path.join(flat_root, tag, "mp_rank_*_model_states.pt"))[:1] or [None]
+            if path is None:
+                raise ConfigError("checkpoint", tag_dir, reason="no DeepSpeed model states in it")
+            state = torch.load(path, map_location="cpu", weights_only=False)["module"]
+        return {k: v.float() for k, v in state.items()}
+    finally:
+        shutil.rmtree(flat_root, ignore_errors=True)
+
+
+def config_from_state(state: dict, model: str = "auto"):
+    """The GPTConfig these weights were trained with."""
+    from dataclasses import replace
+
+    from spotfill.train.presets import PRESETS, GPTConfig, preset
+    vocab, width = state["wte.weight"].shape
+    seq_len = state["wpe.weight"].shape[0]
+    layers = len({k.split(".")[1] for k in state if k.startswith("blocks.")})
+    if model != "auto":
+        return preset(model, seq_len=seq_len, vocab_size=vocab)
+    for cfg in PRESETS.values():
+        if (cfg.n_embd, cfg.n_layer) == (width, layers):
+            return replace(cfg, seq_len=seq_len, vocab_size=vocab)
+    heads = next(h for h in (width // 64, 8, 4, 2, 1) if h and width % h == 0)
+    log.warning("no preset has width %d and %d layers; assuming %d heads (pass model=<preset>)", width,
+                layers, heads)
+    return GPTConfig(vocab_size=vocab, seq_len=seq_len, n_layer=layers, n_head=heads, n_embd=width)
+
+
+def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | None = None) -> Loaded | None:
+    """The newest intact committed checkpoint as a ready model; None when there is none (or none newer
+    than `newer_than`)."""
+    from spotfill.storage.checkpoint_store import tag_key
+    from spotfill.train.model import GPT
+
+    t0 = time.perf_counter()
+    latest = store.latest_tag()
+    if latest is None or (newer_than and tag_key(latest) <= tag_key(newer_than)):
+        return None
+    manifest = store.restore(work_dir)
+    if manifest is None or (newer_than and tag_key(manifest["tag"]) <= tag_key(newer_than)):
+        return None
+    try:
+        state = consolidate(manifest["path"], manifest["tag"])
+    finally:
+        shutil.rmtree(manifest["path"], ignore_errors=True)
+    net = GPT(config_from_state(state, model))
+    net.load_state_dict(state)
+    net.eval()
+    return Loaded(net, manifest["tag"], int(manifest["step"]), time.perf_counter() - t0, time.time())
+
+
+def generate(model, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0,
+             deadline_s: float | None = None) -> tuple[str, int, str]:
+    """(text, tokens generated, finish_reason: "stop" | "length" | "time"). Byte-level tokens; stops at
+    end-of-document, after `max_tokens`, or when `deadline_s` (seconds from now) runs out."""
+    import torch
+
+    t_end = None if deadline_s is None else time.monotonic() + deadline_s
+    ids = list(prompt.encode("utf-8")) or [EOD]
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    reason = "length"
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            if t_end is not None and time.monotonic() > t_end:
+                reason = "time"
+                break
+            ctx = torch.tensor([(ids + out)[-model.cfg.seq_len:]])
+            logits = model(ctx)[0, -1]
+            if temperature > 0:
+                nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
+            else:
+                nxt = int(logits.argmax())
+            if nxt == EOD or nxt > 255:
+                reason = "stop"
+                break
+            out.append(nxt)
+    return bytes(out).decode("utf-8", errors="replace"), len(out), reason

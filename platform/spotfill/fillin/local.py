@@ -1,0 +1,53 @@
+"""Serve fill-in on a cluster: deploy serving/app.py with the external scaler and hand its Generator to the
+arbiter as a tenant. Used by `spotfill serve` (on a local embedded cluster) and the integration tests."""
+from __future__ import annotations
+
+import logging
+import os
+
+from spotfill.config.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def repo_root() -> str:
+    """The folder holding serving/ (next to platform/, where spotfill is imported from)."""
+    import spotfill
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(spotfill.__file__))))
+    if not os.path.isfile(os.path.join(root, "serving", "app.py")):
+        raise ConfigError("serving", root, reason="serving/app.py not found next to platform/",
+                          accepted="a spotfill checkout (serving/ lives in the repository, not the package)")
+    return root
+
+
+def runtime_env() -> dict:
+    """Workers import spotfill and serving/ from where this process found them."""
+    from spotfill.sim.cluster import worker_env
+    env = worker_env()
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo_root()])
+    return {"env_vars": env}
+
+
+def deploy_serve(checkpoint: str, *, port: int, dashboard_url: str, gpu_resource: str = "GPU_SLOT",
+                 max_replicas: int = 2, arbiter=None, **serve_args) -> dict:
+    """Deploy the generation app (1 Generator replica: Serve's minimum at deploy) on HTTP 127.0.0.1:`port` and register it with
+    the arbiter (started if absent), which then lends it GPUs. Returns {"url", "arbiter"}."""
+    import sys
+
+    import ray
+    from ray import serve
+
+    root = repo_root()
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from serving.app import APP_NAME, GENERATOR, GRACEFUL, ServeArgs, build
+    from spotfill.fillin.arbiter import ensure_arbiter
+
+    args = ServeArgs.parse({"checkpoint": checkpoint, "gpu_resource": gpu_resource, "replicas": 1, **serve_args})
+    serve.start(http_options={"host": "127.0.0.1", "port": int(port), "location": "HeadOnly"})
+    serve.run(build(args), name=APP_NAME, route_prefix="/", blocking=False, external_scaler_enabled=True)
+    arbiter = arbiter or ensure_arbiter(gpu_resource, runtime_env=runtime_env())
+    ray.get(arbiter.register_tenant.remote({
+        "app": APP_NAME, "deployment": GENERATOR, "dashboard_url": dashboard_url, "max_replicas": max_replicas,
+        "grace_s": GRACEFUL["graceful_shutdown_timeout_s"]}))
+    return {"url": f"http://127.0.0.1:{port}", "arbiter": arbiter}

@@ -1,0 +1,308 @@
+"""The fill-in arbiter's decisions, from a snapshot of the cluster (pure: no Ray; time is an argument).
+
+Training is first. A GPU is lent to a fill-in tenant only when training cannot use it now:
+  * beyond its max     -- the job already runs `max_workers` workers;
+  * a fragment          -- fewer free GPUs on a node than one worker needs (`gpus_per_worker`);
+  * while it waits      -- the job cannot reach `min_workers` even with every free and leased GPU, so it
+                           cannot start; its share is lent until capacity returns (then its claim reclaims).
+Whole GPUs only (fractional GPUs are bookkeeping, not isolation). Draining and dead nodes lend nothing.
+
+A training claim ("I need G more GPUs") is answered from free GPUs first; the rest is reclaimed from leases
+in `order` (default sweeps -> batch -> serve; newest lease first within a kind). A lease on a node that is
+gone is dropped; one on a draining node is reclaimed. Every decision carries its reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable
+
+DEFAULT_ORDER = ("sweep", "batch", "serve")
+ACTIONS = ("lend", "refuse", "reclaim", "drop", "grant", "adopt")
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    total_gpus: int
+    free_gpus: int                  # not held by anyone (Ray's available resources, whole GPUs)
+    alive: bool = True
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class TrainingJob:
+    job: str
+    min_workers: int
+    max_workers: int
+    current_workers: int = 0
+    gpus_per_worker: int = 1
+    restarting: bool = False        # its group is down and about to start again (counts as 0 running)
+    pending_gpus: int = 0           # claimed and freed, not yet taken by its new group: never lent
+
+    @property
+    def running(self) -> int:
+        return 0 if self.restarting else self.current_workers
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    tenant: str                     # e.g. "serve:spotfill-serve"
+    kind: str                       # "sweep" | "batch" | "serve" (reclaim order)
+    node_id: str
+    gpus: int
+    reclaim_method: str = "serve_scale"
+    grace_s: float = 3.0
+    granted_at: float = 0.0
+    reclaiming_since: float | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    nodes: tuple[Node, ...] = ()
+    jobs: tuple[TrainingJob, ...] = ()
+    leases: tuple[Lease, ...] = ()
+
+    def node(self, node_id: str) -> Node | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    def leased_on(self, node_id: str, *, reclaiming: bool | None = None) -> int:
+        return sum(le.gpus for le in self.leases if le.node_id == node_id
+                   and (reclaiming is None or (le.reclaiming_since is not None) == reclaiming))
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str                     # one of ACTIONS
+    tenant: str
+    gpus: int
+    reason: str
+    at: float
+    node_id: str | None = None
+    lease_id: str | None = None
+    deadline: float | None = None   # reclaim: when the tenant's grace ends
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    """How a training claim of `wanted` GPUs is met: `free_now` usable GPUs already free, the leases to
+    reclaim, and what is missing even then (`short_by`)."""
+    job: str
+    wanted: int
+    free_now: int
+    decisions: tuple[Decision, ...] = ()
+    short_by: int = 0
+
+    @property
+    def reclaims(self) -> tuple[Decision, ...]:
+        return tuple(d for d in self.decisions if d.action == "reclaim")
+
+    @property
+    def ready(self) -> bool:
+        return not self.reclaims and self.short_by == 0
+
+
+# -- what training can use -------------------------------------------------------------------------------
+def _usable_nodes(snap: Snapshot) -> list[Node]:
+    return sorted((n for n in snap.nodes if n.alive and not n.draining), key=lambda n: n.node_id)
+
+
+def feasible_workers(snap: Snapshot, job: TrainingJob) -> int:
+    """Workers the job could run if every free and leased GPU were its own (its running ones included)."""
+    gpw = max(1, job.gpus_per_worker)
+    extra = sum((n.free_gpus + snap.leased_on(n.node_id)) // gpw for n in _usable_nodes(snap))
+    return job.running + extra
+
+
+def reserved_for_training(snap: Snapshot) -> tuple[dict[str, int], list[str]]:
+    """Free GPUs per node that training could take now (whole workers, up to each job's max), and why.
+    Jobs are served in snapshot order; a job waiting below min reserves nothing."""
+    left = {n.node_id: n.free_gpus for n in _usable_nodes(snap)}
+    reserved = {node_id: 0 for node_id in left}
+    why: list[str] = []
+    for job in snap.jobs:
+        gpw = max(1, job.gpus_per_worker)
+        pending = job.pending_gpus
+        for node_id in sorted(left, key=lambda k: (-left[k], k)):
+            take = min(pending, left[node_id])
+            reserved[node_id] += take
+            left[node_id] -= take
+            pending -= take
+        if job.pending_gpus:
+            why.append(f"{job.job} claimed {job.pending_gpus} GPU(s) its group has not taken yet")
+        need = max(0, job.max_workers - job.running)
+        if need == 0:
+            why.append(f"{job.job} runs its max {job.max_workers} workers")
+            continue
+        if feasible_workers(snap, job) < job.min_workers:
+            why.append(f"{job.job} waits below min ({feasible_workers(snap, job)} of "
+                       f"min_workers={job.min_workers} possible)")
+            continue
+        for node_id in sorted(left, key=lambda k: (-left[k], k)):
+            take = min(need, left[node_id] // gpw)
+            reserved[node_id] += take * gpw
+            left[node_id] -= take * gpw
+            need -= take
+        why.append(f"{job.job} may grow by {max(0, job.max_workers - job.running) - need} workers "
+                   f"({gpw} GPUs each)")
+    return reserved, why
+
+
+def lendable(snap: Snapshot) -> dict[str, int]:
+    """Free GPUs per node that training cannot use now."""
+    reserved, _ = reserved_for_training(snap)
+    return {n.node_id: n.free_gpus - reserved.get(n.node_id, 0) for n in _usable_nodes(snap)
+            if n.free_gpus - reserved.get(n.node_id, 0) > 0}
+
+
+def ownership(snap: Snapshot) -> dict[str, dict[str, int]]:
+    """GPUs per node by owner: training, each tenant kind, reclaiming, idle."""
+    out: dict[str, dict[str, int]] = {}
+    for n in sorted(snap.nodes, key=lambda n: n.node_id):
+        row = {"total": n.total_gpus, "idle": n.free_gpus, "training": 0, "reclaiming": 0}
+        for le in snap.leases:
+            if le.node_id == n.node_id:
+                key = "reclaiming" if le.reclaiming_since is not None else le.kind
+                row[key] = row.get(key, 0) + le.gpus
+        row["training"] = max(0, n.total_gpus - n.free_gpus - snap.leased_on(n.node_id))
+        out[n.node_id] = row
+    return out
+
+
+# -- decisions ---------------------------------------------------------------------------------------------
+def decide_lend(snap: Snapshot, tenant: str, kind: str, wanted: int, now: float, *,
+                method: str = "serve_scale", grace_s: float = 3.0) -> tuple[Decision, ...]:
+    """Lend up to `wanted` whole GPUs to `tenant`: fragments first (smallest lendable amount per node),
+    one decision per node; a `refuse` decision (with the reason) when nothing can be lent."""
+    wanted = int(wanted)
+    spare = lendable(snap)
+    decisions: list[Decision] = []
+    for node_id in sorted(spare, key=lambda k: (spare[k], k)):
+        if wanted <= 0:
+            break
+        take = min(wanted, spare[node_id])
+        wanted -= take
+        decisions.append(Decision("lend", tenant, take, at=now, node_id=node_id, deadline=None,
+                                  reason=f"{spare[node_id]} free GPU(s) on the node that training cannot "
+                                         f"use now; {method} reclaim, grace {grace_s:g}s"))
+    if not decisions:
+        _, why = reserved_for_training(snap)
+        decisions.append(Decision("refuse", tenant, 0, at=now, reason="nothing lendable: " + (
+            "; ".join(why) if why and any(n.free_gpus for n in snap.nodes) else "no free GPUs")))
+    return tuple(decisions)
+
+
+def _usable_gpus(snap: Snapshot, gpw: int, extra: dict[str, int]) -> int:
+    return sum((n.free_gpus + extra.get(n.node_id, 0)) // gpw * gpw for n in _usable_nodes(snap))
+
+
+def decide_claim(snap: Snapshot, job: str, wanted: int, gpus_per_worker: int, now: float,
+                 order: Iterable[str] = DEFAULT_ORDER) -> ClaimPlan:
+    """Meet training's claim of `wanted` GPUs: free whole workers first, then reclaim leases in `order`
+    (newest first within a kind). Leases already reclaiming count as coming back."""
+    gpw, order = max(1, int(gpus_per_worker)), tuple(order)
+    coming: dict[str, int] = {}
+    for le in snap.leases:
+        if le.reclaiming_since is not None:
+            coming[le.node_id] = coming.get(le.node_id, 0) + le.gpus
+    free_now = _usable_gpus(snap, gpw, {})
+    have = _usable_gpus(snap, gpw, coming)
+    usable_ids = {n.node_id for n in _usable_nodes(snap)}
+    rank = {kind: i for i, kind in enumerate(order)}
+    candidates = sorted((le for le in snap.leases if le.reclaiming_since is None and le.node_id in usable_ids),
+                        key=lambda le: (rank.get(le.kind, len(rank)), -le.granted_at, le.lease_id))
+    chosen: list[Lease] = []
+    for le in candidates:
+        if have >= wanted:
+            break
+        trial = dict(coming)
+        trial[le.node_id] = trial.get(le.node_id, 0) + le.gpus
+        chosen.append(le)
+        coming, have = trial, _usable_gpus(snap, gpw, trial)
+    chosen = [le for le in chosen if _helps(snap, gpw, coming, le)]
+    decisions = tuple(
+        Decision("reclaim", le.tenant, le.gpus, at=now, node_id=le.node_id, lease_id=le.lease_id,
+                 deadline=now + le.grace_s,
+                 reason=f"training job {job} claims {wanted} GPU(s), {free_now} free; {le.kind} is "
+                        f"#{rank.get(le.kind, len(rank)) + 1} in reclaim order {'>'.join(order)}")
+        for le in chosen)
+    short = max(0, wanted - _usable_gpus(snap, gpw, coming))
+    if not decisions and short == 0:
+        decisions = (Decision("grant", job, wanted, at=now,
+                              reason=f"{free_now} usable GPU(s) free, {wanted} claimed"),)
+    return ClaimPlan(job, wanted, free_now, decisions, short)
+
+
+def _helps(snap: Snapshot, gpw: int, coming: dict[str, int], lease: Lease) -> bool:
+    """Does reclaiming `lease` add usable GPUs, given everything else coming back?"""
+    without = dict(coming)
+    without[lease.node_id] -= lease.gpus
+    return _usable_gpus(snap, gpw, coming) > _usable_gpus(snap, gpw, without)
+
+
+def reconcile(snap: Snapshot, now: float) -> tuple[Decision, ...]:
+    """Leases on a node that is gone are dropped; leases on a draining node are reclaimed."""
+    decisions = []
+    for le in snap.leases:
+        node = snap.node(le.node_id)
+        if node is None or not node.alive:
+            decisions.append(Decision("drop", le.tenant, le.gpus, at=now, node_id=le.node_id,
+                                      lease_id=le.lease_id, reason="node lost: the lease died with it"))
+        elif node.draining and le.reclaiming_since is None:
+            decisions.append(Decision("reclaim", le.tenant, le.gpus, at=now, node_id=le.node_id,
+                                      lease_id=le.lease_id, deadline=now + le.grace_s,
+                                      reason="node draining (spot notice): move the tenant off it"))
+    return tuple(decisions)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a tenant is seen holding on the cluster (e.g. a Serve replica using 1 GPU on a node)."""
+    tenant: str
+    kind: str
+    node_id: str
+    gpus: int
+    key: str                        # stable id of the holder (replica actor id, placement group id)
+    reclaim_method: str = "serve_scale"
+    grace_s: float = 3.0
+
+
+def rebuild_leases(holdings: Iterable[Holding], known: Iterable[Lease], now: float
+                   ) -> tuple[tuple[Lease, ...], tuple[Decision, ...]]:
+    """Leases from what tenants are seen holding: a known lease keeps its history (grant time,
+    reclaiming); a holding with no lease record (the arbiter restarted) is adopted; a known lease with no
+    holding left is dropped (its tenant let go). The lease id is the holder's key."""
+    by_id = {le.lease_id: le for le in known}
+    leases, decisions = [], []
+    seen = set()
+    for h in holdings:
+        seen.add(h.key)
+        old = by_id.get(h.key)
+        if old is not None:
+            leases.append(replace(old, node_id=h.node_id, gpus=h.gpus))
+            continue
+        leases.append(Lease(h.key, h.tenant, h.kind, h.node_id, h.gpus, h.reclaim_method, h.grace_s,
+                            granted_at=now))
+        decisions.append(Decision("adopt", h.tenant, h.gpus, at=now, node_id=h.node_id, lease_id=h.key,
+                                  reason="tenant holds GPUs with no lease record (deployed before it registered, "
+                                         "replaced a lost replica, or the arbiter restarted): adopted"))
+    for le in known:
+        if le.lease_id not in seen:
+            decisions.append(Decision("drop", le.tenant, le.gpus, at=now, node_id=le.node_id,
+                                      lease_id=le.lease_id, reason="tenant no longer holds it "
+                                      + ("(reclaimed)" if le.reclaiming_since is not None else "(released)")))
+    return tuple(leases), tuple(decisions)
+
+
+@dataclass
+class DecisionLog:
+    """The last `keep` decisions, oldest first."""
+    keep: int = 200
+    items: list[Decision] = field(default_factory=list)
+
+    def add(self, decisions: Iterable[Decision]) -> None:
+        self.items.extend(decisions)
+        del self.items[:-self.keep]

@@ -1,0 +1,236 @@
+"""Ray Serve fill-in application: text generation from a run's newest committed checkpoint.
+
+    serve run serving.app:app checkpoint=file:///runs/demo        # one replica, for a first look
+    serve deploy serving/config.yaml                             # replicas set by the fill-in arbiter
+    spotfill serve --checkpoint file:///runs/demo --port 8000    # a local embedded cluster + arbiter
+
+Two deployments:
+  * Ingress (CPU only, on the head node, always up): the HTTP routes -- `POST /v1/completions`
+    (OpenAI-compatible), `GET /v1/models`, `POST /generate` (plain JSON), `GET /healthz`. It watches how
+    many Generator replicas run; with none (their GPUs went back to training) a request gets HTTP 503 with
+    `Retry-After` at once instead of queueing in Serve's router. A forwarded request that no replica has
+    picked up within the generation bound is cancelled and also answered 503 (it was never admitted).
+  * Generator (one lent GPU each, `gpu_resource`): loads the newest committed checkpoint, hot-reloads newer
+    ones, and generates at most `max_tokens` tokens and for at most `max_generation_s`, so a request in
+    flight when its replica is reclaimed finishes within the graceful-shutdown grace.
+
+The application is deployed with `external_scaler_enabled`: the arbiter sets the Generator's replica count
+through Serve's scale endpoint (spotfill/fillin/serve_tenant.py).
+"""
+
+import asyncio
+import logging
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, fields
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from spotfill.config.errors import ConfigError
+
+log = logging.getLogger("spotfill.serving")
+APP_NAME = "spotfill-serve"
+GENERATOR = "Generator"
+GRACEFUL = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 3.0}
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    checkpoint: str = ""                 # a run's storage URI (file://, s3://); checkpoints/ inside
+    model: str = "auto"                  # preset name, or auto (from the weights' shape)
+    gpu_resource: str = "GPU_SLOT"       # "GPU" on a real cluster
+    replicas: int = 1                    # Generator replicas at deploy (>= 1, Serve's rule); the arbiter
+                                         # sets the count from then on
+    max_tokens: int = 64                 # cap on tokens per request
+    max_generation_s: float = 1.5        # cap on seconds per request: below the 3 s shutdown grace
+    reload_s: float = 2.0                # how often to look for a newer checkpoint
+    retry_after_s: int = 1
+
+    @classmethod
+    def parse(cls, args: dict | None) -> "ServeArgs":
+        args = dict(args or {})
+        unknown = sorted(set(args) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"serving.app args {unknown[0]}", accepted=", ".join(f.name for f in fields(cls)))
+        out = {}
+        for f in fields(cls):
+            if f.name in args:
+                kind = type(getattr(cls, f.name))
+                try:
+                    out[f.name] = kind(args[f.name])
+                except ValueError:
+                    raise ConfigError(f"serving.app args {f.name}", args[f.name],
+                                      accepted=f"a {kind.__name__}") from None
+        parsed = cls(**out)
+        if not parsed.checkpoint:
+            raise ConfigError("serving.app args checkpoint", reason="required",
+                              accepted="a run's storage URI, e.g. file:///runs/demo or s3://bucket/run")
+        if parsed.replicas < 1:
+            raise ConfigError("serving.app args replicas", parsed.replicas,
+                              accepted="an integer >= 1 (Serve deploys at least one; the arbiter may scale to 0)")
+        if parsed.max_generation_s >= GRACEFUL["graceful_shutdown_timeout_s"]:
+            raise ConfigError("serving.app args max_generation_s", parsed.max_generation_s,
+                              accepted=f"< graceful_shutdown_timeout_s={GRACEFUL['graceful_shutdown_timeout_s']}")
+        return parsed
+
+
+@serve.deployment(name=GENERATOR, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=8, **GRACEFUL)
+class Generator:
+    def __init__(self, args: ServeArgs):
+        from spotfill.storage.base import open_storage
+        from spotfill.storage.checkpoint_store import CheckpointStore
+
+        self.args = args
+        self.store = CheckpointStore(open_storage(args.checkpoint))
+        self.work = tempfile.mkdtemp(prefix="spotfill-serve-")
+        self.loaded = None
+        self.lock = threading.Lock()
+        self.reloads: list[dict] = []
+        self._reload()
+        threading.Thread(target=self._watch, daemon=True, name="checkpoint-reload").start()
+
+    def _reload(self) -> None:
+        from spotfill.fillin.generate import load_newest
+        try:
+            new = load_newest(self.store, self.work, self.args.model,
+                              newer_than=self.loaded.tag if self.loaded else None)
+        except Exception as exc:  # noqa: BLE001 - keep serving the model we have
+            log.warning("checkpoint reload failed, keeping %s: %s", self.loaded and self.loaded.tag, exc)
+            return
+        if new is not None:
+            old = self.loaded.tag if self.loaded else None
+            with self.lock:
+                self.loaded = new
+            self.reloads.append({"tag": new.tag, "step": new.step, "load_s": round(new.load_s, 3), "from": old})
+            log.info("serving checkpoint %s (step %d), loaded in %.2fs (was %s)", new.tag, new.step,
+                     new.load_s, old)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.args.reload_s)
+            self._reload()
+
+    def info(self) -> dict:
+        m = self.loaded
+        return {"tag": m.tag, "step": m.step, "load_s": round(m.load_s, 3), "loaded_at": m.loaded_at,
+                "reloads": self.reloads[-10:]} if m else {"tag": None, "reloads": self.reloads[-10:]}
+
+    async def generate(self, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0) -> dict:
+        from spotfill.fillin.generate import generate
+        with self.lock:
+            loaded = self.loaded
+        if loaded is None:
+            return {"error": "no committed checkpoint yet"}
+        n = max(1, min(int(max_tokens), self.args.max_tokens))
+        text, count, reason = await asyncio.to_thread(generate, loaded.model, prompt, n, float(temperature),
+                                                      int(seed), self.args.max_generation_s)
+        return {"text": text, "tokens": count, "prompt_tokens": len(prompt.encode("utf-8")),
+                "finish_reason": reason, "checkpoint": {"tag": loaded.tag, "step": loaded.step}}
+
+
+api = FastAPI(title="spotfill fill-in generation")
+
+
+def unavailable(message: str, retry_after_s: int) -> JSONResponse:
+    return JSONResponse(status_code=503, headers={"Retry-After": str(retry_after_s)},
+                        content={"error": {"message": message, "type": "unavailable", "code": 503}})
+
+
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256, **GRACEFUL)
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, generator, args: ServeArgs, app_name: str = APP_NAME):
+        self.generator, self.args, self.app_name = generator, args, app_name
+        self.live, self.zero_since = 0, time.monotonic()
+        self.admit_timeout_s = args.max_generation_s + 2.0
+        threading.Thread(target=self._watch_replicas, daemon=True, name="replica-watch").start()
+
+    def _watch_replicas(self) -> None:
+        while True:
+            try:
+                app = serve.status().applications.get(self.app_name)
+                dep = app.deployments.get(GENERATOR) if app else None
+                live = int(dep.replica_states.get("RUNNING", 0)) if dep else 0
+                if live <= 0 < self.live:
+                    self.zero_since = time.monotonic()
+                self.live = live
+            except Exception as exc:  # noqa: BLE001 - the controller may be busy; keep the last count
+                log.debug("replica count unavailable: %s", exc)
+            time.sleep(0.1)
+
+    async def _forward(self, prompt: str, max_tokens: int, temperature: float, seed: int):
+        """The Generator's answer, or a 503 when no replica runs. A request forwarded just as the last
+        replica stopped may sit in Serve's router with nowhere to go: once no replica has run for longer
+        than a request in flight can take (max_generation_s), it was never admitted -- cancel it, 503."""
+        if self.live <= 0:
+            return None, unavailable("no generation replica: its GPUs went back to training; retry later",
+                                     self.args.retry_after_s)
+        response = self.generator.generate.remote(prompt, max_tokens, temperature, seed)
+        task = asyncio.ensure_future(response)
+        t0 = time.monotonic()
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.05)
+            now = time.monotonic()
+            orphaned = self.live <= 0 and now - max(t0, self.zero_since) > self.args.max_generation_s + 0.25
+            if not task.done() and (orphaned or now - t0 > self.admit_timeout_s):
+                response.cancel()
+                task.cancel()
+                return None, unavailable("no generation replica picked the request up; retry later",
+                                         self.args.retry_after_s)
+        out = task.result()
+        if "error" in out:
+            return None, unavailable(out["error"], self.args.retry_after_s)
+        return out, None
+
+    @api.post("/generate")
+    async def generate(self, request: Request):
+        body = await request.json()
+        out, err = await self._forward(str(body.get("prompt", "")), int(body.get("max_tokens", 32)),
+                                       float(body.get("temperature", 0.0)), int(body.get("seed", 0)))
+        return err or out
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        body = await request.json()
+        prompt = body.get("prompt", "")
+        prompt = prompt[0] if isinstance(prompt, list) and prompt else str(prompt)
+        out, err = await self._forward(prompt, int(body.get("max_tokens") or 16),
+                                       float(body.get("temperature") or 0.0), int(body.get("seed") or 0))
+        if err:
+            return err
+        return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+                "model": body.get("model") or out["checkpoint"]["tag"],
+                "choices": [{"text": out["text"], "index": 0, "logprobs": None,
+                             "finish_reason": "length" if out["finish_reason"] == "time" else out["finish_reason"]}],
+                "usage": {"prompt_tokens": out["prompt_tokens"], "completion_tokens": out["tokens"],
+                          "total_tokens": out["prompt_tokens"] + out["tokens"]},
+                "checkpoint": out["checkpoint"]}
+
+    @api.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": "spotfill", "object": "model", "created": 0,
+                                            "owned_by": "spotfill"}]}
+
+    @api.get("/healthz")
+    async def healthz(self):
+        info = await self.generator.info.remote() if self.live > 0 else None
+        return {"replicas": self.live, "checkpoint": info}
+
+
+def build(args: ServeArgs):
+    """The application graph for these arguments."""
+    actor = {"num_cpus": 0}
+    actor.update({"num_gpus": 1} if args.gpu_resource == "GPU" else {"resources": {args.gpu_resource: 1}})
+    generator = Generator.options(num_replicas=args.replicas, ray_actor_options=actor).bind(args)
+    ingress = Ingress.options(ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}})
+    return ingress.bind(generator, args)
+
+
+def app(args: dict):
+    """Application builder for `serve run serving.app:app checkpoint=...` and serving/config.yaml."""
+    return build(ServeArgs.parse(args))
+

@@ -1,0 +1,105 @@
+"""`spotfill serve --checkpoint URI --port N` for real (a subprocess with its own embedded cluster), driven by
+the official `openai` client, and `spotfill status --address` against the same cluster."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def module_checkpoint(uri: str, step: int) -> None:
+    """A committed checkpoint with DeepSpeed's module-states file only (no ZeRO shards)."""
+    import torch
+
+    from spotfill.storage.base import open_storage
+    from spotfill.storage.checkpoint_store import CheckpointStore, tag_for
+    from spotfill.train.model import build_model
+    torch.manual_seed(step)
+    store = CheckpointStore(open_storage(uri))
+    local = uri[len("file://"):] + "-part"
+    os.makedirs(local)
+    torch.save({"module": build_model("tiny").state_dict()}, os.path.join(local, "mp_rank_00_model_states.pt"))
+    store.upload_part(tag_for(step), 0, 1, local)
+    store.commit(tag_for(step), step, 1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    uri = f"file://{tmp_path_factory.mktemp('run')}/run"
+    module_checkpoint(uri, 5)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "platform")}
+    proc = subprocess.Popen([sys.executable, "-m", "spotfill", "serve", "--checkpoint", uri, "--port", str(port),
+                             "--nodes", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    banner = ""
+    try:
+        for line in proc.stdout:
+            if line.startswith("spotfill serve:"):
+                banner = line
+                break
+        assert banner, "spotfill serve did not start"
+        url = f"http://127.0.0.1:{port}"
+        t_end = time.monotonic() + 120
+        while time.monotonic() < t_end:
+            try:
+                with urllib.request.urlopen(url + "/healthz", timeout=10) as resp:
+                    if json.loads(resp.read())["replicas"] >= 1:
+                        break
+            except OSError:            # the proxy or the ingress is still starting
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("no Generator replica came up on the lent GPU slot")
+        yield {"url": url, "banner": banner, "proc": proc}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def test_openai_client_completions(served):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=served["url"] + "/v1", api_key="not-needed", max_retries=0, timeout=30)
+    out = client.completions.create(model="spotfill", prompt="Once upon a time", max_tokens=8)
+    assert out.object == "text_completion" and len(out.choices) == 1
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert out.usage.prompt_tokens == len("Once upon a time") and 0 <= out.usage.completion_tokens <= 8
+    assert out.model_extra["checkpoint"] == {"tag": "step-00000005", "step": 5}
+    assert [m.id for m in client.models.list().data] == ["spotfill"]
+
+
+def test_status_reads_the_arbiter(served):
+    address = re.search(r"--address (\S+)`", served["banner"]).group(1)
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "platform")}
+    out = subprocess.run([sys.executable, "-m", "spotfill", "status", "--address", address], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "leases (1):" in out.stdout and "serve:spotfill-serve/Generator" in out.stdout
+    # the replica Serve deployed with is adopted, or the free slot lent to a new one
+    assert re.search(r"(lend +serve:spotfill-serve/Generator 1 GPU on \w+ -- 1 free GPU|"
+                     r"adopt +serve:spotfill-serve/Generator 1 GPU on \w+ -- tenant holds)", out.stdout), out.stdout
+    js = subprocess.run([sys.executable, "-m", "spotfill", "status", "--address", address, "--json"], env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert json.loads(js.stdout)["leases"][0]["kind"] == "serve"

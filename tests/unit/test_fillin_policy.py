@@ -1,0 +1,132 @@
+"""The arbiter's pure policy: lend only what training cannot use, reclaim in order, follow node loss and
+drains, rebuild after an arbiter restart. Time is a fake clock (plain floats)."""
+import pytest
+
+from spotfill.fillin.policy import (Holding, Lease, Node, Snapshot, TrainingJob, decide_claim, decide_lend,
+                                    lendable, ownership, rebuild_leases, reconcile)
+
+T0 = 1000.0
+
+
+def lease(lid, kind, node, gpus=1, at=0.0, reclaiming=None):
+    return Lease(lid, f"{kind}:t", kind, node, gpus, grace_s=3.0, granted_at=at, reclaiming_since=reclaiming)
+
+
+@pytest.mark.parametrize("name, nodes, jobs, expected", [
+    ("no training: all free GPUs lendable",
+     [Node("a", 4, 4), Node("b", 2, 2)], [], {"a": 4, "b": 2}),
+    ("training below max keeps whole workers",
+     [Node("a", 4, 4), Node("b", 2, 2)], [TrainingJob("j", 1, 4, current_workers=2)], {"a": 2, "b": 2}),
+    ("beyond max: training at max lends everything free",
+     [Node("a", 4, 2)], [TrainingJob("j", 1, 2, current_workers=2)], {"a": 2}),
+    ("fragments smaller than a worker are lent",
+     [Node("a", 4, 3), Node("b", 4, 1)], [TrainingJob("j", 1, 8, current_workers=1, gpus_per_worker=2)],
+     {"a": 1, "b": 1}),
+    ("a job waiting below min cannot use anything",
+     [Node("a", 2, 2)], [TrainingJob("j", 4, 8, current_workers=0, restarting=True)], {"a": 2}),
+    ("a restarting job that can reach min reserves up to max",
+     [Node("a", 2, 2), Node("b", 2, 2)], [TrainingJob("j", 2, 3, restarting=True, current_workers=3)],
+     {"b": 1}),
+    ("GPUs claimed but not yet taken by training are never lent",
+     [Node("a", 2, 2)], [TrainingJob("j", 1, 1, current_workers=1, pending_gpus=1)], {"a": 1}),
+    ("draining and dead nodes lend nothing",
+     [Node("a", 2, 2, draining=True), Node("b", 2, 2, alive=False), Node("c", 1, 1)], [], {"c": 1}),
+])
+def test_lendable(name, nodes, jobs, expected):
+    assert lendable(Snapshot(tuple(nodes), tuple(jobs))) == expected, name
+
+
+def test_lend_prefers_fragments_and_whole_gpus_and_refuses_with_reason():
+    snap = Snapshot((Node("a", 4, 3), Node("b", 4, 1)),
+                    (TrainingJob("j", 1, 8, current_workers=1, gpus_per_worker=2),))
+    got = decide_lend(snap, "serve:x", "serve", 5, T0)
+    assert [(d.action, d.node_id, d.gpus) for d in got] == [("lend", "a", 1), ("lend", "b", 1)]
+    assert all(d.at == T0 and "training cannot use" in d.reason for d in got)
+    full = Snapshot((Node("a", 2, 2),), (TrainingJob("j", 1, 4, current_workers=0),))
+    (refused,) = decide_lend(full, "serve:x", "serve", 1, T0)
+    assert refused.action == "refuse" and "j may grow by 2 workers" in refused.reason
+
+
+def test_claim_from_free_gpus_is_granted_at_once():
+    snap = Snapshot((Node("a", 4, 2),), (), (lease("s1", "serve", "a", 2),))
+    plan = decide_claim(snap, "j", 2, 1, T0)
+    assert plan.ready and plan.decisions[0].action == "grant" and plan.free_now == 2
+
+
+@pytest.mark.parametrize("order, first", [
+    (("sweep", "batch", "serve"), ["w1", "b1"]),
+    (("serve", "batch", "sweep"), ["s2", "s1"]),
+])
+def test_claim_reclaims_in_configured_order_newest_first(order, first):
+    leases = (lease("s1", "serve", "a", at=1), lease("s2", "serve", "a", at=2),
+              lease("b1", "batch", "b"), lease("w1", "sweep", "b"))
+    snap = Snapshot((Node("a", 2, 0), Node("b", 2, 0)), (), leases)
+    plan = decide_claim(snap, "j", 2, 1, T0, order=order)
+    assert [d.lease_id for d in plan.reclaims] == first
+    assert all(d.deadline == T0 + 3.0 for d in plan.reclaims) and plan.short_by == 0 and not plan.ready
+    assert ">".join(order) in plan.reclaims[0].reason
+
+
+def test_claim_counts_whole_workers_and_skips_useless_reclaims():
+    # 2 GPUs per worker: reclaiming one lease on node b (whose other GPU is training's) frees no worker
+    leases = (lease("a1", "serve", "a", at=3), lease("b1", "serve", "b", at=2), lease("a2", "serve", "a", at=1))
+    snap = Snapshot((Node("a", 2, 0), Node("b", 2, 0)), (), leases)
+    plan = decide_claim(snap, "j", 2, 2, T0)
+    assert sorted(d.lease_id for d in plan.reclaims) == ["a1", "a2"] and plan.short_by == 0
+
+
+def test_claim_beyond_everything_reports_the_shortfall():
+    snap = Snapshot((Node("a", 2, 1),), (), (lease("s1", "serve", "a"),))
+    plan = decide_claim(snap, "j", 4, 1, T0)
+    assert [d.lease_id for d in plan.reclaims] == ["s1"] and plan.short_by == 2
+
+
+def test_leases_already_reclaiming_count_as_coming_back():
+    snap = Snapshot((Node("a", 2, 0),), (), (lease("s1", "serve", "a", reclaiming=T0 - 1),
+                                             lease("s2", "serve", "a")))
+    plan = decide_claim(snap, "j", 1, 1, T0)
+    assert plan.reclaims == () and plan.short_by == 0 and plan.free_now == 0
+
+
+def test_node_loss_drops_its_leases_and_a_drain_reclaims():
+    leases = (lease("x", "serve", "gone"), lease("d", "serve", "draining"), lease("ok", "serve", "fine"))
+    snap = Snapshot((Node("draining", 1, 0, draining=True), Node("fine", 1, 0)), (), leases)
+    got = {d.lease_id: d for d in reconcile(snap, T0)}
+    assert set(got) == {"x", "d"}
+    assert got["x"].action == "drop" and "node lost" in got["x"].reason
+    assert got["d"].action == "reclaim" and got["d"].deadline == T0 + 3.0
+    dead = Snapshot((Node("gone", 1, 0, alive=False),), (), (lease("x", "serve", "gone"),))
+    assert [d.action for d in reconcile(dead, T0)] == ["drop"]
+
+
+def test_arbiter_restart_rebuilds_leases_from_what_tenants_hold():
+    holdings = [Holding("serve:x", "serve", "a", 1, key="r1"), Holding("serve:x", "serve", "b", 1, key="r2")]
+    known = [lease("r1", "serve", "a", at=5.0, reclaiming=7.0), lease("r9", "serve", "c")]
+    leases, decisions = rebuild_leases(holdings, known, T0)
+    by_id = {le.lease_id: le for le in leases}
+    assert by_id["r1"].granted_at == 5.0 and by_id["r1"].reclaiming_since == 7.0   # history kept
+    assert by_id["r2"].granted_at == T0                                              # adopted
+    assert {(d.action, d.lease_id) for d in decisions} == {("adopt", "r2"), ("drop", "r9")}
+    # after a restart nothing is known: every holding is adopted, and the same snapshot decides the same
+    fresh, adopted = rebuild_leases(holdings, [], T0)
+    assert [d.action for d in adopted] == ["adopt", "adopt"]
+    snap = Snapshot((Node("a", 2, 0), Node("b", 2, 1)), (), fresh)
+    assert decide_claim(snap, "j", 2, 1, T0) == decide_claim(snap, "j", 2, 1, T0)
+
+
+def test_training_waiting_below_min_lends_then_claims_back_when_capacity_returns():
+    job = TrainingJob("j", 3, 4, restarting=True)
+    lost = Snapshot((Node("a", 2, 2),), (job,))
+    assert lendable(lost) == {"a": 2}                        # cannot start with 2 < 3: lend them
+    (lent,) = decide_lend(lost, "serve:x", "serve", 2, T0)
+    assert lent.gpus == 2
+    back = Snapshot((Node("a", 2, 0), Node("b", 2, 2)), (job,),
+                    (lease("s1", "serve", "a", at=T0), lease("s2", "serve", "a", at=T0 + 1)))
+    assert lendable(back) == {}                               # 4 possible >= min 3: keep b for training
+    plan = decide_claim(back, "j", 4, 1, T0 + 10)
+    assert [d.lease_id for d in plan.reclaims] == ["s2", "s1"] and plan.short_by == 0
+
+
+def test_ownership_splits_each_node():
+    snap = Snapshot((Node("a", 4, 1),), (), (lease("s1", "serve", "a"), lease("s2", "serve", "a", reclaiming=1.0)))
+    assert ownership(snap) == {"a": {"total": 4, "idle": 1, "training": 1, "serve": 1, "reclaiming": 1}}
