@@ -85,7 +85,6 @@ HOOKS = [
     (_cpp_ext.JIT_EXTENSION_VERSIONER, "entries", None),
     (_FileBaton, "wait", ()),
     (_FileBaton, "try_acquire", ()),
-    (_state, "available_resources_per_node", ()),                       # fill-in arbiter snapshot
     (_train_callback.ControllerCallback, "before_controller_execute_resize_decision", ("resize_decision",)),
 ]
 for _owner, _name, _params in HOOKS:
@@ -104,12 +103,6 @@ def local_preemption_info():
 def draining_node_ids() -> dict:
     """Node id -> drain deadline (ms) of every draining node, as Ray Train's PreemptionWatcher reads it."""
     return _state.state.get_draining_nodes() or {}
-
-
-def available_resources_per_node() -> dict:
-    """Node id -> {resource: amount available now}: what no task, actor or placement group holds. Ray's
-    public API gives cluster-wide totals only; the fill-in arbiter needs them per node."""
-    return _state.available_resources_per_node() or {}
 
 
 # Ray Train's controller callback (a DeveloperAPI with no public import path in 2.60): fill-in claims
