@@ -121,8 +121,13 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
         if s3:
             s3.close()
     report["seconds"] = round(time.time() - t_begin, 1)
+    from spotfill.telemetry.events import read_events
+    from spotfill.telemetry.report import enrich_report, write_report
+    events = list(read_events(os.path.join(out_dir, "events.jsonl")))
+    enrich_report(report, events)
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
+    write_report(out_dir, events=events, report=report)
     return report
 
 

@@ -161,8 +161,11 @@ class TrainingJob:
         report = {"ok": ok, "training": training, "checkpoints": checkpoints_section(events)}
         if not ok:
             report["error"] = error or (verdict or {}).get("reason") or "training did not finish"
+        from spotfill.telemetry.report import enrich_report, write_report
+        enrich_report(report, events)
         with open(os.path.join(self.run_dir, "report.json"), "w") as f:
             json.dump(report, f, indent=2)
+        write_report(self.run_dir, events=events, report=report)
         return report
 
 

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 @ray.remote(num_cpus=0)
 class EventSink:
     def __init__(self, path: str, max_failures: int):
-        self._log = EventLog(path)
+        from spotfill.telemetry.prometheus import record   # spotfill_* series on this node's metrics endpoint
+
+        self._log = EventLog(path, on_event=record)
         self._attempt = -1
         self._unplanned = 0
         self._max_failures = max_failures
