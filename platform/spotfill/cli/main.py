@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
 from spotfill.config.errors import ConfigError, SpotfillError
 
@@ -31,13 +31,6 @@ def usage_error(prog: str, message: str) -> ConfigError:
     elif message.startswith("the following arguments are required: "):
         field, reason = message.split(": ", 1)[1], "required"
     return ConfigError(field, reason=reason, accepted=f"see `{prog} --help`")
-
-
-def pending(what: str, brought_by: str) -> Callable[[argparse.Namespace], int]:
-    """Command function for a subcommand whose capability a later issue delivers."""
-    def run(_args: argparse.Namespace) -> int:
-        raise ConfigError(what, reason=f"not built yet ({brought_by} brings it)")
-    return run
 
 
 def build_parser() -> OneLineParser:
