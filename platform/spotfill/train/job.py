@@ -80,6 +80,7 @@ class TrainingJob:
         from ray.train.torch import TorchConfig, TorchTrainer
 
         from spotfill.train.elastic import SpotfillTorchTrainer
+        from spotfill.fillin.training_hook import training_callbacks
         from spotfill.train.sink import RestartCauseCallback
 
         from spotfill.train.worker_loop import train_loop_per_worker
@@ -108,7 +109,8 @@ class TrainingJob:
                 worker_runtime_env={"env_vars": worker_env_vars({**constants.storage_endpoint_env(),  # no secrets
                                                                  **self.runtime_env.get("env_vars", {})})},
                 # every controller state change (failures it saw, sizes it chose) into events.jsonl
-                callbacks=[RestartCauseCallback(sink_name, namespace)],
+                # and, on a cluster with fill-in, claim the GPUs first (a missing arbiter never blocks)
+                callbacks=[RestartCauseCallback(sink_name, namespace), *(training_callbacks(cfg) if spotfill else [])],
             ),
         )
 
