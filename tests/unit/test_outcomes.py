@@ -146,3 +146,22 @@ def test_hard_loss_while_the_newest_checkpoint_uploads_rolls_back_one_more_inter
     assert invariants(report, 20)["hard_loss_within_interval"]["ok"]
     report["preemptions"][0]["lost_steps"] = 24
     assert not invariants(report, 20)["hard_loss_within_interval"]["ok"]
+
+
+def test_checkpoints_section_lists_every_skipped_snapshot_with_its_reason():
+    from spotfill.train.summary import checkpoints_section
+    events = [
+        {"t": 1.0, "kind": "checkpoint_skipped", "attempt": 0, "tag": "step-00000040-a0", "step": 40,
+         "reason": "superseded by step 60 while an upload was blocked"},
+        {"t": 2.0, "kind": "checkpoint", "attempt": 0, "tag": "step-00000060-a0", "step": 60, "bytes": 10,
+         "upload_s": 1.0},
+        {"t": 3.0, "kind": "checkpoint_skipped", "attempt": 1, "tag": "step-00000070-a1", "step": 70,
+         "reason": "emergency save abandoned: would not commit before the deadline"},
+    ]
+    section = checkpoints_section(events)
+    assert section["committed"] == 1
+    assert section["skipped"] == [
+        {"tag": "step-00000040-a0", "step": 40, "reason": "superseded by step 60 while an upload was blocked"},
+        {"tag": "step-00000070-a1", "step": 70,
+         "reason": "emergency save abandoned: would not commit before the deadline"}]
+    assert checkpoints_section([])["skipped"] == []

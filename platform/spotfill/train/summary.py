@@ -111,6 +111,9 @@ def checkpoints_section(events: list[dict]) -> dict:
         "upload_seconds_mean": round(mean(e["upload_s"] for e in commits), 4) if commits else None,
         "bytes_last": commits[-1]["bytes"] if commits else None,
         "emergency": sum(1 for e in saves if e.get("emergency")),
+        # snapshots never committed: superseded while an upload was blocked, or abandoned at a deadline
+        "skipped": [{"tag": e.get("tag"), "step": e.get("step"), "reason": e.get("reason")}
+                    for e in events if e["kind"] == "checkpoint_skipped"],
         **lineage_report(events),
     }
 
