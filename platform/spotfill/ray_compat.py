@@ -211,6 +211,8 @@ def single_host_loopback(enabled: bool) -> bool:
     previous = _ray_constants.ENABLE_RAY_CLUSTER
     _ray_constants.ENABLE_RAY_CLUSTER = not enabled
     return not previous
+
+
 class StaleBuildLock(RuntimeError):
     """A JIT op build lock whose owner is gone was removed; the load starts over."""
 

@@ -41,7 +41,7 @@ for uri, step in zip(sys.argv[1].split(","), map(int, sys.argv[2].split(","))):
     engine.backward(loss)
     engine.step()
     ckpt = Checkpointer(CheckpointStore(open_storage(uri)), uri[len("file://"):] + "-work", 0, 1, attempt="0")
-    ckpt.save(engine, step, {}, sync=True)
+    ckpt.save(engine, step, {}, kind="final")
     ckpt.close()
 """
 

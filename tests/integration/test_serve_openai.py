@@ -49,13 +49,14 @@ def served(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "spotfill", "serve", "--checkpoint", uri, "--port", str(port),
                              "--nodes", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-    banner = ""
+    banner, seen = "", []
     try:
         for line in proc.stdout:
+            seen.append(line)
             if line.startswith("spotfill serve:"):
                 banner = line
                 break
-        assert banner, "spotfill serve did not start"
+        assert banner, "spotfill serve did not start:\n" + "".join(seen[-30:])
         url = f"http://127.0.0.1:{port}"
         t_end = time.monotonic() + 120
         while time.monotonic() < t_end:

@@ -24,6 +24,10 @@ def read_status(address: str | None, last: int) -> dict:
     from spotfill.fillin.arbiter import get_arbiter
     where = address or "auto"
     try:
+        if where.split(":")[0] in ("127.0.0.1", "localhost"):
+            # a loopback-bound cluster (`spotfill serve`, the demo): keep Ray from rewriting the address
+            from spotfill.ray_compat import single_host_loopback
+            single_host_loopback(True)
         ray.init(address=where, logging_level="ERROR", log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError("--address", where, reason=f"no Ray cluster reachable there ({exc})".splitlines()[0],

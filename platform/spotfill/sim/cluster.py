@@ -18,6 +18,9 @@ LOOPBACK = "127.0.0.1"
 LOOPBACK_CLIENT_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # Node arguments that keep a node on loopback (Ray would otherwise use the machine's network address).
 LOOPBACK_NODE = {"node_ip_address": LOOPBACK, "dashboard_host": LOOPBACK}
+# The head runs the dashboard (Serve's scale endpoint and the job API live there; with node_ip_address set,
+# Ray leaves it off unless asked).
+HEAD_DASHBOARD = {"include_dashboard": True}
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                           "health_check_timeout_ms": 1000}
 
@@ -32,7 +35,7 @@ class EmbeddedCluster:
         self.gpu_resource = gpu_resource
         self._loopback_before = single_host_loopback(True)   # the driver connects on 127.0.0.1 too
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            **LOOPBACK_NODE, "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
+            **LOOPBACK_NODE, **HEAD_DASHBOARD, "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
         self.node_ids: list[str] = []
 

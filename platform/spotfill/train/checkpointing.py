@@ -192,7 +192,7 @@ class Checkpointer:
                             snapshot_s, blocked_s, time.perf_counter() - t1)
 
     def pop_committed(self) -> list[dict]:
-        """Checkpoints rank 0 committed since the last call: tag, step, kind, bytes, upload_s, t."""
+        """Checkpoints rank 0 committed since the last call: tag, step, save_kind, bytes, upload_s, t."""
         with self._lock:
             done, self.committed = self.committed, []
         return done
@@ -341,7 +341,7 @@ class Checkpointer:
                 manifest = self.store.commit(tag, step, self.world_size, attempt=self.attempt,
                                              timeout_s=timeout, meta={"attempt": self.attempt}, guard=guard)
                 with self._lock:
-                    self.committed.append({"tag": tag, "step": step, "kind": kind,
+                    self.committed.append({"tag": tag, "step": step, "save_kind": kind,
                                            "bytes": manifest.get("bytes"),
                                            "upload_s": time.perf_counter() - t0, "t": time.time()})
             self._upload_s = time.perf_counter() - t0

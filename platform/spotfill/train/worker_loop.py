@@ -279,8 +279,9 @@ class _Executor:
 
     def _record_checkpoints(self) -> None:
         """Send the checkpoints committed or skipped since the last call (fire-and-forget, in order)."""
-        events = [{"kind": "checkpoint", "attempt": self.attempt, **c} for c in self.ckpt.pop_committed()]
-        events += [{"kind": "checkpoint_skipped", "attempt": self.attempt, **s} for s in self.ckpt.pop_skipped()]
+        # the event's own kind last: a record's fields never overwrite it
+        events = [{**c, "kind": "checkpoint", "attempt": self.attempt} for c in self.ckpt.pop_committed()]
+        events += [{**s, "kind": "checkpoint_skipped", "attempt": self.attempt} for s in self.ckpt.pop_skipped()]
         if events:
             self.sink.log.remote(events)
 
