@@ -165,3 +165,19 @@ def test_checkpoints_section_lists_every_skipped_snapshot_with_its_reason():
         {"tag": "step-00000070-a1", "step": 70,
          "reason": "emergency save abandoned: would not commit before the deadline"}]
     assert checkpoints_section([])["skipped"] == []
+
+
+def test_a_notice_that_lands_during_a_grow_exit_is_covered_by_the_grow_checkpoint():
+    """Attempt 1 is saving for its grow (commit of step 40 at 112.75) when a notice lands at 112.72: no
+    emergency save follows, and none is needed -- the grow's checkpoint is what the next attempt resumes."""
+    out = node_event_outcome(_timeline(), fired_at=112.72, deadline_s=10)
+    assert out["lost_steps"] == 0 and not out["emergency_checkpoint"]
+    assert out["covered_by_planned_exit"] == "grow" and out["resumed_from_step"] == 40
+    assert out["committed_before_deadline"] and out["commit_seconds_after_notice"] == 0.03
+    report = {"training": training_section(_timeline(), 80, G),
+              "preemptions": [{"kind": "announced", "affected": True, **out}]}
+    assert invariants(report, 20)["announced_preemption_loses_nothing"]["ok"]
+    late = node_event_outcome(_timeline(), fired_at=112.72, deadline_s=0.01)
+    assert late["covered_by_planned_exit"] == "grow" and late["committed_before_deadline"] is False
+    report["preemptions"] = [{"kind": "announced", "affected": True, **late}]
+    assert not invariants(report, 20)["announced_preemption_loses_nothing"]["ok"]

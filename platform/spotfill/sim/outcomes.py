@@ -57,7 +57,13 @@ def node_event_outcome(events: list[dict], fired_at: float, deadline_s: float | 
         # lost on top of the interval
         "skipped_damaged_steps": max(0, max(damaged) - resumed_from) if damaged else 0,
     }
-    if saves and deadline_s is not None:
+    if not saves and planned and resume and deadline_s is not None:
+        # the notice reached a group already leaving on a planned exit (e.g. a grow): the checkpoint that
+        # exit committed -- the one the next attempt resumed from -- is what must beat the deadline
+        commit = next((e for e in events if e["kind"] == "checkpoint" and e["attempt"] == nxt - 1
+                       and e["step"] == resumed_from), None)
+        out["covered_by_planned_exit"] = planned["reason"]
+    if (saves or "covered_by_planned_exit" in out) and deadline_s is not None:
         out["committed_before_deadline"] = bool(commit and commit["t"] <= fired_at + deadline_s)
         out["commit_seconds_after_notice"] = round(commit["t"] - fired_at, 2) if commit else None
     return out
@@ -88,7 +94,8 @@ def invariants(report: dict, checkpoint_every: int) -> dict:
     }
     announced = [p for p in report.get("preemptions", []) if p["kind"] == "announced" and p.get("affected")]
     if announced:
-        bad = [p for p in announced if p["lost_steps"] != 0 or not p["emergency_checkpoint"]
+        bad = [p for p in announced if p["lost_steps"] != 0
+               or not (p["emergency_checkpoint"] or p.get("covered_by_planned_exit"))
                or not p.get("committed_before_deadline", False)]
         inv["announced_preemption_loses_nothing"] = {
             "ok": not bad, "detail": f"{len(announced)} announced; lost steps "
