@@ -19,6 +19,7 @@ import ray._private.services as _services
 import ray._private.state as _state
 import ray._private.worker as _worker
 import ray._raylet as _raylet
+from ray.core.generated import autoscaler_pb2, gcs_pb2  # noqa: F401 (the drain and node-list messages)
 import ray.experimental.internal_kv as _kv
 import ray.train.v2._internal.callbacks.placement_group_callback as _pg_callback
 import ray.train.v2._internal.execution.controller.placement_group_cleaner as _pg_cleaner
@@ -65,6 +66,8 @@ HOOKS = [
     (_worker, "print_to_stdstream", ("data", "ignore_prefix")),
     (_services, "canonicalize_bootstrap_address_or_die", ("addr",)),
     (_raylet, "GcsClient", None),
+    (gcs_pb2.GcsNodeInfo, "ALIVE", None),
+    (autoscaler_pb2.DrainNodeReason, "Value", None),
     (_ray_constants, "ENABLE_RAY_CLUSTER", None),
     (ElasticScalingPolicy, "make_decision_for_running_worker_group", ("worker_group_state", "worker_group_status")),
     (_state.GlobalState, "available_resources_per_node", ()),

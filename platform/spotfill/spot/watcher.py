@@ -321,7 +321,7 @@ def alive_nodes(gcs_client, timeout_s: float = 10.0) -> list[dict]:
     PRIVATE RAY API: ``GcsClient.get_all_node_info`` (the public ``ray.nodes()`` needs ``ray.init`` and the
     state API needs the dashboard, which cluster.yaml binds to the head's localhost).
     """
-    from ray.core.generated import gcs_pb2
+    from spotfill.ray_compat import gcs_pb2
 
     infos = gcs_client.get_all_node_info(timeout=timeout_s)
     return [{"node_id": nid.hex(), "ip": info.node_manager_address, "is_head": info.is_head_node,
@@ -359,7 +359,7 @@ def drain_ray_node(node_id: str, deadline_s: Optional[float] = None, message: st
     unknown node ids silently, so callers must pass the id of an alive node. Ray never kills the node at the
     deadline: the cloud (or the caller) does.
     """
-    from ray.core.generated import autoscaler_pb2
+    from spotfill.ray_compat import autoscaler_pb2
 
     if gcs_client is None:
         _, gcs_client = _gcs_client(address)
