@@ -45,7 +45,6 @@ class _Tail:
         end = chunk.rfind("\n") + 1
         self.offset += len(chunk[:end].encode())
         new = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
-        new = [e for e in new if e["kind"] != "samples"]
         self.events.extend(new)
         return new
 
@@ -115,6 +114,7 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
             "data": {"path": data_dir}, "cluster": {"gpu_resource": scenario.cluster.gpu_resource}})
         job_cfg.training = scenario.training
         job = TrainingJob(job_cfg, runtime_env={"env_vars": env})
+        job.render_report = False          # rendered once below, with the scenario's sections
         report = _drive(cluster, scenario, job, s3, say)
     finally:
         cluster.shutdown()
@@ -218,7 +218,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
         time.sleep(0.25)
     thread.join()
     tail.poll()
-    events = tail.events      # every event but the per-rank sample records, which outcomes do not need
+    events = tail.events
     report = dict(result.get("report") or job.report(error=result.get("error")))
     if "error" in result:
         report["error"] = result["error"]

@@ -42,6 +42,10 @@ def worker_env_vars(base: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class TrainingJob:
+    # report.html + timeline.png at the end of fit(); a caller that adds to the report and renders it
+    # itself (the scenario runner) turns this off so the picture is drawn once.
+    render_report = True
+
     def __init__(self, config: JobConfig, runtime_env: dict | None = None):
         # Ray Train workers chdir into their own run folder: local paths must be absolute.
         for section, key in ((config, "storage"), (config.data, "path")):
@@ -167,7 +171,8 @@ class TrainingJob:
         enrich_report(report, events)
         with open(os.path.join(self.run_dir, "report.json"), "w") as f:
             json.dump(report, f, indent=2)
-        write_report(self.run_dir, events=events, report=report)
+        if self.render_report:
+            write_report(self.run_dir, events=events, report=report)
         return report
 
 
