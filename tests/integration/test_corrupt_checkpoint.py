@@ -1,7 +1,11 @@
 """A damaged checkpoint store on a real local multi-node Ray cluster, through the scenario runner: the
 `corrupt_checkpoint` action flips a byte in the newest committed checkpoint, a hard node loss forces a
 restore, and the restore must quarantine the damaged tag and go past it -- or, when nothing intact is left,
-fail loudly naming the damaged tag (training.on_no_intact_checkpoint defaults to fail)."""
+fail loudly naming the damaged tag (training.on_no_intact_checkpoint defaults to fail).
+
+The kill comes first and the damage lands while the group restarts (actions due at the same step fire in
+list order): damaging first let training run on -- the action waits for uploads -- and commit a newer
+checkpoint before the kill, so the restore never met the damaged one (a CI flake)."""
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +29,7 @@ def _run(tmp_path, name, training, events):
 
 def test_restore_goes_past_a_corrupted_checkpoint_and_quarantines_it(tmp_path):
     report = _run(tmp_path, "corrupt", {"steps": 80, "checkpoint_every": 20, "keep_checkpoints": 3},
-                  [{"at_step": 45, "action": "corrupt_checkpoint"}, {"at_step": 45, "action": "kill_node", "node": 1}])
+                  [{"at_step": 45, "action": "kill_node", "node": 1}, {"at_step": 45, "action": "corrupt_checkpoint"}])
     assert report["ok"], digest(report)
     corrupt = next(e for e in report["events"] if e["action"] == "corrupt_checkpoint")
     assert corrupt["fired"] and corrupt["tag"].startswith("step-") and corrupt["step"] >= 40, corrupt
@@ -42,7 +46,7 @@ def test_restore_goes_past_a_corrupted_checkpoint_and_quarantines_it(tmp_path):
 
 def test_no_intact_checkpoint_fails_the_job_naming_the_damaged_tag(tmp_path):
     report = _run(tmp_path, "allbad", {"steps": 60, "checkpoint_every": 20, "keep_checkpoints": 1},
-                  [{"at_step": 25, "action": "corrupt_checkpoint"}, {"at_step": 25, "action": "kill_node", "node": 1}])
+                  [{"at_step": 25, "action": "kill_node", "node": 1}, {"at_step": 25, "action": "corrupt_checkpoint"}])
     corrupt = next(e for e in report["events"] if e["action"] == "corrupt_checkpoint")
     assert not report["ok"], digest(report)
     assert "no intact checkpoint" in report["error"] and corrupt["tag"] in report["error"], report["error"]
