@@ -18,9 +18,7 @@ import urllib.request
 
 import pytest
 
-# Marked slow (out of CI) until it passes end to end: the first slice's replicas did not reach the lent
-# slots within 120 s on the merged tree (issue 8 stays open with the details); run with `-m slow`.
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+pytestmark = pytest.mark.timeout(420)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ZERO_SAVE = r"""
@@ -133,7 +131,7 @@ def test_idle_gpus_are_lent_to_serve_which_generates_from_the_zero_checkpoint(en
     assert len(st["leases"]) == 2 and {le["kind"] for le in st["leases"]} == {"serve"}
     assert any(d["action"] == "lend" and "training cannot use" in d["reason"] for d in st["decisions"])
     code, body, _ = http("POST", env["url"] + "/generate", {"prompt": "hello", "max_tokens": 8})
-    assert code == 200 and body["checkpoint"] == {"tag": "step-00000001", "step": 1}
+    assert code == 200 and body["checkpoint"]["step"] == 1 and body["checkpoint"]["tag"].startswith("step-00000001")
     assert 0 < body["tokens"] <= 8 or body["finish_reason"] == "stop"
 
 
@@ -179,7 +177,7 @@ def test_training_claim_takes_lent_gpus_back_under_load(env):
         group_ready_s = time.monotonic() - t0
         t_reclaimed = time.monotonic()
         time.sleep(4)
-    assert answer["ok"] and len(answer["reclaimed"]) == 2, answer
+    assert answer["ok"] and len(answer["reclaimed"]) == 2, (answer, status(env)["decisions"][-12:])
     metric("handback_seconds", answer["waited_s"])
     metric("claim_to_training_group_ready_seconds", round(group_ready_s, 3))
     failed = [r for r in load.results if r[2] not in (200, 503)]
@@ -225,18 +223,20 @@ def test_arbiter_killed_mid_run_rebuilds_its_leases(env):
     wait_for(lambda: replicas(env) == 2, 120, "replicas back after the claim was released")
 
 
+def _one_second_of_training():
+    time.sleep(1)
+
+
 def test_ray_train_claims_the_lent_gpus_through_the_hook(env, tmp_path, monkeypatch):
     """A real Ray Train group of 3 workers on 3 slots, 2 of them lent to Serve: the controller callback
     claims them before the group starts. Without it the group waits out its start timeout and fails."""
-    import functools
-
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from spotfill.fillin.training_hook import ClaimSpec, FillinClaimCallback
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     assert replicas(env) == 2
-    trainer = TorchTrainer(functools.partial(time.sleep, 1),
+    trainer = TorchTrainer(_one_second_of_training,
                            scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"GPU_SLOT": 1}),
                            run_config=RunConfig(name="hooked", storage_path=str(tmp_path), callbacks=[
                                FillinClaimCallback(ClaimSpec("hooked", 1, 3, 1, "GPU_SLOT"))]))
@@ -271,7 +271,7 @@ def test_a_newer_checkpoint_is_hot_reloaded(env):
     from spotfill.storage.checkpoint_store import CheckpointStore
     src, dst = env["newer"][len("file://"):], env["serving"][len("file://"):]
     newer = CheckpointStore(open_storage(env["newer"])).latest()
-    assert newer["tag"] == "step-00000002"
+    assert newer["step"] == 2 and newer["tag"].startswith("step-00000002")
     shutil.copytree(os.path.join(src, "checkpoints", newer["tag"]), os.path.join(dst, "checkpoints", newer["tag"]))
     t0 = time.monotonic()
     with open(os.path.join(dst, "checkpoints", "latest"), "w") as f:     # committed: `latest` moves last
@@ -279,7 +279,7 @@ def test_a_newer_checkpoint_is_hot_reloaded(env):
 
     def serves_newer():
         code, body, _ = http("POST", env["url"] + "/generate", {"prompt": "x", "max_tokens": 2})
-        return code == 200 and body["checkpoint"]["tag"] == "step-00000002"
+        return code == 200 and body["checkpoint"]["tag"] == newer["tag"]
     wait_for(serves_newer, 60, "the newer checkpoint to be served", every=0.05)
     metric("reload_visible_seconds", round(time.monotonic() - t0, 3))
     info = http("GET", env["url"] + "/healthz")[1]["checkpoint"]

@@ -34,6 +34,11 @@ class EmbeddedCluster:
 
         self.gpu_resource = gpu_resource
         self._loopback_before = single_host_loopback(True)   # the driver connects on 127.0.0.1 too
+        # ... and so do the processes the nodes start: the dashboard's Serve module ray.init()s to reach the
+        # Serve controller (the scale endpoint fill-in uses), and without this it rewrites the head's
+        # 127.0.0.1 address to the machine's network address, where the loopback GCS does not listen.
+        self._env_before = {k: os.environ.get(k) for k in LOOPBACK_CLIENT_ENV}
+        os.environ.update(LOOPBACK_CLIENT_ENV)
         self.cluster = Cluster(initialize_head=True, head_node_args={
             **LOOPBACK_NODE, **HEAD_DASHBOARD, "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
@@ -79,6 +84,11 @@ class EmbeddedCluster:
         finally:
             self.cluster.shutdown()
             single_host_loopback(self._loopback_before)
+            for k, v in self._env_before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def quiet_expected_node_deaths() -> None:
