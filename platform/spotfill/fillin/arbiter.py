@@ -22,6 +22,7 @@ from dataclasses import replace
 
 from spotfill.fillin.policy import (DEFAULT_ORDER, Decision, DecisionLog, Lease, Node, Snapshot, TrainingJob,
                                     decide_claim, decide_lend, ownership, rebuild_leases, reconcile)
+from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
 from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
 
 log = logging.getLogger("spotfill.fillin.arbiter")
@@ -29,6 +30,8 @@ ARBITER_NAME = "spotfill-arbiter"
 NAMESPACE = "spotfill"
 CLAIM_HOLD_S = 30.0        # freed GPUs stay reserved for the claiming job this long (its group takes them)
 START_PATIENCE_S = 30.0    # a replica asked for but not running after this long: stop asking for it
+RESOURCE_VIEW_LAG_S = 3.0  # a stopped replica's GPU shows as available within this (GCS resource view)
+RAYLET_PROBE_S = 0.5       # a live raylet answers a loopback/local-network connect in milliseconds
 
 
 class Arbiter:
@@ -47,6 +50,9 @@ class Arbiter:
         self.decisions = DecisionLog()
         self.handbacks: list[dict] = []
         self.claims_in_flight = 0
+        self.journal = Journal()                              # lease / reclaim / node events for the runs
+        self.nodes_seen: dict[str, dict] = {}                 # GPU node id -> {"gpus", "since"}
+        self.orders: list[ReclaimOrder] = []                  # reclaims asked for, their lease not ended yet
         self.started = time.time()
         self.restored = self._load()
         self._stop = threading.Event()
@@ -68,6 +74,9 @@ class Arbiter:
         self.reclaiming = dict(state.get("reclaiming", {}))
         self.decisions.add(Decision(**d) for d in state.get("decisions", []))
         self.handbacks = state.get("handbacks", [])
+        self.journal = Journal(seq=int(state.get("journal_seq", 0)), items=state.get("journal", []))
+        self.nodes_seen = dict(state.get("nodes_seen", {}))
+        self.orders = [ReclaimOrder(**o) for o in state.get("orders", [])]
         self._record([Decision("adopt", "arbiter", 0, at=time.time(), reason=(
             f"arbiter restarted: {len(self.jobs)} training job(s), {len(self.tenants)} tenant(s) and "
             f"{len(self.leases)} lease record(s) read from {self.state_path}; leases re-checked against "
@@ -79,7 +88,9 @@ class Arbiter:
                  "tenants": [{"spec": t.spec.as_dict(), "target": t.target} for t in self.tenants.values()],
                  "leases": [le.__dict__ for le in self.leases], "reclaiming": self.reclaiming,
                  "decisions": [d.as_dict() for d in self.decisions.items[-50:]],
-                 "handbacks": self.handbacks[-200:]}
+                 "handbacks": self.handbacks[-200:], "journal_seq": self.journal.seq,
+                 "journal": self.journal.items[-500:], "nodes_seen": self.nodes_seen,
+                 "orders": [o.as_dict() for o in self.orders]}
         os.makedirs(os.path.dirname(self.state_path), exist_ok=True)
         tmp = f"{self.state_path}.tmp"
         with open(tmp, "w") as f:
@@ -120,21 +131,27 @@ class Arbiter:
         import ray
 
         from spotfill.ray_compat import available_resources_per_node, draining_node_ids
+        from spotfill.train.capacity import reachable
         avail, draining = available_resources_per_node(), draining_node_ids()
+        listed = [n for n in ray.nodes() if self.gpu_resource in (n.get("Resources") or {}) or not n.get("Alive")]
+        # the GCS keeps a killed node "alive" for its health-check window; its raylet refuses a connect at
+        # once: such a node lends nothing and gives training nothing (as train/elastic.py sizes restarts)
+        answering = reachable({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"])
+                               for n in listed if n.get("Alive")}, RAYLET_PROBE_S)
         nodes = []
-        for n in ray.nodes():
+        for n in listed:
             node_id, res = n["NodeID"], n.get("Resources") or {}
-            if self.gpu_resource not in res and n.get("Alive"):
-                continue
             free = int(avail.get(node_id, {}).get(self.gpu_resource, 0) + 1e-9)
-            nodes.append(Node(node_id, int(res.get(self.gpu_resource, 0)), free, bool(n.get("Alive")),
-                              node_id in draining))
+            nodes.append(Node(node_id, int(res.get(self.gpu_resource, 0)), free,
+                              bool(n.get("Alive")) and node_id in answering, node_id in draining))
         return nodes
 
     def _snapshot(self, now: float) -> Snapshot:
         holdings = [h for t in self.tenants.values() for h in self._holdings(t)]
         nodes = self._nodes()                  # after the holdings: a replica gone with its node is "lost"
         alive = {n.node_id for n in nodes if n.alive}
+        before = {le.lease_id: le for le in self.leases}
+        events, self.nodes_seen = node_events(self.nodes_seen, nodes, now)
         lost = reconcile(Snapshot(tuple(nodes), (), tuple(le for le in self.leases if le.node_id not in alive)),
                          now)
         self._record(lost)
@@ -142,6 +159,10 @@ class Arbiter:
         holdings = [h for h in holdings if h.node_id in alive]
         leases, changes = rebuild_leases(holdings, known, now)
         self._record(changes)
+        ended, self.orders = lease_ended(list(lost) + list(changes), before, self.orders, now)
+        events += ended
+        events += [lease_event(le, now) for le in leases if le.lease_id not in before]
+        self.journal.add(events)
         self.leases = self._mark_reclaiming(leases)
         self.reclaiming = {le.lease_id: le.reclaiming_since for le in self.leases if le.reclaiming_since}
         for job, (_, until) in list(self.pending.items()):
@@ -184,7 +205,7 @@ class Arbiter:
             now = time.time()
             snap = self._snapshot(now)
             drains = [d for d in reconcile(snap, now) if d.action == "reclaim"]
-            self._apply_reclaims(drains, now)
+            self._apply_reclaims(drains, now, cause="node_draining")
             if not self.claims_in_flight:
                 for tenant in self.tenants.values():
                     self._grow(tenant, snap, now)
@@ -219,7 +240,8 @@ class Arbiter:
         elif first and not tenant.set_replicas(held):
             tenant.target = None               # Serve not reachable yet: take over on a later tick
 
-    def _apply_reclaims(self, reclaims, now: float) -> None:
+    def _apply_reclaims(self, reclaims, now: float, cause: str = "training_claim", job: str | None = None,
+                        requested_at: float | None = None) -> None:
         for d in reclaims:
             tenant = self.tenants.get(d.tenant)
             if tenant is None or d.lease_id in self.reclaiming:
@@ -231,6 +253,8 @@ class Arbiter:
                 [le for le in self.leases if le.tenant == d.tenant])
             if tenant.set_replicas(current - max(1, d.gpus // tenant.spec.gpus_per_replica)):
                 self._record([d])
+                # the lease of this tenant that ends next is this reclaim (journal.lease_ended)
+                self.orders.append(ReclaimOrder(d.tenant, d.lease_id, requested_at or now, cause, d.reason, job))
 
     # -- training's claim ---------------------------------------------------------------------------------
     def claim(self, job: str, gpus: int, deadline_s: float = 10.0, gpus_per_worker: int = 1,
@@ -247,18 +271,24 @@ class Arbiter:
                       prev.running * prev.gpus_per_worker if prev else 0)
             wanted = max(0, int(gpus) - own)
         reclaimed: list[str] = []
+        settled_at = None          # when no reclaimed lease was left: Ray's resource view may lag the stop
         try:
             while True:
                 with self.lock:
                     now = time.time()
                     plan = decide_claim(self._snapshot(now), job, wanted, gpw, now, self.order)
                     new = [d for d in plan.reclaims if d.lease_id not in self.reclaiming]
-                    self._apply_reclaims(new, now)
+                    self._apply_reclaims(new, now, job=job, requested_at=started)
                     reclaimed += [d.lease_id for d in new]
-                done = plan.free_now >= wanted or (plan.short_by and not any(
-                    le.reclaiming_since for le in self.leases))
-                if done or time.monotonic() - t0 > deadline_s:
+                    pending = any(le.reclaiming_since for le in self.leases)
+                if plan.free_now >= wanted or time.monotonic() - t0 > deadline_s:
                     break
+                if plan.short_by and not pending:
+                    # nothing (left) to reclaim: answer now, or -- when leases were just stopped -- once
+                    # the GPUs they held show as available (the replica is gone before its GPU is free)
+                    settled_at = settled_at or time.monotonic()
+                    if not reclaimed or time.monotonic() - settled_at > RESOURCE_VIEW_LAG_S:
+                        break
                 time.sleep(0.1)
             return self._answer(job, gpus, wanted, plan, reclaimed, gpw, min_workers, max_workers, prev, t0)
         finally:
@@ -306,6 +336,29 @@ class Arbiter:
                 "decisions": [d.as_dict() for d in self.decisions.items[-last:]],
                 "handbacks": self.handbacks[-last:],
             }
+
+    def journal_since(self, after: int | None = None) -> dict:
+        """Fill-in events after journal number `after` ({"events", "seq"}): lease / reclaim / release /
+        lease_end and node_up / node_down (fillin/journal.py). A new reader (after=None), or one the journal
+        cannot serve (it fell behind, or the arbiter started over), gets the nodes alive and the leases
+        open instead."""
+        with self.lock:
+            events, seq = self.journal.read(after)
+            if events is None:
+                events = opening(self.nodes_seen, self.leases)
+            return {"events": events, "seq": seq}
+
+    def reclaimable(self) -> dict:
+        """GPUs per node that training gets back by claiming them: every lease on a node that is alive and
+        not draining, reclaiming or not ({node_id: {gpu_resource: gpus}})."""
+        with self.lock:
+            usable = {n.node_id for n in self._nodes() if n.alive and not n.draining}
+            out: dict[str, dict[str, float]] = {}
+            for le in self.leases:
+                if le.node_id in usable:
+                    row = out.setdefault(le.node_id, {self.gpu_resource: 0.0})
+                    row[self.gpu_resource] += le.gpus
+            return out
 
     def ping(self) -> str:
         return "ok"

@@ -12,7 +12,8 @@ import os
 
 from spotfill.config.errors import ConfigError
 from spotfill.telemetry.diagnosis import diagnosis_report
-from spotfill.telemetry.ledger import NodeSpan, compute_ledger, nodes_from_events, nodes_from_report
+from spotfill.telemetry.ledger import (LEASE_END_KINDS, NodeSpan, compute_ledger, nodes_from_events,
+                                       nodes_from_report, workload_of)
 
 PHASES = ("detect_s", "decide_s", "workers_start_s", "state_load_s", "setup_s", "first_step_s", "total_s")
 
@@ -70,6 +71,39 @@ def _nodes(events: list[dict], report: dict) -> list[NodeSpan] | None:
     return nodes_from_events(events) or nodes_from_report(report) or None
 
 
+def fillin_section(events: list[dict], window: tuple[float, float]) -> dict | None:
+    """report.json `fillin.leases` (each lease overlapping the run's window: tenant, workload, node, gpus,
+    start, end, how it ended, reclaim_s) and `fillin.handback_seconds` (one per reclaim that a training
+    claim caused: the claim -> that lease's GPUs free), from the lease events; None without any."""
+    start, end = window
+    open_: dict[str, dict] = {}
+    leases: list[dict] = []
+
+    def row(e: dict) -> dict:
+        return {"lease_id": e.get("lease_id"), "tenant": e.get("tenant"), "workload": workload_of(e),
+                "node": e.get("node", e.get("node_id")), "gpus": e.get("gpus"), "start": e.get("start", e["t"]),
+                "end": None, "ended_by": None, "reclaim_s": None}
+
+    for e in events:
+        if e["kind"] == "lease":
+            open_[e.get("lease_id") or (e.get("tenant"), e.get("node"))] = row(e)
+        elif e["kind"] in LEASE_END_KINDS:
+            le = open_.pop(e.get("lease_id") or (e.get("tenant"), e.get("node")), None)
+            if le is not None:
+                le.update(end=e.get("end", e["t"]), ended_by=e["kind"], reclaim_s=e.get("reclaim_s"),
+                          cause=e.get("cause") or e.get("reason"))
+                leases.append(le)
+    leases += open_.values()
+    leases = [le for le in leases if le["start"] < end and (le["end"] is None or le["end"] > start)]
+    if not leases:
+        return None
+    leases.sort(key=lambda le: le["start"])
+    handback = [le["reclaim_s"] for le in leases if le["ended_by"] == "reclaim" and le.get("cause") == "training_claim"
+                and le["reclaim_s"] is not None]
+    return {"leases": leases, "handback_seconds": handback,
+            "handback_seconds_max": max(handback) if handback else None}
+
+
 def summarize(events: list[dict], report: dict | None = None, nodes: list[NodeSpan] | None = None):
     """(ledger, keys for report.json)."""
     report = report or {}
@@ -79,6 +113,9 @@ def summarize(events: list[dict], report: dict | None = None, nodes: list[NodeSp
     faults = [p["at"] for p in preemptions if p.get("at") is not None and p.get("affected", True)]
     keys = ledger.as_report()
     keys.update(diagnosis_report(events, ledger, faults))
+    fillin = fillin_section(events, (ledger.start, ledger.end))
+    if fillin:
+        keys["fillin"] = {**(report.get("fillin") or {}), **fillin}
     return ledger, keys
 
 

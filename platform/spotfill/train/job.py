@@ -145,11 +145,15 @@ class TrainingJob:
         knobs = {k: (os.environ.get(k, v) if tuned else None) for k, v in ray_train_env().items()}
         t0 = time.time()
         error = None
+        # fill-in leases, reclaims and the GPU nodes the arbiter sees, into this run's events (no arbiter: none)
+        from spotfill.fillin.forward import LeaseForwarder
+        forwarder = LeaseForwarder(sink).start()
         with constants.scoped_env(**knobs):
             try:
                 self._trainer(sink_name, namespace).fit()
             except Exception as exc:  # Ray Train raised: the job ran and failed
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        forwarder.stop()
         verdict = ray.get(sink.verdict.remote())
         ray.get(sink.event.remote("job_end", seconds=round(time.time() - t0, 3)))
         ray.get(sink.close.remote())

@@ -1,0 +1,106 @@
+"""The arbiter's journal -> a run's events.jsonl -> the ledger: fill-in GPU-seconds, harvest ratio and the
+report's fillin.leases / handback_seconds, from lease decisions played on a fake clock."""
+from __future__ import annotations
+
+from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
+from spotfill.fillin.policy import Decision, Lease, Node
+from spotfill.telemetry.ledger import compute_ledger
+from spotfill.telemetry.report import fillin_section, summarize
+
+A, B = "node-a", "node-b"
+
+
+def lease(lid, node, t, tenant="serve:app/Gen"):
+    return Lease(lid, tenant, "serve", node, 1, granted_at=t)
+
+
+def drop(lid, node, t, reason="tenant no longer holds it (reclaimed)"):
+    return Decision("drop", "serve:app/Gen", 1, reason, at=t, node_id=node, lease_id=lid)
+
+
+def test_a_lease_ends_as_reclaim_release_or_lease_end_with_its_cause():
+    known = {"r1": lease("r1", A, 10.0), "r2": lease("r2", B, 11.0), "r3": lease("r3", B, 12.0)}
+    # training's claim at t=20 asked for r1; Serve stopped r2 instead (it picks the replica): r2 is the reclaim
+    orders = [ReclaimOrder("serve:app/Gen", "r1", 20.0, "training_claim", "job j claims 2", job="j")]
+    events, left = lease_ended([drop("r2", B, 20.4)], known, orders, now=20.4)
+    assert left == [] and [e["kind"] for e in events] == ["reclaim"]
+    assert events[0]["lease_id"] == "r2" and events[0]["reclaim_s"] == 0.4 and events[0]["cause"] == "training_claim"
+    assert events[0]["job"] == "j" and events[0]["start"] == 11.0 and events[0]["end"] == 20.4
+    # no order open: the tenant let it go by itself
+    events, _ = lease_ended([drop("r3", B, 30.0)], known, [], now=30.0)
+    assert [e["kind"] for e in events] == ["release"]
+    # the node died: lease_end, and an order for that very lease is void
+    order = ReclaimOrder("serve:app/Gen", "r1", 29.0, "node_draining", "drain")
+    events, left = lease_ended([drop("r1", A, 31.0, "node lost: the lease died with it")], known, [order], now=31.0)
+    assert [e["kind"] for e in events] == ["lease_end"] and left == []
+    # an order nothing ended for expires instead of claiming a later, unrelated release
+    old = ReclaimOrder("serve:app/Gen", "r1", 0.0, "training_claim", "old")
+    events, left = lease_ended([drop("r3", B, 500.0)], known, [old], now=500.0)
+    assert [e["kind"] for e in events] == ["release"] and left == []
+
+
+def test_node_events_and_opening():
+    events, seen = node_events({}, [Node(A, 2, 2), Node(B, 1, 1)], now=5.0)
+    assert [(e["kind"], e["node"], e.get("gpus")) for e in events] == [("node_up", A, 2), ("node_up", B, 1)]
+    assert node_events(seen, [Node(A, 2, 0), Node(B, 1, 1)], now=6.0)[0] == []     # nothing changed
+    events, seen2 = node_events(seen, [Node(A, 2, 0, alive=False)], now=9.0)
+    assert sorted((e["kind"], e["node"]) for e in events) == [("node_down", A), ("node_down", B)] and seen2 == {}
+    first = opening(seen, [lease("r1", B, 7.0)])
+    assert [(e["kind"], e["t"]) for e in first] == [("node_up", 5.0), ("node_up", 5.0), ("lease", 7.0)]
+
+
+def test_journal_reads_what_is_new_and_sends_a_lost_reader_to_the_opening():
+    j = Journal(keep=3)
+    assert j.read(None) == (None, 0)
+    assert j.read(0) == ([], 0)
+    j.add([{"n": 1}, {"n": 2}])
+    assert j.read(0) == ([{"n": 1}, {"n": 2}], 2)
+    assert j.read(2) == ([], 2)
+    j.add([{"n": 3}, {"n": 4}, {"n": 5}])
+    assert j.read(2) == ([{"n": 3}, {"n": 4}, {"n": 5}], 5)
+    assert j.read(1) == (None, 5)          # n=2 is no longer kept: start over from the opening
+    assert j.read(9) == (None, 5)          # the journal started over (arbiter lost its state)
+
+
+def run_events():
+    """A 100 s run on 2 nodes x 2 GPUs; training holds 2 GPUs throughout; Serve borrows 1 GPU on node b at
+    t=10 and a 2nd at t=20; training claims at t=60 and gets one back at 60.5 (hand-back 0.5 s); the other
+    is released at t=80. Spare GPU-seconds = 4*100 - 2*100 = 200; lent = 50.5 + 60 = 110.5."""
+    ev = [{"t": 0.0, "kind": "job_start"}, {"t": -5.0, "kind": "node_up", "node": A, "gpus": 2},
+          {"t": -5.0, "kind": "node_up", "node": B, "gpus": 2},
+          {"t": 0.0, "kind": "attempt", "attempt": 0, "world_size": 2}]
+    ev += [{"t": float(s), "kind": "step", "step": s, "attempt": 0, "world_size": 2, "step_s": 1.0}
+           for s in range(1, 101)]
+    ev.append(lease_event(lease("r1", B, 10.0), 10.0))
+    ev.append(lease_event(lease("r2", B, 20.0), 20.0))
+    orders = [ReclaimOrder("serve:app/Gen", "r2", 60.0, "training_claim", "job j claims 4", job="j")]
+    known = {"r1": lease("r1", B, 10.0), "r2": lease("r2", B, 20.0)}
+    got, _ = lease_ended([drop("r1", B, 60.5)], known, orders, now=60.5)
+    ev += got
+    got, _ = lease_ended([drop("r2", B, 80.0, "tenant no longer holds it (released)")], known, [], now=80.0)
+    ev += got
+    ev.append({"t": 100.0, "kind": "job_end"})
+    return ev
+
+
+def test_the_ledger_counts_journal_leases_as_fillin_and_the_report_lists_them():
+    ev = run_events()
+    ledger = compute_ledger(sorted(ev, key=lambda e: e["t"]))
+    assert ledger.nodes_source == "events"
+    assert round(ledger.gpu_seconds["fillin"], 3) == 110.5
+    assert round(ledger.gpu_seconds["total"], 3) == 400.0
+    assert round(ledger.harvest_ratio, 4) == round(110.5 / 200, 4)
+    section = fillin_section(sorted(ev, key=lambda e: e["t"]), (0.0, 100.0))
+    assert section["handback_seconds"] == [0.5] and section["handback_seconds_max"] == 0.5
+    assert [(le["lease_id"], le["ended_by"], le["end"]) for le in section["leases"]] == \
+        [("r1", "reclaim", 60.5), ("r2", "release", 80.0)]
+    _, keys = summarize(ev, {"fillin": {"serve": {"requests_ok": 3}}})
+    assert keys["fillin"]["serve"] == {"requests_ok": 3} and keys["fillin"]["handback_seconds"] == [0.5]
+    assert keys["harvest_ratio"] == round(110.5 / 200, 4)
+
+
+def test_no_lease_events_no_fillin_section():
+    ev = [e for e in run_events() if e["kind"] not in ("lease", "reclaim", "release")]
+    assert fillin_section(ev, (0.0, 100.0)) is None
+    _, keys = summarize(ev)
+    assert "fillin" not in keys and "harvest_ratio" not in keys
