@@ -39,6 +39,23 @@ def test_restart_sizing_counts_the_runs_own_slots_as_free_but_not_more_than_the_
     assert free_resources(stale, {"a": {"GPU_SLOT": 2, "CPU": 2}}) == {"a": {"GPU_SLOT": 2, "CPU": 2}}
 
 
+def test_restart_after_a_node_loss_counts_gpus_lent_to_fill_in_as_available():
+    # 4 workers ran on a (2) and b (2); node c's 2 slots were lent to Serve (its CPUs stay free: replicas
+    # take none). Node a dies: the restart sees b (its own group's slots) and c -- 2 free without fill-in,
+    # 4 (full size) when the lent slots count, since the claim hook takes them back before the group starts
+    nodes = {"b": NodeCapacity({"GPU_SLOT": 2, "CPU": 2}, {"GPU_SLOT": 0, "CPU": 0}),
+             "c": NodeCapacity({"GPU_SLOT": 2, "CPU": 2}, {"GPU_SLOT": 0, "CPU": 2})}
+    own = {"b": {"GPU_SLOT": 2, "CPU": 2}}
+    lent = {"c": {"GPU_SLOT": 2}}
+    assert count_workers(free_resources(nodes, own), PER_WORKER, 4) == 2
+    assert count_workers(free_resources(nodes, own, lent), PER_WORKER, 4) == 4
+    # a lease on the dead node a (not schedulable) gives nothing back; a stale lease record never adds
+    # more than the node has
+    assert count_workers(free_resources(nodes, own, {**lent, "a": {"GPU_SLOT": 2}}), PER_WORKER, 8) == 4
+    stale = {"c": NodeCapacity({"GPU_SLOT": 2, "CPU": 2}, {"GPU_SLOT": 1, "CPU": 2})}
+    assert free_resources(stale, None, lent) == {"c": {"GPU_SLOT": 2, "CPU": 2}}
+
+
 def test_capacity_state_ignores_order_and_leftover_fractions():
     one = {"a": {"GPU_SLOT": 1.0, "CPU": 3.5}, "b": {"GPU_SLOT": 0.0, "CPU": 1.0}}
     two = {"b": {"CPU": 1.9, "GPU_SLOT": 0.5}, "a": {"CPU": 3.0, "GPU_SLOT": 1.2}}

@@ -20,16 +20,21 @@ class NodeCapacity:
 
 
 def free_resources(nodes: dict[str, NodeCapacity],
-                   own_held: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, float]]:
-    """Per node, the resources a new worker group of this run could get: available plus what the run's
-    own (about to be released) group holds on that node, never more than the node's total.
+                   own_held: dict[str, dict[str, float]] | None = None,
+                   reclaimable: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, float]]:
+    """Per node, the resources a new worker group of this run could get: available, plus what the run's
+    own (about to be released) group holds on that node, plus what fill-in borrowed there (`reclaimable`:
+    the arbiter takes it back when training claims it, before the group starts) -- never more than the
+    node's total. Only nodes in `nodes` count: a lease on a lost or draining node gives nothing back.
 
-    The one place that decides what counts as free; fill-in's reclaimable GPUs are added here."""
+    The one place that decides what counts as free."""
     out: dict[str, dict[str, float]] = {}
     for node_id, cap in nodes.items():
         held = (own_held or {}).get(node_id, {})
-        names = set(cap.available) | set(held)
-        out[node_id] = {r: min(cap.available.get(r, 0.0) + held.get(r, 0.0), cap.total.get(r, float("inf")))
+        lent = (reclaimable or {}).get(node_id, {})
+        names = set(cap.available) | set(held) | set(lent)
+        out[node_id] = {r: min(cap.available.get(r, 0.0) + held.get(r, 0.0) + lent.get(r, 0.0),
+                               cap.total.get(r, float("inf")))
                         for r in names}
     return out
 

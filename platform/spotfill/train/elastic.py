@@ -5,7 +5,8 @@ cluster, which still counts a node that is draining (spot notice) or was just lo
 for slots that will never come (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S) before it shrinks. Both the restart
 sizing and the grow check here count only nodes that are alive, not draining, and whose raylet answers a
 connect (the GCS keeps a killed node "alive" for its health-check window) -- and on those nodes only the
-resources that are free: available now, plus (at restart time) what this run's own group still holds.
+resources that are free: available now, plus (at restart time) what this run's own group still holds and
+what fill-in borrowed (the claim hook takes it back before the group starts).
 Counting totals made rank 0 grow into slots another actor held, and restart every resize_check_s forever.
 
 The pure arithmetic is in capacity.py; the private Ray hooks in spotfill.ray_compat.
@@ -80,6 +81,19 @@ def _train_run_name() -> str:
     return ray.train.get_context().get_experiment_name()
 
 
+def fillin_reclaimable() -> dict[str, dict[str, float]]:
+    """GPUs per node lent to fill-in, which training's claim takes back before its group starts (the
+    arbiter's view); {} without an arbiter or when it does not answer in time -- sizing then counts only
+    what is free, as it would without fill-in."""
+    try:
+        from spotfill.fillin.arbiter import get_arbiter
+        arbiter = get_arbiter()
+        return ray.get(arbiter.reclaimable.remote(), timeout=5) if arbiter is not None else {}
+    except Exception as exc:  # noqa: BLE001 - fill-in never stops training
+        log.warning("fill-in: cannot read reclaimable GPUs (%s); sizing the restart without them", exc)
+        return {}
+
+
 class DrainAwareElasticPolicy(ElasticScalingPolicy):
     """Sizes restarts from the schedulable nodes' free resources, not the coordinator's reservations (they
     lag node changes by up to its tick). Ray Train decides the next size before it shuts the old group
@@ -92,7 +106,7 @@ class DrainAwareElasticPolicy(ElasticScalingPolicy):
         return super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
 
     def _count_possible_workers(self, reserved_resources) -> int:
-        free = free_resources(schedulable_nodes(RAYLET_PROBE_S), self._own_held())
+        free = free_resources(schedulable_nodes(RAYLET_PROBE_S), self._own_held(), fillin_reclaimable())
         return count_workers(free, self.scaling_config._resources_per_worker_not_none,
                              self.scaling_config.max_workers)
 
