@@ -33,9 +33,26 @@ def test_unknown_top_level_key():
         parse_scenario({"clusterr": {}})
 
 
-def test_fillin_not_built_is_rejected():
-    with pytest.raises(ConfigError, match="fillin.serve.enabled"):
-        parse_scenario({"fillin": {"serve": {"enabled": True}}})
+def test_serve_fillin_parses_with_defaults_and_batch_is_not_built():
+    s = parse_scenario({"fillin": {"serve": {"enabled": True}}})
+    assert s.fillin.serve_enabled and s.fillin.serve == {"enabled": True, "load_rps": 2.0, "max_replicas": None}
+    assert not parse_scenario({}).fillin.serve_enabled
+    assert parse_scenario(DEFAULT_SCENARIO).fillin.serve["load_rps"] == 2
+    with pytest.raises(ConfigError, match="^fillin.batch.enabled"):
+        parse_scenario({"fillin": {"batch": {"enabled": True}}})
+
+
+@pytest.mark.parametrize("serve, field", [
+    ({"enabled": True, "load_rps": 0}, "fillin.serve.load_rps"),
+    ({"enabled": True, "load_rps": "fast"}, "fillin.serve.load_rps"),
+    ({"enabled": "yes"}, "fillin.serve.enabled"),
+    ({"enabled": True, "max_replicas": 0}, "fillin.serve.max_replicas"),
+    ({"enabled": True, "rps": 3}, "fillin.serve.rps"),
+])
+def test_bad_serve_fillin_names_the_field(serve, field):
+    with pytest.raises(ConfigError) as err:
+        parse_scenario({"fillin": {"serve": serve}})
+    assert str(err.value).startswith(field) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -31,6 +31,17 @@ def summarize(report: dict) -> str:
         if e["action"] == "add_node" and e.get("fired"):
             lines.append(f"capacity returned: grew to {e.get('world_size_after')} workers "
                          f"after {e.get('seconds_to_grow')}s, lost {e.get('lost_steps', 0)} steps")
+    fill = report.get("fillin") or {}
+    if fill.get("serve"):
+        sv = fill["serve"]
+        lines.append(f"serve fill-in: {sv['requests_ok']} ok, {sv['requests_rejected_503']} rejected at once (503), "
+                     f"{sv['requests_failed']} failed; p50 {sv['p50_ms']} ms, p99 {sv['p99_ms']} ms")
+    if fill.get("leases") is not None:
+        hb = fill.get("handback_seconds") or []
+        lines.append(f"fill-in leases: {len(fill['leases'])}, hand-backs to training: "
+                     f"{', '.join(f'{h:.2f}s' for h in hb) or 'none'}; GPU-seconds lent "
+                     f"{report.get('gpu_seconds', {}).get('fillin', 0):.1f}, harvest ratio "
+                     f"{report.get('harvest_ratio', 'n/a')}")
     ck = report["checkpoints"]
     lines.append(f"checkpoints: {ck['committed']} committed, stall max {ck['stall_seconds_max']:.3f}s")
     for name, inv in report.get("invariants", {}).items():

@@ -90,7 +90,12 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
         shutil.rmtree(storage)
     say(f"starting an embedded Ray cluster: {len(scenario.cluster.nodes)} nodes x "
         f"{[n.get('gpus', 1) for n in scenario.cluster.nodes]} {scenario.cluster.gpu_resource}")
+    serve_on = scenario.fillin.serve_enabled
+    if serve_on:   # Serve's replicas import serving/ from the checkout, like the spotfill package itself
+        from spotfill.fillin.local import repo_root
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo_root()])
     cluster = EmbeddedCluster(scenario.cluster.gpu_resource)
+    fillin = None
     try:
         for node in scenario.cluster.nodes:
             cluster.add_node(node.get("gpus", 1))
@@ -115,7 +120,20 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
         job_cfg.training = scenario.training
         job = TrainingJob(job_cfg, runtime_env={"env_vars": env})
         job.render_report = False          # rendered once below, with the scenario's sections
-        report = _drive(cluster, scenario, job, s3, say)
+        if serve_on:
+            fillin = ServeFillin(cluster, scenario, storage, job_cfg.name, out_dir, env, say)
+        try:
+            report = _drive(cluster, scenario, job, s3, say, on_first_step=fillin.start if fillin else None)
+        finally:
+            serve_report = fillin.stop() if fillin else None
+        if serve_report is not None:
+            report.setdefault("fillin", {})["serve"] = serve_report
+            failed = serve_report["requests_failed"]
+            ok = failed == 0 and "error" not in serve_report
+            report["invariants"]["serve_no_failed_request"] = {
+                "ok": ok, "detail": serve_report.get("error") or f"{serve_report['requests_ok']} ok, "
+                f"{serve_report['requests_rejected_503']} rejected at once with 503, {failed} failed"}
+            report["ok"] = report["ok"] and ok
     finally:
         cluster.shutdown()
         if s3:
@@ -129,6 +147,78 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
         json.dump(report, f, indent=2)
     write_report(out_dir, events=events, report=report)
     return report
+
+
+def run_storage_uri(storage: str, name: str) -> str:
+    """The URI of a run's checkpoints (its job's storage joined with the job name) for serving/app.py."""
+    from urllib.parse import urlsplit, urlunsplit
+    if "://" not in storage:
+        return "file://" + os.path.join(os.path.abspath(storage), name)
+    parts = urlsplit(storage)
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + name))
+
+
+class ServeFillin:
+    """Serve fill-in for a scenario: the capacity arbiter (started and told about the training job before
+    training starts: GPUs training may grow into are never lent), then -- once training's first worker group
+    is placed, so the scenario's node events meet training where the timeline says -- the Serve generation
+    app (reading this run's checkpoints) and a steady HTTP load on it until training ends."""
+
+    def __init__(self, cluster, scenario: Scenario, storage: str, name: str, out_dir: str, env: dict, say):
+        import ray
+
+        from spotfill.fillin.arbiter import ensure_arbiter
+        self.cluster, self.scenario, self.say = cluster, scenario, say
+        self.uri = run_storage_uri(storage, name)
+        t = scenario.training
+        self.arbiter = ensure_arbiter(scenario.cluster.gpu_resource, runtime_env={"env_vars": env},
+                                      state_path=os.path.join(out_dir, "arbiter", "state.json"))
+        ray.get(self.arbiter.register_job.remote(name, t.min_workers, t.max_workers, 1), timeout=30)
+        self.load = None
+        self.error: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Deploy Serve and start the load, in the background (the timeline keeps firing meanwhile)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._start, name="serve-fillin", daemon=True)
+            self._thread.start()
+
+    def _start(self) -> None:
+        import socket
+
+        from spotfill.fillin.load import ServeLoad
+        from spotfill.fillin.local import deploy_serve
+        spec = self.scenario.fillin.serve
+        total = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes)
+        try:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            out = deploy_serve(self.uri, port=port, dashboard_url=self.cluster.cluster.webui_url,
+                               gpu_resource=self.scenario.cluster.gpu_resource,
+                               max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16)
+            self.load = ServeLoad(out["url"], spec["load_rps"]).start()
+            self.say(f"serve fill-in: generation app on {out['url']} (replicas only on GPUs training leaves "
+                     f"spare), load {spec['load_rps']:g} requests/s")
+        except Exception as exc:  # noqa: BLE001 - reported, and the run is not ok
+            self.error = f"serve fill-in did not start: {type(exc).__name__}: {exc}"
+            log.exception("serve fill-in did not start")
+
+    def stop(self) -> dict:
+        if self._thread is not None:
+            self._thread.join(timeout=120)
+        summary = self.load.stop() if self.load else {
+            "requests": 0, "requests_ok": 0, "requests_failed": 0, "requests_rejected_503": 0, "p50_ms": None,
+            "p99_ms": None, "error": self.error or "training ended before serve fill-in started"}
+        self.say(f"serve fill-in: {summary['requests_ok']} ok, {summary['requests_rejected_503']} rejected with "
+                 f"503, {summary['requests_failed']} failed; p50 {summary['p50_ms']} ms, p99 {summary['p99_ms']} ms")
+        try:
+            from ray import serve
+            serve.shutdown()
+        except Exception as exc:  # noqa: BLE001 - the cluster goes down next anyway
+            log.warning("serve shutdown: %s", exc)
+        return summary
 
 
 def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
@@ -157,7 +247,7 @@ def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
     return {"tag": tag, "step": int(manifest["step"]), "file": rel, "t": round(time.time(), 3)}
 
 
-def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
+def _drive(cluster, scenario: Scenario, job, s3, say, on_first_step=None) -> dict:
     result: dict = {}
 
     def fit() -> None:
@@ -179,6 +269,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
         for e in tail.poll():
             if e["kind"] == "step":
                 step = e["step"]
+                if first_step_t is None and on_first_step is not None:
+                    on_first_step()
                 first_step_t = first_step_t or e["t"]
             elif e["kind"] in ("start", "resume"):
                 say(f"attempt {e['attempt']}: {e['kind']} at step {e['step']} on {e['world_size']} workers")

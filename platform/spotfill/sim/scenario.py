@@ -2,7 +2,7 @@
 
     cluster:  {gpu_resource: GPU_SLOT, nodes: [{gpus: 2}, {gpus: 2}]}
     training: {model: tiny, workers: [1, 4], steps: 200, global_batch: 16, checkpoint_every: 20, ...}
-    fillin:   {serve: {enabled: false}, batch: {enabled: false}}
+    fillin:   {serve: {enabled: true, load_rps: 2}}          # Serve on the GPUs training leaves spare
     events:   [{at_step: 30, action: drain_node, node: 1, deadline_s: 20}, ...]
 
 Actions: drain_node, remove_node, kill_node, add_node, storage_outage and corrupt_checkpoint (flip bytes in
@@ -67,17 +67,43 @@ class ClusterSpec:
                 raise ConfigError(f"{path}.nodes[{i}].gpus", gpus, accepted="an integer >= 1")
 
 
+SERVE_KEYS = {"enabled": False, "load_rps": 2.0, "max_replicas": None}
+
+
 @dataclass
 class FillinSpec:
+    """`fillin.serve`: Ray Serve generation on the GPUs training leaves spare, under a steady HTTP load of
+    `load_rps` requests per second for the whole scenario (`max_replicas`: default every GPU slot).
+    `fillin.batch`: not built yet (fill-in part 2)."""
     serve: dict = field(default_factory=dict)
     batch: dict = field(default_factory=dict)
 
     def validate(self, path: str) -> None:
-        for name in ("serve", "batch"):
-            if getattr(self, name).get("enabled"):
-                raise ConfigError(f"{path}.{name}.enabled", True,
-                                  reason="fill-in is not built yet (the fill-in issue brings it)",
-                                  accepted="false")
+        if not isinstance(self.serve, dict):
+            raise ConfigError(f"{path}.serve", self.serve, accepted="a mapping {enabled, load_rps, max_replicas}")
+        for key in self.serve:
+            if key not in SERVE_KEYS:
+                raise ConfigError(f"{path}.serve.{key}", self.serve[key], reason="unknown key",
+                                  accepted=sorted(SERVE_KEYS))
+        serve = {**SERVE_KEYS, **self.serve}
+        if not isinstance(serve["enabled"], bool):
+            raise ConfigError(f"{path}.serve.enabled", serve["enabled"], accepted="true or false")
+        rps = serve["load_rps"]
+        if isinstance(rps, bool) or not isinstance(rps, (int, float)) or not 0 < rps <= 100:
+            raise ConfigError(f"{path}.serve.load_rps", rps, accepted="a number > 0 and <= 100")
+        mr = serve["max_replicas"]
+        if mr is not None and (isinstance(mr, bool) or not isinstance(mr, int) or mr < 1):
+            raise ConfigError(f"{path}.serve.max_replicas", mr, accepted="an integer >= 1")
+        self.serve = serve
+        if not isinstance(self.batch, dict):
+            raise ConfigError(f"{path}.batch", self.batch, accepted="a mapping")
+        if self.batch.get("enabled"):
+            raise ConfigError(f"{path}.batch.enabled", True,
+                              reason="batch fill-in is not built yet (fill-in part 2)", accepted="false")
+
+    @property
+    def serve_enabled(self) -> bool:
+        return bool(self.serve.get("enabled"))
 
 
 @dataclass
@@ -175,9 +201,12 @@ def load_scenario(path: str) -> Scenario:
 
 
 DEFAULT_SCENARIO = {
-    "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}]},
+    # 5 GPU slots, training at most 4: the 5th (and any training cannot use) is lent to Serve, which
+    # generates from the run's own checkpoints under a steady load; training takes it back when it needs it
+    "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}, {"gpus": 1}]},
     "training": {"model": "tiny", "workers": [1, 4], "steps": 240, "global_batch": 12,
                  "max_micro_batch": 3, "checkpoint_every": 20, "zero_stage": 2, "warmup_steps": 10},
+    "fillin": {"serve": {"enabled": True, "load_rps": 2, "max_replicas": 2}},
     "events": [
         {"at_step": 30, "action": "drain_node", "node": 1, "deadline_s": 30},
         {"at_step": 100, "action": "add_node", "gpus": 2},

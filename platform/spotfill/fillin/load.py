@@ -1,0 +1,109 @@
+"""A steady HTTP load on the Serve fill-in tenant (the scenario runner's, for the whole scenario).
+
+Open loop: a request starts every 1/rps seconds whatever the earlier ones are doing (up to `max_in_flight`
+at once; a start that finds them all busy is counted as `skipped_client_busy`, never queued), each a
+`POST /v1/completions` with a bounded generation. Every answer is kept; `summary()` reduces them to
+report.json's `fillin.serve` (pure: `summarize_requests`):
+
+  requests_ok            HTTP 200 with a completion
+  requests_rejected_503  HTTP 503 (no replica: its GPUs went back to training, or no checkpoint yet) --
+                         the tenant refused the request at once, it was never admitted
+  requests_failed        anything else: another status, a connection error, or no answer within the
+                         client timeout -- an admitted request that failed
+  p50_ms / p99_ms        latency of the OK requests
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, int(-(-q * len(ordered) // 100)) - 1))
+    return ordered[k]
+
+
+def summarize_requests(results: list[dict], rps: float | None = None, skipped: int = 0) -> dict:
+    """report.json fillin.serve from the answers: {t, latency_s, status, error}."""
+    ok = [r["latency_s"] * 1000 for r in results if r.get("status") == 200]
+    rejected = [r for r in results if r.get("status") == 503]
+    failed = [r for r in results if r.get("status") not in (200, 503)]
+    p50, p99 = percentile(ok, 50), percentile(ok, 99)
+    out = {"requests": len(results), "requests_ok": len(ok), "requests_failed": len(failed),
+           "requests_rejected_503": len(rejected),
+           "p50_ms": None if p50 is None else round(p50, 1), "p99_ms": None if p99 is None else round(p99, 1),
+           "rejected_503_max_ms": round(max(r["latency_s"] for r in rejected) * 1000, 1) if rejected else None,
+           "skipped_client_busy": skipped,
+           "failures": [{"t": round(r["t"], 3), "status": r.get("status"), "error": r.get("error")}
+                        for r in failed[:10]]}
+    if rps is not None:
+        out["load_rps"] = rps
+    return out
+
+
+class ServeLoad:
+    def __init__(self, url: str, rps: float, max_tokens: int = 8, timeout_s: float = 20.0,
+                 max_in_flight: int = 16):
+        self.url, self.rps, self.max_tokens, self.timeout_s = url.rstrip("/"), float(rps), max_tokens, timeout_s
+        self.results: list[dict] = []
+        self.skipped = 0
+        self._slots = threading.Semaphore(max_in_flight)
+        self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="serve-load")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="serve-load", daemon=True)
+        self._lock = threading.Lock()
+
+    def start(self) -> "ServeLoad":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        period, n, t0 = 1.0 / self.rps, 0, time.monotonic()
+        while not self._stop.is_set():
+            if self._slots.acquire(blocking=False):
+                self._pool.submit(self._one, n)
+            else:
+                self.skipped += 1
+            n += 1
+            self._stop.wait(max(0.0, t0 + n * period - time.monotonic()))
+
+    def _one(self, n: int) -> None:
+        t, t0 = time.time(), time.monotonic()
+        body = json.dumps({"model": "spotfill", "prompt": f"def f{n % 97}(", "max_tokens": self.max_tokens,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        rec: dict = {"t": t}
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                resp.read()
+                rec["status"] = resp.status
+        except urllib.error.HTTPError as exc:
+            rec["status"] = exc.code
+            rec["retry_after"] = exc.headers.get("Retry-After")
+        except Exception as exc:  # noqa: BLE001 - a connection error or timeout is a failed request
+            rec["status"], rec["error"] = None, f"{type(exc).__name__}: {exc}"[:200]
+        finally:
+            rec["latency_s"] = time.monotonic() - t0
+            with self._lock:
+                self.results.append(rec)
+            self._slots.release()
+
+    def stop(self) -> dict:
+        """Stop starting requests, wait for those in flight, return the summary."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pool.shutdown(wait=True)
+        return self.summary()
+
+    def summary(self) -> dict:
+        with self._lock:
+            return summarize_requests(list(self.results), self.rps, self.skipped)
