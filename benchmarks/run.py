@@ -4,7 +4,7 @@
 
 Each section runs in a fresh interpreter (its own torch.distributed group, DeepSpeed globals, Ray cluster
 and memory), one after the other on this machine, in the same run. A section whose capability is not
-built here is left out (fill-in comes from other work); "gpu" is null without
+built here is left out; "gpu" is null without
 CUDA. A section that fails is left out too and named under "errors" with its one-line reason.
 """
 from __future__ import annotations
@@ -32,12 +32,15 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "upload": ("benchmarks.upload", "bench_upload_section"),
     "recovery": ("benchmarks.recovery", "bench_recovery"),
     "preemption": ("benchmarks.recovery", "bench_preemption"),
+    "fillin": ("benchmarks.fillin", "bench_fillin"),
 }
-DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu")
+DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "fillin")
 TARGETS = {("checkpoint", "stall_ratio"): ("<=", 0.10), ("checkpoint", "upload_ratio"): (">=", 0.70),
            ("overhead", "ratio"): (">=", 0.95), ("recovery", "speedup"): (">=", 8.0),
            ("recovery", "speedup_vs_tuned"): (">=", 2.0),
-           ("preemption", "lost_steps"): ("<=", 0)}
+           ("preemption", "lost_steps"): ("<=", 0),
+           ("fillin", "handback_s_max"): ("<=", 5.0), ("fillin", "harvest_ratio"): (">=", 0.9),
+           ("fillin", "training_tokens_ratio"): (">=", 0.98)}
 
 
 def _versions() -> dict:
@@ -189,6 +192,17 @@ def summary(result: dict) -> str:
             mfu = f"{g['mfu']:.3f}" if g.get("mfu") is not None else "n/a (device not in catalogue)"
             lines.append(f"gpu         {g['device']}: {g['preset']} ({g['params'] / 1e9:.2f}B params) "
                          f"{g['tokens_s']:.0f} tokens/s, MFU {mfu}")
+    f = result.get("fillin")
+    if f:
+        sv = f.get("serve") or {}
+        lines += [f"fillin      hand-back worst {f['handback_s_max']}s {mark('fillin.handback_s_max')} "
+                  f"({len(f.get('handback_seconds') or [])} reclaims); harvest ratio {f['harvest_ratio']} "
+                  f"{mark('fillin.harvest_ratio')}",
+                  f"  training {f['training_tokens_s_with_fillin']} tokens/s with fill-in vs "
+                  f"{f['training_tokens_s_without']} without -> {f['training_tokens_ratio']} "
+                  f"{mark('fillin.training_tokens_ratio')} (Serve shares this machine's CPU cores)",
+                  f"  serve: {sv.get('requests_ok')} ok, {sv.get('requests_rejected_503')} x 503, "
+                  f"{sv.get('requests_failed')} failed; p50 {sv.get('p50_ms')} ms, p99 {sv.get('p99_ms')} ms"]
     u = result.get("upload")
     if u:
         lines.append(f"upload      {u['bytes'] / 1e6:.0f} MB synthetic: {u['upload_mb_s']:.1f} MB/s vs raw "
