@@ -2,9 +2,10 @@
 the same elastic training scenario with Serve fill-in on the GPUs training leaves spare (under a steady
 HTTP load), and without fill-in.
 
-Scenario: 3 nodes x 1 GPU slot, training workers [1, 2]: one slot is spare and lent to Serve. A hard node
-loss (a node training runs on) at step `kill_at`: training restarts at full size (2) on the slot it takes
-back from Serve -- the hand-back measured (training's claim -> the lent GPU free).
+Scenario: nodes of 2, 1 and 1 GPU slots, training workers [1, 2]: training starts on node 0 (the only node
+that holds its whole group), Serve gets the two 1-slot nodes. A hard loss of node 0 at step `kill_at`:
+training restarts at full size (2) on the slots it takes back from Serve -- the hand-backs measured
+(training's claim -> each lent GPU free). Without fill-in the same restart finds the two slots idle.
 
 - handback_s_max: the worst hand-back of the run (report.json fillin.handback_seconds);
 - harvest_ratio: fill-in GPU-seconds / GPU-seconds training left unused (the GPU-seconds ledger, from the
@@ -28,20 +29,31 @@ from spotfill.sim.scenario import parse_scenario
 
 def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float) -> dict:
     return {
-        "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 1}, {"gpus": 1}, {"gpus": 1}]},
+        "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 1}, {"gpus": 1}]},
         "training": {"model": "tiny", "workers": [1, 2], "steps": steps, "global_batch": 12,
                      "max_micro_batch": 3, "checkpoint_every": 20},
-        "fillin": {"serve": {"enabled": serve, "load_rps": load_rps, "max_replicas": 1}},
+        "fillin": {"serve": {"enabled": serve, "load_rps": load_rps, "max_replicas": 2}},
         "events": [{"at_step": kill_at, "action": "kill_node", "node": 0}],
     }
 
 
-def _run(serve: bool, quick: bool, say) -> dict:
-    steps, kill_at = (80, 40) if quick else (200, 100)
+def _kill_step(run_dir: str, at: float) -> int | None:
+    """The step training had reached when the kill fired."""
+    from spotfill.telemetry.events import read_events
+    steps = [e["step"] for e in read_events(os.path.join(run_dir, "events.jsonl"), {"step"}) if e["t"] <= at]
+    return max(steps) if steps else None
+
+
+def _run(serve: bool, quick: bool, say, kill_at: int | None = None) -> dict:
+    # with fill-in the runner's timeline waits until Serve answers: the kill fires then (or at kill_at, if
+    # later); the side without fill-in kills at the step the first side's kill met
+    steps, default_kill = (1000, 40) if quick else (2000, 600)
+    kill_at = kill_at or default_kill
     name = "fillin-serve" if serve else "fillin-off"
     out = tempfile.mkdtemp(prefix=f"spotfill-bench-{name}-")
     say(f"{name}: {steps} steps, node 0 killed at step {kill_at}")
-    report = run_scenario(parse_scenario(_scenario(serve, steps, kill_at, 2.0), name), out, quiet=True)
+    report = run_scenario(parse_scenario(_scenario(serve, steps, kill_at, 2.0), name), out, quiet=True,
+                          wait_for_fillin=serve)
     tr = report["training"]
     fill = report.get("fillin") or {}
     return {"ok": report["ok"], "tokens_per_s": tr.get("tokens_per_s"), "steps": tr.get("steps_completed"),
@@ -49,6 +61,7 @@ def _run(serve: bool, quick: bool, say) -> dict:
             "gpu_seconds": report.get("gpu_seconds"), "harvest_ratio": report.get("harvest_ratio"),
             "handback_seconds": fill.get("handback_seconds") or [], "leases": len(fill.get("leases") or []),
             "serve": fill.get("serve"), "seconds": report.get("seconds"), "run_dir": out,
+            "kill_step": next((_kill_step(out, p["at"]) for p in report.get("preemptions") or []), None),
             "invariants": {k: v["ok"] for k, v in (report.get("invariants") or {}).items()}}
 
 
@@ -57,7 +70,7 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None) -> 
     with_fill = _run(True, quick, say)
     say(f"with fill-in: hand-backs {with_fill['handback_seconds']}, harvest {with_fill['harvest_ratio']}, "
         f"{with_fill['tokens_per_s']} tokens/s")
-    without = _run(False, quick, say)
+    without = _run(False, quick, say, kill_at=with_fill["kill_step"])
     say(f"without fill-in: {without['tokens_per_s']} tokens/s")
     a, b = with_fill["tokens_per_s"], without["tokens_per_s"]
     hb = with_fill["handback_seconds"]

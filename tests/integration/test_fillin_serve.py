@@ -223,10 +223,6 @@ def test_arbiter_killed_mid_run_rebuilds_its_leases(env):
     wait_for(lambda: replicas(env) == 2, 120, "replicas back after the claim was released")
 
 
-def _one_second_of_training():
-    time.sleep(1)
-
-
 def test_ray_train_claims_the_lent_gpus_through_the_hook(env, tmp_path, monkeypatch):
     """A real Ray Train group of 3 workers on 3 slots, 2 of them lent to Serve: the controller callback
     claims them before the group starts. Without it the group waits out its start timeout and fails."""
@@ -236,7 +232,10 @@ def test_ray_train_claims_the_lent_gpus_through_the_hook(env, tmp_path, monkeypa
     from spotfill.fillin.training_hook import ClaimSpec, FillinClaimCallback
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     assert replicas(env) == 2
-    trainer = TorchTrainer(_one_second_of_training,
+    def one_second_of_training():      # nested: pickled by value (workers cannot import this test module)
+        time.sleep(1)
+
+    trainer = TorchTrainer(one_second_of_training,
                            scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"GPU_SLOT": 1}),
                            run_config=RunConfig(name="hooked", storage_path=str(tmp_path), callbacks=[
                                FillinClaimCallback(ClaimSpec("hooked", 1, 3, 1, "GPU_SLOT"))]))

@@ -70,3 +70,11 @@ def test_chaos_scenarios_are_valid_and_keep_a_node(seed):
             alive.discard(e.node)
         assert alive, "a chaos timeline must keep at least one node"
     assert chaos_scenario(seed) == data
+
+
+def test_serve_reads_the_runs_own_checkpoints():
+    from spotfill.sim.runner import run_storage_uri
+    assert run_storage_uri("/runs/demo/storage", "demo") == "file:///runs/demo/storage/demo"
+    assert run_storage_uri("s3://bucket/pre/", "demo") == "s3://bucket/pre/demo"
+    assert run_storage_uri("s3://b/p?endpoint_override=http%3A//127.0.0.1%3A9000", "x") == \
+        "s3://b/p/x?endpoint_override=http%3A//127.0.0.1%3A9000"

@@ -304,7 +304,9 @@ class Arbiter:
                 job, int(min_workers or (prev.min_workers if prev else 1)),
                 int(max_workers or (prev.max_workers if prev else max(1, gpus // gpw))),
                 current_workers=max(1, int(gpus) // gpw), gpus_per_worker=gpw)
-            self.pending[job] = (min(wanted, plan.free_now), now + CLAIM_HOLD_S)
+            held, until = self.pending.get(job, (0, 0.0))
+            # a later claim of the same start (Ray Train may ask again) never shrinks what is held for it
+            self.pending[job] = (max(min(wanted, plan.free_now), held if until > now else 0), now + CLAIM_HOLD_S)
             why = (f"{plan.free_now} of {wanted} needed GPU(s) free after {waited:.2f}s"
                    + (f", {len(reclaimed)} lease(s) reclaimed" if reclaimed else "")
                    + ("" if ok else f"; short by {wanted - plan.free_now} (deadline or nothing left to reclaim)"))

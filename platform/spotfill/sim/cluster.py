@@ -40,7 +40,8 @@ class EmbeddedCluster:
         self._env_before = {k: os.environ.get(k) for k in LOOPBACK_CLIENT_ENV}
         os.environ.update(LOOPBACK_CLIENT_ENV)
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            **LOOPBACK_NODE, **HEAD_DASHBOARD, "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
+            # a free dashboard port: Ray's default 8265 is taken by any other cluster on this machine
+            **LOOPBACK_NODE, **HEAD_DASHBOARD, "dashboard_port": _free_port(), "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
         self.node_ids: list[str] = []
 
@@ -89,6 +90,13 @@ class EmbeddedCluster:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
 
 
 def quiet_expected_node_deaths() -> None:

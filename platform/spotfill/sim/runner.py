@@ -21,6 +21,7 @@ from spotfill.sim.scenario import Event, Scenario
 
 log = logging.getLogger(__name__)
 CORPUS_PACKAGES = ("json", "http", "logging", "urllib")
+SETTLE_S = 15.0       # Serve fill-in: the timeline starts this long after the app answers (replicas on the spare GPUs)
 SEQ_LEN = 64          # the runner prepares byte-level shards of this length
 
 
@@ -53,7 +54,11 @@ def _say(msg: str) -> None:
     print(f"[spotfill demo] {msg}", file=sys.stderr, flush=True)
 
 
-def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, quiet: bool = False) -> dict:
+def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, quiet: bool = False,
+                 wait_for_fillin: bool = False) -> dict:
+    """Run `scenario` on a fresh embedded cluster; returns report.json's dict. `wait_for_fillin` (tests and
+    benchmarks): with Serve fill-in, no timeline event fires until Serve answers and had SETTLE_S to take
+    the spare GPUs, so node events meet it running whatever this machine's speed."""
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths, worker_env
     from spotfill.train.job import TrainingJob
 
@@ -103,6 +108,9 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
         ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level=logging.WARNING,
                  log_to_driver=False)
         quiet_expected_node_deaths()
+        name = scenario.name.replace(".", "-")
+        if serve_on:
+            fillin = ServeFillin(cluster, scenario, storage, name, out_dir, env, say)
         from spotfill.train.prepare import prepare
         data_dir = os.path.join(out_dir, "data")
         say("preparing token shards from the Python standard library with Ray Data")
@@ -115,15 +123,16 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
             "source": corpus, "output": data_dir, "seq_len": SEQ_LEN, "suffixes": [".py"]}))
         say(f"{manifest['num_samples']} sequences of 65 tokens in {manifest['seconds']:.1f}s")
         job_cfg = from_mapping(JobConfig, {
-            "name": scenario.name.replace(".", "-"), "run_dir": out_dir, "storage": storage,
+            "name": name, "run_dir": out_dir, "storage": storage,
             "data": {"path": data_dir}, "cluster": {"gpu_resource": scenario.cluster.gpu_resource}})
         job_cfg.training = scenario.training
         job = TrainingJob(job_cfg, runtime_env={"env_vars": env})
         job.render_report = False          # rendered once below, with the scenario's sections
-        if serve_on:
-            fillin = ServeFillin(cluster, scenario, storage, job_cfg.name, out_dir, env, say)
+        if fillin:
+            fillin.ready()
         try:
-            report = _drive(cluster, scenario, job, s3, say, on_first_step=fillin.start if fillin else None)
+            report = _drive(cluster, scenario, job, s3, say, on_first_step=fillin.start if fillin else None,
+                            gate=fillin.serving if fillin and wait_for_fillin else None)
         finally:
             serve_report = fillin.stop() if fillin else None
         if serve_report is not None:
@@ -131,8 +140,9 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
             failed = serve_report["requests_failed"]
             ok = failed == 0 and "error" not in serve_report
             report["invariants"]["serve_no_failed_request"] = {
-                "ok": ok, "detail": serve_report.get("error") or f"{serve_report['requests_ok']} ok, "
-                f"{serve_report['requests_rejected_503']} rejected at once with 503, {failed} failed"}
+                "ok": ok, "detail": serve_report.get("error") or serve_report.get("note") or
+                f"{serve_report['requests_ok']} ok, {serve_report['requests_rejected_503']} rejected at once "
+                f"with 503, {failed} failed"}
             report["ok"] = report["ok"] and ok
     finally:
         cluster.shutdown()
@@ -165,18 +175,41 @@ class ServeFillin:
     app (reading this run's checkpoints) and a steady HTTP load on it until training ends."""
 
     def __init__(self, cluster, scenario: Scenario, storage: str, name: str, out_dir: str, env: dict, say):
-        import ray
+        import socket
 
-        from spotfill.fillin.arbiter import ensure_arbiter
         self.cluster, self.scenario, self.say = cluster, scenario, say
-        self.uri = run_storage_uri(storage, name)
-        t = scenario.training
-        self.arbiter = ensure_arbiter(scenario.cluster.gpu_resource, runtime_env={"env_vars": env},
-                                      state_path=os.path.join(out_dir, "arbiter", "state.json"))
-        ray.get(self.arbiter.register_job.remote(name, t.min_workers, t.max_workers, 1), timeout=30)
+        self.uri, self.name, self.out_dir, self.env = run_storage_uri(storage, name), name, out_dir, env
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.arbiter = None
+        self.serving_since = 0.0
         self.load = None
         self.error: str | None = None
         self._thread: threading.Thread | None = None
+        # the arbiter and Serve's controller and proxy come up while the data is prepared (on a small
+        # machine they take tens of seconds); the app itself is deployed on training's first step
+        self._prestart = threading.Thread(target=self._prestart_run, name="serve-fillin-prestart", daemon=True)
+        self._prestart.start()
+
+    def _prestart_run(self) -> None:
+        import ray
+        from ray import serve
+
+        from spotfill.fillin.arbiter import ensure_arbiter
+        t = self.scenario.training
+        try:
+            self.arbiter = ensure_arbiter(self.scenario.cluster.gpu_resource, runtime_env={"env_vars": self.env},
+                                          state_path=os.path.join(self.out_dir, "arbiter", "state.json"))
+            ray.get(self.arbiter.register_job.remote(self.name, t.min_workers, t.max_workers, 1), timeout=30)
+            serve.start(http_options={"host": "127.0.0.1", "port": self.port, "location": "HeadOnly"})
+        except Exception as exc:  # noqa: BLE001 - reported, and the run is not ok
+            self.error = f"serve fill-in did not start: {type(exc).__name__}: {exc}"
+            log.exception("serve fill-in prestart failed")
+
+    def ready(self) -> None:
+        """Wait for the arbiter (training's start claims GPUs through it)."""
+        self._prestart.join(timeout=180)
 
     def start(self) -> None:
         """Deploy Serve and start the load, in the background (the timeline keeps firing meanwhile)."""
@@ -185,19 +218,18 @@ class ServeFillin:
             self._thread.start()
 
     def _start(self) -> None:
-        import socket
-
         from spotfill.fillin.load import ServeLoad
         from spotfill.fillin.local import deploy_serve
         spec = self.scenario.fillin.serve
         total = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes)
+        self.ready()
+        if self.error:
+            return
         try:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            out = deploy_serve(self.uri, port=port, dashboard_url=self.cluster.cluster.webui_url,
+            out = deploy_serve(self.uri, port=self.port, dashboard_url=self.cluster.cluster.webui_url,
                                gpu_resource=self.scenario.cluster.gpu_resource,
                                max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16)
+            self.serving_since = time.time()
             self.load = ServeLoad(out["url"], spec["load_rps"]).start()
             self.say(f"serve fill-in: generation app on {out['url']} (replicas only on GPUs training leaves "
                      f"spare), load {spec['load_rps']:g} requests/s")
@@ -205,12 +237,22 @@ class ServeFillin:
             self.error = f"serve fill-in did not start: {type(exc).__name__}: {exc}"
             log.exception("serve fill-in did not start")
 
+    def serving(self) -> bool:
+        """The app answers, the load runs, and the arbiter had SETTLE_S to lend the rest of the spare GPUs
+        (or Serve could not start: the timeline does not wait forever)."""
+        return self.error is not None or (self.load is not None and time.time() - self.serving_since >= SETTLE_S)
+
     def stop(self) -> dict:
+        self._prestart.join(timeout=180)
         if self._thread is not None:
-            self._thread.join(timeout=120)
+            self._thread.join(timeout=30)
         summary = self.load.stop() if self.load else {
             "requests": 0, "requests_ok": 0, "requests_failed": 0, "requests_rejected_503": 0, "p50_ms": None,
-            "p99_ms": None, "error": self.error or "training ended before serve fill-in started"}
+            "p99_ms": None}
+        if self.error:
+            summary["error"] = self.error
+        elif self.load is None:
+            summary["note"] = "training ended before the Serve app was up: no request was sent"
         self.say(f"serve fill-in: {summary['requests_ok']} ok, {summary['requests_rejected_503']} rejected with "
                  f"503, {summary['requests_failed']} failed; p50 {summary['p50_ms']} ms, p99 {summary['p99_ms']} ms")
         try:
@@ -247,7 +289,10 @@ def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
     return {"tag": tag, "step": int(manifest["step"]), "file": rel, "t": round(time.time(), 3)}
 
 
-def _drive(cluster, scenario: Scenario, job, s3, say, on_first_step=None) -> dict:
+def _drive(cluster, scenario: Scenario, job, s3, say, on_first_step=None, gate=None) -> dict:
+    """Run training and fire the timeline. `on_first_step` is called once training steps; while `gate()`
+    is false no timeline event fires (Serve fill-in: the timeline waits until Serve answers, so every node
+    event meets it running; an event whose trigger passed meanwhile fires as soon as it does)."""
     result: dict = {}
 
     def fit() -> None:
@@ -279,7 +324,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say, on_first_step=None) -> dic
             removals.remove((when, index, graceful))
             cluster.remove_node(index, graceful=graceful)
             say(f"node {index} is gone (deadline reached)")
-        for ev in list(pending):
+        for ev in list(pending) if gate is None or gate() else []:
             due = (ev.at_step is not None and step >= ev.at_step) or \
                   (ev.at is not None and first_step_t is not None and now - first_step_t >= ev.at)
             if not due:
