@@ -74,6 +74,8 @@ HOOKS = [
     (_state.GlobalState, "actor_table", ("actor_id",)),
     (_kv, "_internal_kv_get", ("key",)),
     (_kv, "_internal_kv_put", ("key", "value")),
+    (_kv, "_internal_kv_list", ("prefix",)),
+    (_kv, "_internal_kv_del", ("key",)),
     (_pg_cleaner, "is_actor_alive", ("actor_id", "timeout")),
     (_pg_cleaner.PlacementGroupCleaner, "__init__", ("controller_actor_id", "check_interval_s",
                                                      "get_actor_timeout_s", "stop_timeout")),
@@ -148,6 +150,15 @@ def kv_get(key: str) -> bytes | None:
 
 def kv_put(key: str, value: str) -> None:
     _kv._internal_kv_put(key, value, overwrite=True, namespace="spotfill")
+
+
+def kv_list(prefix: str) -> list[str]:
+    """Keys of the spotfill namespace that start with `prefix`."""
+    return [k.decode() if isinstance(k, bytes) else k for k in _kv._internal_kv_list(prefix, namespace="spotfill")]
+
+
+def kv_del(key: str) -> None:
+    _kv._internal_kv_del(key, namespace="spotfill")
 
 
 def gcs_actor_alive(actor_id: str, timeout=None) -> bool:

@@ -49,15 +49,28 @@ class _Tail:
         return new
 
 
-def _say(msg: str) -> None:
-    print(f"[spotfill demo] {msg}", file=sys.stderr, flush=True)
-
-
 def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, quiet: bool = False) -> dict:
+    """Run the scenario; unless `quiet`, show it live on stderr (telemetry.liveview: a panel on a TTY, one
+    line per event elsewhere) with the runner's own actions among the events."""
+    from spotfill.telemetry.liveview import LiveView
+
+    view = None if quiet else LiveView(sys.stderr, steps_target=scenario.training.steps)
+    if view is None:
+        return _run_scenario(scenario, out_dir, storage, None)
+    with view:
+        return _run_scenario(scenario, out_dir, storage, view)
+
+
+def _gpu_capacity(resource: str):
+    import ray
+    return ray.cluster_resources().get(resource, 0.0) if ray.is_initialized() else None
+
+
+def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view) -> dict:
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths, worker_env
     from spotfill.train.job import TrainingJob
 
-    say = (lambda m: None) if quiet else _say
+    say = (lambda m: None) if view is None else view.note
     if scenario.needs_controlled_storage() and storage:
         raise ConfigError("--storage", storage, reason="the scenario has a storage_outage event, which needs "
                           "the loopback S3 endpoint the runner starts itself", accepted="leave --storage out")
@@ -97,6 +110,10 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
         import ray
         ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level=logging.WARNING,
                  log_to_driver=False)
+        if view is not None:
+            view.capacity_fn = lambda: _gpu_capacity(scenario.cluster.gpu_resource)
+            import ray.data     # Ray Data's progress bars would draw over the live view
+            ray.data.DataContext.get_current().enable_progress_bars = False
         quiet_expected_node_deaths()
         from spotfill.train.prepare import prepare
         data_dir = os.path.join(out_dir, "data")
@@ -115,7 +132,7 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
         job_cfg.training = scenario.training
         job = TrainingJob(job_cfg, runtime_env={"env_vars": env})
         job.render_report = False          # rendered once below, with the scenario's sections
-        report = _drive(cluster, scenario, job, s3, say)
+        report = _drive(cluster, scenario, job, s3, say, view.feed if view is not None else None)
     finally:
         cluster.shutdown()
         if s3:
@@ -157,7 +174,7 @@ def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
     return {"tag": tag, "step": int(manifest["step"]), "file": rel, "t": round(time.time(), 3)}
 
 
-def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
+def _drive(cluster, scenario: Scenario, job, s3, say, feed=None) -> dict:
     result: dict = {}
 
     def fit() -> None:
@@ -176,12 +193,13 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
     corrupted: dict[int, dict] = {}
     first_step_t, step = None, 0
     while thread.is_alive():
-        for e in tail.poll():
+        new = tail.poll()
+        if feed is not None and new:
+            feed(new)
+        for e in new:
             if e["kind"] == "step":
                 step = e["step"]
                 first_step_t = first_step_t or e["t"]
-            elif e["kind"] in ("start", "resume"):
-                say(f"attempt {e['attempt']}: {e['kind']} at step {e['step']} on {e['world_size']} workers")
         now = time.time()
         for when, index, graceful in [r for r in removals if r[0] <= now]:
             removals.remove((when, index, graceful))
@@ -217,7 +235,9 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
             fired.append((ev, t))
         time.sleep(0.25)
     thread.join()
-    tail.poll()
+    new = tail.poll()
+    if feed is not None and new:
+        feed(new)
     events = tail.events
     report = dict(result.get("report") or job.report(error=result.get("error")))
     if "error" in result:
