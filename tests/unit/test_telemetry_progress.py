@@ -68,7 +68,7 @@ def test_tty_panel_renders_the_live_numbers():
     text = buf.getvalue()
     for part in ("spotfill · tiny · training", "30/40", "75%", "loss", "2.0000", "tokens/s", "2,048",
                  "MFU / HFU", "n/a (CPU)", "2 worker(s), attempt 0", "training 2", "idle 2",
-                 "data wait 10%", "forward backward 60%", "optimizer 20%", "collective wait 10%",
+                 "data wait 10%", "forward+backward 60%", "optimizer 20%", "collective wait 10%",
                  "last events", "job tiny started"):
         assert part in text, (part, text)
 
@@ -118,7 +118,7 @@ def test_snapshot_round_trip_and_status_text():
     assert "job tiny: training, attempt 1, 1 restart(s), last event 8s ago" in text
     assert "step 31/40 loss 1.9000 2,048 tokens/s world 1" in text
     assert "MFU n/a (CPU)" in text
-    assert "step split: data wait 20%, forward backward 60%, optimizer 20%, collective wait 0%" in text
+    assert "step split: data wait 20%, forward+backward 60%, optimizer 20%, collective wait 0%" in text
     assert "nodes (2 alive, 1 dead; GPUs 4: on-demand 0, spot 4):" in text
     assert "fill-in arbiter: none on this cluster" in text
     stale = live_jobs({"jobs/x": json.dumps(snap).encode()}, alive=lambda name: False)

@@ -70,14 +70,14 @@ def render(p: Progress, capacity: float | None = None):
     grid.add_row("GPUs", "  ".join(parts))
     shares = p.split_shares()
     if shares:
-        grid.add_row("step split", "  ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in shares.items())
+        grid.add_row("step split", "  ".join(f"{k} {v:.0%}" for k, v in shares.items())
                      + f"   ({p.split.get('step_s', 0) * 1e3:.1f} ms/step)")
     grid.add_row("checkpoints", f"{p.checkpoints} committed, last at step {p.last_checkpoint_step}, "
                                 f"last stall {_fmt(p.last_stall_s, '.3f')}s")
     events = Text()
-    for t, line in list(p.events):
-        events.append(f"{_clock(t)} ", style="dim")
-        events.append(line + "\n")
+    for i, (t, line) in enumerate(list(p.events)):
+        events.append(("\n" if i else "") + f"{_clock(t)} ", style="dim")
+        events.append(line)
     title = f"spotfill · {p.job} · {p.state}"
     return Panel(Group(grid, Text("last events", style="bold cyan"), events), title=title, title_align="left")
 

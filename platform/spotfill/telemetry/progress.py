@@ -19,6 +19,8 @@ from spotfill.telemetry.live import LiveMetrics
 
 STEP_LINE_EVERY_S = 10.0
 LAST_EVENTS = 8
+PHASE_NAMES = {"data_wait_s": "data wait", "forward_backward_s": "forward+backward", "optimizer_s": "optimizer",
+               "collective_wait_s": "collective wait"}
 NOTABLE_STATES = ("RESTARTING", "RESCHEDULING", "RESIZING", "ERRORED", "ABORTED")
 
 
@@ -176,8 +178,7 @@ class Progress:
         s = self.split.get("step_s")
         if not s:
             return {}
-        return {k[:-2]: self.split[k] / s for k in ("data_wait_s", "forward_backward_s", "optimizer_s",
-                                                   "collective_wait_s") if k in self.split}
+        return {PHASE_NAMES[k]: self.split[k] / s for k in PHASE_NAMES if k in self.split}
 
     def snapshot(self, capacity: float | None = None) -> dict:
         return {"job": self.job, "state": self.state, "step": self.step, "steps_target": self.steps_target,
@@ -224,7 +225,7 @@ class Progress:
         gpus = (f"GPUs: training {g.get('training', 0):g}, recovering {g.get('recovering', 0):g}"
                 + (f", fill-in {fill}" if fill else "") + (f", idle {g['idle']:g}" if "idle" in g else ""))
         shares = self.split_shares()
-        split = ", ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in shares.items())
+        split = ", ".join(f"{k} {v:.0%}" for k, v in shares.items())
         mfu = (f"MFU {self.mfu:.1%} HFU {self.hfu:.1%}" if self.mfu is not None
                else f"MFU n/a ({'no known GPU peak' if self.device not in (None, 'cpu') else 'CPU'})")
         nvml = (f", NVML util {self.gpu['gpu_util']:.0%} mem {self.gpu.get('gpu_mem_used_gb', 0):.1f} GB"
