@@ -158,3 +158,45 @@ def test_finish_line(kind):
     p.update({"t": 1.0, "kind": "step", "step": 3, "attempt": 0, "world_size": 1, "tokens": 1, "step_s": 1})
     assert p.update({"t": 2.0, "kind": kind, "ok": True}) == "training finished at step 3"
     assert p.state == "finished"
+
+
+def test_on_a_real_terminal_other_output_goes_to_the_console_log(tmp_path):
+    """A pseudo-terminal stands in for the user's: the panel draws there, while anything written to the
+    process's stdout/stderr descriptors (as a local Ray cluster's child processes do) lands in the log."""
+    import os
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    term = os.fdopen(slave, "w")
+    seen = bytearray()
+
+    def drain():
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            seen.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    log = tmp_path / "run" / "console.log"
+    try:
+        with LiveView(term, console_log=str(log)) as view:
+            assert view.tty
+            os.write(1, b"raylet noise on stdout\n")
+            os.write(2, b"deepspeed warning on stderr\n")
+            view.feed(run_events())
+        os.write(2, b"")                     # descriptors are back (a write to them works)
+    finally:
+        term.close()
+        reader.join(timeout=5)
+        os.close(master)
+    shown = seen.decode("utf-8", "replace")
+    assert "spotfill · tiny" in shown and "31/40" in shown
+    assert "raylet noise" not in shown and "deepspeed warning" not in shown
+    assert "other output of this run (Ray, libraries): " + str(log) in shown
+    assert log.read_text() == "raylet noise on stdout\ndeepspeed warning on stderr\n"

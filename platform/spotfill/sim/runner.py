@@ -54,7 +54,8 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
     line per event elsewhere) with the runner's own actions among the events."""
     from spotfill.telemetry.liveview import LiveView
 
-    view = None if quiet else LiveView(sys.stderr, steps_target=scenario.training.steps)
+    view = None if quiet else LiveView(sys.stderr, steps_target=scenario.training.steps, job=scenario.name,
+                                       console_log=os.path.join(os.path.abspath(out_dir), "console.log"))
     if view is None:
         return _run_scenario(scenario, out_dir, storage, None)
     with view:

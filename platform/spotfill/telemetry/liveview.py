@@ -4,7 +4,9 @@ On a TTY (and with `rich` installed) one panel redraws in place: step and progre
 MFU/HFU (or why not), world size, GPUs by state, the step's split, checkpoints, the last events. Anywhere
 else (CI, `ray job submit` logs, a pipe) it prints one plain line per notable event and a step line every
 few seconds (progress.Progress decides which). Ray's own output is not routed here: the callers start Ray
-with log_to_driver=False, so worker and raylet noise stays in Ray's log files.
+with log_to_driver=False, so worker and raylet noise stays in Ray's log files; and while the panel is up,
+whatever else this process or its children write to stdout/stderr (a local Ray cluster's processes started
+here, library warnings) goes to `console_log` instead of through the panel.
 
     with LiveView(sys.stderr) as view:          # tty detected from the stream
         view.feed(new_events); view.note("the demo drained node 1")
@@ -86,11 +88,13 @@ class LiveView:
     """Feeds events into a Progress and shows it: a rich panel on a TTY, plain lines elsewhere."""
 
     def __init__(self, stream=None, tty: bool | None = None, capacity: Callable[[], float | None] | None = None,
-                 steps_target: int | None = None):
+                 steps_target: int | None = None, job: str | None = None, console_log: str | None = None):
         self.stream = stream or sys.stderr
         is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.tty = (is_tty if tty is None else tty) and rich_available()
-        self.progress = Progress(steps_target=steps_target)
+        self.progress = Progress(steps_target=steps_target, job=job or "spotfill")
+        self.console_log = console_log
+        self._saved_fds: list[tuple[int, int]] = []
         self.capacity_fn, self._capacity, self._capacity_t = capacity, None, 0.0
         self._live = None
         self._lock = threading.Lock()
@@ -108,11 +112,35 @@ class LiveView:
         if self.tty:
             from rich.console import Console
             from rich.live import Live
-            console = Console(file=self.stream, force_terminal=True)
+            console = Console(file=self._terminal(), force_terminal=True)
             self._live = Live(render(self.progress), console=console, refresh_per_second=4,
                               redirect_stdout=False, redirect_stderr=False)
             self._live.start()
         return self
+
+    def _terminal(self):
+        """The stream the panel draws on. With a console_log and a real terminal: a duplicate of the
+        terminal's descriptor, and stdout/stderr (descriptors 1 and 2, inherited by child processes)
+        pointed at the log until the view closes, so nothing else scribbles over the panel."""
+        try:
+            fd = self.stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            return self.stream
+        if not self.console_log:
+            return self.stream
+        os.makedirs(os.path.dirname(os.path.abspath(self.console_log)), exist_ok=True)
+        terminal = os.fdopen(os.dup(fd), "w", buffering=1, encoding=getattr(self.stream, "encoding", None))
+        log_fd = os.open(self.console_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for std in (sys.stdout, sys.stderr):
+            try:
+                std.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        for target in (1, 2):
+            self._saved_fds.append((target, os.dup(target)))
+            os.dup2(log_fd, target)
+        os.close(log_fd)
+        return terminal
 
     def __exit__(self, *exc) -> None:
         with self._lock:
@@ -120,6 +148,19 @@ class LiveView:
                 self._live.update(render(self.progress, self.capacity()), refresh=True)
                 self._live.stop()
                 self._live = None
+            if self._saved_fds:
+                for std in (sys.stdout, sys.stderr):
+                    try:
+                        std.flush()
+                    except (AttributeError, OSError, ValueError):
+                        pass
+                for target, saved in self._saved_fds:
+                    os.dup2(saved, target)
+                    os.close(saved)
+                self._saved_fds = []
+                if self.console_log and os.path.getsize(self.console_log) > 0:
+                    print(plain_line(time.time(), f"other output of this run (Ray, libraries): {self.console_log}"),
+                          file=self.stream, flush=True)
 
     def _show(self, t: float | None, line: str | None) -> None:
         if self._live is not None:

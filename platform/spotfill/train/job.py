@@ -191,7 +191,8 @@ class TrainingJob:
 
         resource = self.config.cluster.gpu_resource
         view = LiveView(sys.stderr, capacity=lambda: ray.cluster_resources().get(resource),
-                        steps_target=self.config.training.steps).__enter__()
+                        steps_target=self.config.training.steps, job=self.config.name,
+                        console_log=os.path.join(self.run_dir, "console.log")).__enter__()
         return view, EventFollower(self.events_path, view, offset=offset).start()
 
     def report(self, verdict: dict | None = None, error: str | None = None) -> dict:
