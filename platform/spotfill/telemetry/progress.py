@@ -61,9 +61,12 @@ class Progress:
     _group_first_step: bool = True
 
     # -- folding events in ------------------------------------------------------------------------
-    def update(self, e: dict) -> str | None:
+    def update(self, e: dict, fold_live: bool = True) -> str | None:
+        """Fold `e` in; `fold_live=False` when `self.live` is shared with a caller that already folded it
+        (the event sink shares the Prometheus exporter's)."""
         kind, t = e.get("kind"), e.get("t")
-        self.live.update(e)
+        if fold_live:
+            self.live.update(e)
         if t is not None:
             self.updated = max(self.updated or t, t)
         line = self._line(kind, e)

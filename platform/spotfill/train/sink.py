@@ -30,8 +30,10 @@ PUBLISH_NOW = ("job_start", "attempt", "start", "resume", "planned_exit", "check
 class EventSink:
     def __init__(self, path: str, max_failures: int, live_key: str | None = None, run_dir: str | None = None):
         from spotfill.telemetry.progress import Progress
+        from spotfill.telemetry.prometheus import exporter
 
-        self._progress, self._live_key, self._run_dir = Progress(), live_key, run_dir
+        # the live numbers share the exporter's GPU-seconds attribution (folded once per event, by record)
+        self._progress, self._live_key, self._run_dir = Progress(live=exporter().live), live_key, run_dir
         self._published = 0.0
         self._log = EventLog(path, on_event=self._observe)
         self._attempt = -1
@@ -50,7 +52,7 @@ class EventSink:
         record(event)
         if self._live_key is None:
             return
-        self._progress.update(event)
+        self._progress.update(event, fold_live=False)
         now = time.monotonic()
         if event.get("kind") in PUBLISH_NOW or now - self._published >= PUBLISH_EVERY_S:
             self._published = now
