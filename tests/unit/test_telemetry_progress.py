@@ -120,6 +120,8 @@ def test_snapshot_round_trip_and_status_text():
     assert "MFU n/a (CPU)" in text
     assert "step split: data wait 20%, forward+backward 60%, optimizer 20%, collective wait 0%" in text
     assert "nodes (2 alive, 1 dead; GPUs 4: on-demand 0, spot 4):" in text
+    # GPU-seconds so far, attributed like the Prometheus counter: 30 steps x 0.5 s x 2 GPUs + step 31 on 1
+    assert "GPU-seconds so far: " in text and "training 30.5" in text
     assert "fill-in arbiter: none on this cluster" in text
     stale = live_jobs({"jobs/x": json.dumps(snap).encode()}, alive=lambda name: False)
     assert "[STALE" in render({"live_jobs": stale, "cluster_nodes": [], "arbiter": False}, now=1030.0)

@@ -150,7 +150,8 @@ def render_live(jobs: list[dict], nodes: list[dict], now: float | None = None) -
     for n in nodes:
         lines.append(f"  {str(n['id'])[:12]:<14}{'alive' if n['alive'] else 'dead':<7}"
                      f"{(n['market'] or 'market ?'):<11}{n['gpus']:>5g} GPU {n['cpus']:>5g} CPU"
-                     f"{'  head' if n['head'] else ''}{'  ' + n['role'] if n.get('role') else ''}")
+                     f"{'  head' if n['head'] else ''}"
+                     f"{'  ' + n['role'] if n.get('role') and n['role'] != 'head' else ''}")
     return "\n".join(lines)
 
 

@@ -242,4 +242,7 @@ class Progress:
             lines.append(f"  step split: {split}")
         lines.append(f"  checkpoints: {self.checkpoints} committed, last at step {self.last_checkpoint_step}, "
                      f"last stall {_fmt(self.last_stall_s, '.3f')}s")
+        gs = self.gpu_seconds()
+        if gs:
+            lines.append("  GPU-seconds so far: " + ", ".join(f"{k} {v:,.1f}" for k, v in sorted(gs.items())))
         return lines
