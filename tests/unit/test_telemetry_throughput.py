@@ -96,3 +96,10 @@ def test_catalogue_names():
     assert tp.catalogue_name("NVIDIA L40S") == "l40s"
     assert tp.catalogue_name("NVIDIA L4") == "l4"
     assert tp.catalogue_name("NVIDIA B200") == "b200"
+
+
+def test_phases_the_device_could_not_time_are_absent_not_guessed():
+    s = tp.split_step(0.1, 0.01, None, None)
+    assert (s.forward_backward_s, s.optimizer_s, s.collective_wait_s) == (None, None, None)
+    assert s.as_event()["compute_s"] == pytest.approx(0.09)
+    assert tp.split_totals([s.as_event(), tp.split_step(0.1, 0.0, 0.05, 0.05).as_event()])["optimizer_s"] == 0.05

@@ -146,7 +146,7 @@ def _lineage_step_sums(events: list[dict], gpw: int) -> dict:
             sums["data_wait"] += e.get("data_wait_s", 0.0) * g
             sums["forward_backward"] += (e.get("forward_backward_s") or 0.0) * g
             sums["optimizer"] += (e.get("optimizer_s") or 0.0) * g
-            if "collective_wait_s" in e:
+            if e.get("collective_wait_s") is not None:
                 sums["collective_measured"] = True
                 sums["collective"] += e["collective_wait_s"] * g
     return sums

@@ -86,9 +86,9 @@ def utilization(tokens: float, seconds: float, flops_per_tok: float | None, gpus
 class StepSplit:
     step_s: float
     data_wait_s: float
-    forward_backward_s: float
-    optimizer_s: float
-    collective_wait_s: float        # the rest: the step's collective, where ranks wait for the slowest
+    forward_backward_s: float | None        # None: the device could not time the phases
+    optimizer_s: float | None
+    collective_wait_s: float | None         # the rest: the step's collective, where ranks wait for the slowest
 
     def as_event(self) -> dict:
         return {"step_s": self.step_s, "data_wait_s": self.data_wait_s,
@@ -96,13 +96,16 @@ class StepSplit:
                 "optimizer_s": self.optimizer_s, "collective_wait_s": self.collective_wait_s}
 
 
-def split_step(step_s: float, data_wait_s: float, forward_backward_s: float, optimizer_s: float) -> StepSplit:
+def split_step(step_s: float, data_wait_s: float, forward_backward_s: float | None,
+               optimizer_s: float | None) -> StepSplit:
     """The step's wall time split so the parts add up to it. Forward+backward and optimizer are measured
     (host timers on a CPU, CUDA events on a GPU, where the host runs ahead of the device); collective wait
     is what remains: the step's gather of every rank's flags -- where a rank waits for the slowest one --
     and the host sync that ends the step. Measured parts that overrun the wall time (clock skew between
     device events and host timers) are scaled down to fit, leaving no collective wait."""
     data_wait_s = min(max(0.0, data_wait_s), step_s)
+    if forward_backward_s is None or optimizer_s is None:
+        return StepSplit(step_s, data_wait_s, None, None, None)
     fb, opt = max(0.0, forward_backward_s), max(0.0, optimizer_s)
     room = step_s - data_wait_s
     if fb + opt > room:
