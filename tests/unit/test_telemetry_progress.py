@@ -95,6 +95,8 @@ def test_gpus_by_state_follow_the_group_and_leases():
     assert sum(g["fillin"].values()) == 1 and g["idle"] == 2
     p.update({"t": 1011.0, "kind": "planned_exit", "attempt": 0, "step": 8, "reason": "grow"})
     assert p.gpus_by_state()["recovering"] == 2 and p.state == "recovering"
+    p.update({"t": 1012.0, "kind": "attempt", "attempt": 1, "world_size": 3, "cause": "planned: grow"})
+    assert p.world_size == 3 and p.restarts == 1
 
 
 def test_snapshot_round_trip_and_status_text():

@@ -92,6 +92,7 @@ class Progress:
             if (e.get("attempt") or 0) > 0:
                 self.restarts += 1
                 self.state = "recovering"
+                self.world_size = int(e.get("world_size") or self.world_size)   # the group being started
                 return f"restart {e.get('attempt')} on {e.get('world_size')} workers: {e.get('cause', 'cause unknown')}"
             return None
         if kind in ("start", "resume"):
