@@ -39,13 +39,19 @@ def cluster(tmp_path_factory):
     import ray
 
     from spotfill.config.job import PrepareConfig, from_mapping
-    from spotfill.sim.cluster import LOOPBACK_NODE, EmbeddedCluster, worker_env
+    from ray.cluster_utils import Cluster
+
+    from spotfill.ray_compat import single_host_loopback
+    from spotfill.sim.cluster import FAST_FAILURE_DETECTION, LOOPBACK_NODE, worker_env
     from spotfill.train.prepare import prepare
 
-    c = EmbeddedCluster("GPU_SLOT", head_cpus=1)
+    # the embedded cluster's layout without its dashboard (nothing here needs it; its fixed port may be taken)
+    before = single_host_loopback(True)
+    c = Cluster(initialize_head=True, head_node_args={**LOOPBACK_NODE, "num_cpus": 1, "include_dashboard": False,
+                                                      "_system_config": FAST_FAILURE_DETECTION})
     try:
-        c.cluster.add_node(**LOOPBACK_NODE, num_cpus=2, resources={"GPU_SLOT": 2},
-                           labels={"spotfill.io/market-type": "spot", "spotfill.io/role": "gpu-worker"})
+        c.add_node(**LOOPBACK_NODE, num_cpus=2, resources={"GPU_SLOT": 2},
+                   labels={"spotfill.io/market-type": "spot", "spotfill.io/role": "gpu-worker"})
         ray.init(address=c.address, runtime_env={"env_vars": worker_env()}, log_to_driver=False,
                  logging_level="WARNING")
         data = str(tmp_path_factory.mktemp("data"))
@@ -53,7 +59,9 @@ def cluster(tmp_path_factory):
                                              "seq_len": 64, "suffixes": [".py"]}))
         yield c, data
     finally:
+        ray.shutdown()
         c.shutdown()
+        single_host_loopback(before)
 
 
 def _status(address: str, *extra: str) -> subprocess.CompletedProcess:

@@ -39,6 +39,10 @@ def _table(head: list[str], rows: list[list[str]], left: int = 1) -> str:
     return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _no_peak(tr: dict) -> str:
+    return "n/a (CPU)" if tr.get("devices") == ["cpu"] else "n/a (no known GPU peak)"
+
+
 def _kpis(s: dict) -> str:
     tr = s.get("training") or {}
     items = [("goodput", _pct(s.get("goodput"))),
@@ -47,8 +51,8 @@ def _kpis(s: dict) -> str:
              ("steps", f'{_e(tr.get("steps_completed", "?"))}/{_e(tr.get("steps_target", "?"))}'),
              ("final loss", _num(tr.get("final_loss"), 4)),
              ("tokens/s", _num(tr.get("tokens_per_s"))),
-             ("MFU", _pct(tr.get("mfu")) if tr.get("mfu") is not None else "n/a (no known GPU peak)"),
-             ("HFU", _pct(tr.get("hfu")) if tr.get("hfu") is not None else "n/a (no known GPU peak)"),
+             ("MFU", _pct(tr.get("mfu")) if tr.get("mfu") is not None else _no_peak(tr)),
+             ("HFU", _pct(tr.get("hfu")) if tr.get("hfu") is not None else _no_peak(tr)),
              ("GPU util (NVML)", _pct((tr.get("gpu_metrics") or {}).get("gpu_util_mean"))
               if tr.get("gpu_metrics") else "n/a (no NVML)"),
              ("wall time", f'{_num(s["ledger"]["wall_s"])} s')]
