@@ -86,6 +86,7 @@ class TrainingJob:
         from spotfill.train.elastic import SpotfillTorchTrainer
         from spotfill.fillin.training_hook import training_callbacks
         from spotfill.train.sink import RestartCauseCallback
+        from spotfill.train.teardown import UnreachableWorkerReaper
 
         from spotfill.train.worker_loop import train_loop_per_worker
 
@@ -114,7 +115,10 @@ class TrainingJob:
                                                                  **self.runtime_env.get("env_vars", {})})},
                 # every controller state change (failures it saw, sizes it chose) into events.jsonl
                 # and, on a cluster with fill-in, claim the GPUs first (a missing arbiter never blocks)
-                callbacks=[RestartCauseCallback(sink_name, namespace), *(training_callbacks(cfg) if spotfill else [])],
+                # and, on spotfill runs, a teardown that does not wait on workers of a dead node
+                callbacks=[RestartCauseCallback(sink_name, namespace),
+                           *([UnreachableWorkerReaper(sink_name, namespace), *training_callbacks(cfg)]
+                             if spotfill else [])],
             ),
         )
 
