@@ -122,6 +122,12 @@ class TrainingJob:
             ),
         )
 
+    def _first_attempt(self) -> int:
+        """Attempt numbers continue past those in the checkpoint store (a second fit() over it)."""
+        from spotfill.storage.base import open_storage
+        from spotfill.storage.checkpoint_store import CheckpointStore
+        return CheckpointStore(open_storage(self.config.storage).child(self.config.name)).next_attempt()
+
     def fit(self) -> dict:
         """Run to completion; returns the report dict (also written to RUN_DIR/report.json)."""
         import ray
@@ -139,7 +145,7 @@ class TrainingJob:
             name=sink_name, namespace=namespace,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                soft=False),
-        ).remote(self.events_path, self.config.training.max_failures)
+        ).remote(self.events_path, self.config.training.max_failures, self._first_attempt())
         ray.get(sink.event.remote("job_start", name=self.config.name, steps=self.config.training.steps,
                                   global_batch=self.config.training.global_batch,
                                   workers=self.config.training.workers, dataset_samples=manifest["num_samples"]))
