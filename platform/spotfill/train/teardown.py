@@ -23,7 +23,8 @@ from spotfill.ray_compat import WorkerGroupCallback, unreachable_workers
 
 log = logging.getLogger(__name__)
 
-PROBE_S = 0.5     # a live worker answers a metadata call in milliseconds, even mid-step (its own thread)
+PROBE_S = 0.3     # a live worker answers a metadata call in milliseconds, even mid-step (its own thread);
+                  # a slow one reaped by mistake only skips its graceful shutdown: the group is going anyway
 
 
 class UnreachableWorkerReaper(WorkerGroupCallback):
