@@ -204,3 +204,13 @@ def test_on_a_real_terminal_other_output_goes_to_the_console_log(tmp_path):
     assert "raylet noise" not in shown and "deepspeed warning" not in shown
     assert "other output of this run (Ray, libraries): " + str(log) in shown
     assert log.read_text() == "raylet noise on stdout\ndeepspeed warning on stderr\n"
+
+
+def test_a_second_run_over_the_same_store_starts_at_a_later_attempt_without_a_restart():
+    p = Progress()
+    assert p.update({"t": 1.0, "kind": "attempt", "attempt": 3, "world_size": 2, "cause": "first start",
+                     "earlier_attempts": 3}) is None
+    assert p.restarts == 0 and p.attempt == 3
+    assert p.update({"t": 2.0, "kind": "attempt", "attempt": 4, "world_size": 1,
+                     "cause": "unplanned: node died"}) == "restart 4 on 1 workers: unplanned: node died"
+    assert p.restarts == 1

@@ -88,8 +88,10 @@ class Progress:
         if kind == "step":
             return self._step(e)
         if kind == "attempt":
+            # a run's first group may not be attempt 0 (numbering continues over one checkpoint store)
+            restart = self.attempt is not None and e.get("cause") != "first start"
             self.attempt = e.get("attempt")
-            if (e.get("attempt") or 0) > 0:
+            if restart:
                 self.restarts += 1
                 self.state = "recovering"
                 self.world_size = int(e.get("world_size") or self.world_size)   # the group being started
