@@ -92,3 +92,11 @@ def test_step_split_and_nvml_gauges():
     assert g["spotfill_collective_wait_fraction"] == 0.1 and g["spotfill_data_wait_fraction"] == 0.1
     assert g["spotfill_gpu_utilization"] == 0.97 and g["spotfill_gpu_memory_used_bytes"] == 12.5e9
     assert "spotfill_mfu" not in g          # null on a CPU: no series rather than a made-up zero
+
+
+def test_a_later_runs_first_group_is_not_a_restart():
+    lm = LiveMetrics(job="j")
+    u = lm.update({"t": 1.0, "kind": "attempt", "attempt": 3, "world_size": 1, "cause": "first start"})
+    assert not [k for k in u.counters if k[0] == "spotfill_restarts_total"]
+    u = lm.update({"t": 2.0, "kind": "attempt", "attempt": 4, "world_size": 1, "cause": "planned: grow"})
+    assert [k for k in u.counters if k[0] == "spotfill_restarts_total"]

@@ -123,7 +123,8 @@ class LiveMetrics:
             for k in ("restore_prep_s", "load_s", "startup_s"):
                 if e.get(k) is not None:
                     g[(f"spotfill_restore_{k[:-2]}_seconds", tags)] = e[k]
-        elif kind == "attempt" and e.get("attempt", 0) > 0:
+        elif kind == "attempt" and e.get("attempt", 0) > 0 and e.get("cause") != "first start":
+            # (a run's first group can carry a later attempt number: numbering continues over one store)
             c[("spotfill_restarts_total", self._tags(cause=str(e.get("cause", "unknown"))[:60]))] = 1.0
         elif kind == "planned_exit":
             c[("spotfill_planned_exits_total", self._tags(reason=e.get("reason", "unknown")))] = 1.0
