@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
@@ -20,22 +19,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `spotfil
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import emit, free_port, quiet_deepspeed, rnd, scoped_env  # noqa: E402
-
-
-def catalogue_name(device_name: str) -> str | None:
-    """The spotfill.planning.hardware catalogue entry for a CUDA device name ("NVIDIA H100 80GB HBM3" -> h100-80gb)."""
-    n = device_name.lower()
-    rules = [("h200", "h200"), ("b200", "b200"), ("l40s", "l40s"), ("a10g", "a10g"), ("a6000", "a6000")]
-    for key, name in rules:
-        if key in n:
-            return name
-    if "h100" in n:
-        return "h100-pcie" if "pcie" in n else "h100-80gb"
-    if "a100" in n:
-        return "a100-40gb" if "40gb" in n else "a100-80gb"
-    if re.search(r"\bl4\b", n):
-        return "l4"
-    return None
+from spotfill.telemetry.throughput import catalogue_name  # noqa: E402,F401 (the device -> catalogue rule)
 
 
 def train_throughput(preset: str, device: str, precision: str, steps: int, warmup: int = 3,

@@ -10,7 +10,8 @@ Config file: spotfill.config.job.JobConfig as YAML (unknown keys are rejected):
     training: {model: tiny, workers: [1, 2], steps: 20, global_batch: 16, checkpoint_every: 5, ...}
     cluster: {gpu_resource: GPU_SLOT, gpus_per_worker: 1, cpus_per_worker: 1}
 Flags override the file: --steps, --storage, --run-dir, --data, --name. Use absolute paths or s3:// URIs:
-inside a Ray job the cwd is a temporary copy of the working dir. Prints one JSON summary line on stdout.
+inside a Ray job the cwd is a temporary copy of the working dir. Prints one JSON summary line on stdout;
+progress goes to stderr: a live panel on a terminal, one line per event otherwise (--no-progress: none).
 Exit codes: 0 done; 1 the job ran and failed (report.json says why); 2 bad usage/config/input.
 """
 import os
@@ -36,7 +37,7 @@ def main(args) -> dict:
     from spotfill.train.job import TrainingJob, ray_train_env
 
     env = jobkit.runtime_env(ray_train_env())
-    job = TrainingJob(cfg, runtime_env=env)
+    job = TrainingJob(cfg, runtime_env=env, live=not args.no_progress)
     # Config, storage, dataset and model first; then (connected to Ray with `env`) the cluster's resources.
     job.validate()                      # ConfigError (exit 2) in seconds, before any worker starts
     report = job.fit()                  # JobFailed (exit 1) when training did not finish
@@ -55,6 +56,7 @@ def build_parser():
     ap.add_argument("--run-dir", metavar="DIR", help="override run_dir (report.json, events.jsonl)")
     ap.add_argument("--data", metavar="URI", help="override data.path (prepared shards)")
     ap.add_argument("--name", help="override name")
+    ap.add_argument("--no-progress", action="store_true", help="no live progress on stderr")
     return ap
 
 

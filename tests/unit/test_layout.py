@@ -14,6 +14,8 @@ PURE = [
     "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets", "spotfill.sim.scenario",
     "spotfill.sim.outcomes", "spotfill.config", "spotfill.telemetry.ledger", "spotfill.telemetry.diagnosis",
     "spotfill.telemetry.html", "spotfill.telemetry.report", "spotfill.telemetry.live",
+    "spotfill.telemetry.throughput", "spotfill.telemetry.progress", "spotfill.telemetry.liveview",
+    "spotfill.telemetry.nvml", "spotfill.train.summary", "spotfill.cli.status",
     "spotfill.storage.lineage", "spotfill.train.preflight", "spotfill.train.step_policy",
     "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.train.opcache",
     "spotfill.fillin.policy", "spotfill.fillin.journal",

@@ -37,10 +37,14 @@ def test_collective_wait_counted_when_measured():
     ev = hard_loss_log()
     for e in ev:
         if e["kind"] == "step":
-            e["collective_wait_s"] = 0.25
+            # the worker's split of each 2 s step: 0.5 data wait, 1.0 forward+backward, 0.25 optimizer, 0.25 rest
+            e.update(collective_wait_s=0.25, forward_backward_s=1.0, optimizer_s=0.25)
     findings = {f.cause: f for f in diagnose(ev, compute_ledger(ev, NODES))}
     assert findings["collective_wait"].gpu_seconds == pytest.approx(5 * 0.25 * 4 + 5 * 0.25 * 2)   # 7.5
     assert "straggler" in findings["collective_wait"].remedy
+    assert findings["collective_wait"].evidence == {"collective_wait_share_of_step": 0.125,
+                                                    "forward_backward_share_of_step": 0.5,
+                                                    "optimizer_share_of_step": 0.125}
 
 
 def test_recovery_phases_from_controller_and_resume_events():

@@ -79,3 +79,24 @@ def test_grafana_dashboard_uses_only_exported_series():
     assert used and used <= set(METRICS), used - set(METRICS)
     assert {"spotfill_gpu_seconds_total", "spotfill_training_step", "spotfill_tokens_per_second",
             "spotfill_world_size", "spotfill_checkpoint_stall_seconds"} <= used
+
+
+def test_step_split_and_nvml_gauges():
+    lm = LiveMetrics(job="j")
+    lm.update({"t": 1.0, "kind": "job_start", "name": "j"})
+    u = lm.update({"t": 2.0, "kind": "step", "step": 1, "attempt": 0, "world_size": 1, "tokens": 100,
+                   "step_s": 0.5, "data_wait_s": 0.05, "forward_backward_s": 0.3, "optimizer_s": 0.1,
+                   "collective_wait_s": 0.05, "mfu": None, "gpu_util": 0.97, "gpu_mem_used_gb": 12.5})
+    g = {name: v for (name, _tags), v in u.gauges.items()}
+    assert g["spotfill_forward_backward_fraction"] == 0.6 and g["spotfill_optimizer_fraction"] == 0.2
+    assert g["spotfill_collective_wait_fraction"] == 0.1 and g["spotfill_data_wait_fraction"] == 0.1
+    assert g["spotfill_gpu_utilization"] == 0.97 and g["spotfill_gpu_memory_used_bytes"] == 12.5e9
+    assert "spotfill_mfu" not in g          # null on a CPU: no series rather than a made-up zero
+
+
+def test_a_later_runs_first_group_is_not_a_restart():
+    lm = LiveMetrics(job="j")
+    u = lm.update({"t": 1.0, "kind": "attempt", "attempt": 3, "world_size": 1, "cause": "first start"})
+    assert not [k for k in u.counters if k[0] == "spotfill_restarts_total"]
+    u = lm.update({"t": 2.0, "kind": "attempt", "attempt": 4, "world_size": 1, "cause": "planned: grow"})
+    assert [k for k in u.counters if k[0] == "spotfill_restarts_total"]

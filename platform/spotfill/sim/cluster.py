@@ -25,6 +25,20 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_
                           "health_check_timeout_ms": 1000}
 
 
+def dashboard_port(preferred: int = 8265) -> int:
+    """Ray's usual dashboard port when it is free on 127.0.0.1, else any free one: Ray refuses to start a
+    head whose dashboard port is taken (another local cluster, a dashboard left behind)."""
+    import socket
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+                return s.getsockname()[1]
+            except OSError:
+                continue
+    return preferred
+
+
 class EmbeddedCluster:
     def __init__(self, gpu_resource: str = "GPU_SLOT", head_cpus: int = 2,
                  system_config: dict | None = None):
@@ -40,8 +54,7 @@ class EmbeddedCluster:
         self._env_before = {k: os.environ.get(k) for k in LOOPBACK_CLIENT_ENV}
         os.environ.update(LOOPBACK_CLIENT_ENV)
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            # a free dashboard port: Ray's default 8265 is taken by any other cluster on this machine
-            **LOOPBACK_NODE, **HEAD_DASHBOARD, "dashboard_port": _free_port(), "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
+            **LOOPBACK_NODE, **HEAD_DASHBOARD, "dashboard_port": dashboard_port(), "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
         self.node_ids: list[str] = []
 
@@ -90,13 +103,6 @@ class EmbeddedCluster:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def quiet_expected_node_deaths() -> None:

@@ -50,19 +50,32 @@ class _Tail:
         return new
 
 
-def _say(msg: str) -> None:
-    print(f"[spotfill demo] {msg}", file=sys.stderr, flush=True)
-
-
 def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, quiet: bool = False,
                  wait_for_fillin: bool = False) -> dict:
-    """Run `scenario` on a fresh embedded cluster; returns report.json's dict. `wait_for_fillin` (tests and
+    """Run the scenario; unless `quiet`, show it live on stderr (telemetry.liveview: a panel on a TTY, one
+    line per event elsewhere) with the runner's own actions among the events. `wait_for_fillin` (tests and
     benchmarks): with Serve fill-in, no timeline event fires until Serve answers and had SETTLE_S to take
     the spare GPUs, so node events meet it running whatever this machine's speed."""
+    from spotfill.telemetry.liveview import LiveView
+
+    view = None if quiet else LiveView(sys.stderr, steps_target=scenario.training.steps, job=scenario.name,
+                                       console_log=os.path.join(os.path.abspath(out_dir), "console.log"))
+    if view is None:
+        return _run_scenario(scenario, out_dir, storage, None, wait_for_fillin)
+    with view:
+        return _run_scenario(scenario, out_dir, storage, view, wait_for_fillin)
+
+
+def _gpu_capacity(resource: str):
+    import ray
+    return ray.cluster_resources().get(resource, 0.0) if ray.is_initialized() else None
+
+
+def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, wait_for_fillin: bool = False) -> dict:
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths, worker_env
     from spotfill.train.job import TrainingJob
 
-    say = (lambda m: None) if quiet else _say
+    say = (lambda m: None) if view is None else view.note
     if scenario.needs_controlled_storage() and storage:
         raise ConfigError("--storage", storage, reason="the scenario has a storage_outage event, which needs "
                           "the loopback S3 endpoint the runner starts itself", accepted="leave --storage out")
@@ -107,6 +120,10 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
         import ray
         ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level=logging.WARNING,
                  log_to_driver=False)
+        if view is not None:
+            view.capacity_fn = lambda: _gpu_capacity(scenario.cluster.gpu_resource)
+            import ray.data     # Ray Data's progress bars would draw over the live view
+            ray.data.DataContext.get_current().enable_progress_bars = False
         quiet_expected_node_deaths()
         name = scenario.name.replace(".", "-")
         if serve_on:
@@ -131,7 +148,8 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
         if fillin:
             fillin.ready()
         try:
-            report = _drive(cluster, scenario, job, s3, say, on_first_step=fillin.start if fillin else None,
+            report = _drive(cluster, scenario, job, s3, say, view.feed if view is not None else None,
+                            on_first_step=fillin.start if fillin else None,
                             gate=fillin.serving if fillin and wait_for_fillin else None)
         finally:
             serve_report = fillin.stop() if fillin else None
@@ -289,7 +307,7 @@ def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
     return {"tag": tag, "step": int(manifest["step"]), "file": rel, "t": round(time.time(), 3)}
 
 
-def _drive(cluster, scenario: Scenario, job, s3, say, on_first_step=None, gate=None) -> dict:
+def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=None, gate=None) -> dict:
     """Run training and fire the timeline. `on_first_step` is called once training steps; while `gate()`
     is false no timeline event fires (Serve fill-in: the timeline waits until Serve answers, so every node
     event meets it running; an event whose trigger passed meanwhile fires as soon as it does)."""
@@ -311,14 +329,15 @@ def _drive(cluster, scenario: Scenario, job, s3, say, on_first_step=None, gate=N
     corrupted: dict[int, dict] = {}
     first_step_t, step = None, 0
     while thread.is_alive():
-        for e in tail.poll():
+        new = tail.poll()
+        if feed is not None and new:
+            feed(new)
+        for e in new:
             if e["kind"] == "step":
                 step = e["step"]
                 if first_step_t is None and on_first_step is not None:
                     on_first_step()
                 first_step_t = first_step_t or e["t"]
-            elif e["kind"] in ("start", "resume"):
-                say(f"attempt {e['attempt']}: {e['kind']} at step {e['step']} on {e['world_size']} workers")
         now = time.time()
         for when, index, graceful in [r for r in removals if r[0] <= now]:
             removals.remove((when, index, graceful))
@@ -354,7 +373,9 @@ def _drive(cluster, scenario: Scenario, job, s3, say, on_first_step=None, gate=N
             fired.append((ev, t))
         time.sleep(0.25)
     thread.join()
-    tail.poll()
+    new = tail.poll()
+    if feed is not None and new:
+        feed(new)
     events = tail.events
     report = dict(result.get("report") or job.report(error=result.get("error")))
     if "error" in result:
@@ -365,8 +386,10 @@ def _drive(cluster, scenario: Scenario, job, s3, say, on_first_step=None, gate=N
         if ev.action in ("drain_node", "kill_node", "remove_node"):
             out = node_event_outcome(events, t, ev.deadline_s if ev.action != "kill_node" else None)
             entry.update(out)
+            entry["node_id"] = cluster.node_ids[ev.node]
             report["preemptions"].append({"kind": "hard" if ev.action == "kill_node" else "announced",
-                                          "action": ev.action, "node": ev.node, "at": round(t, 3), **out})
+                                          "action": ev.action, "node": ev.node, "node_id": entry["node_id"],
+                                          "at": round(t, 3), **out})
         elif ev.action == "add_node":
             entry.update(grow_outcome(events, t))
         elif ev.action == "corrupt_checkpoint":

@@ -136,14 +136,17 @@ def _one_recovery(a: int, rec: dict, prev: dict, began_t: float, faults: list[fl
 
 def _lineage_step_sums(events: list[dict], gpw: int) -> dict:
     keep = lineage_keys(events)
-    sums = {"step": 0.0, "data_wait": 0.0, "collective": 0.0, "steps": 0, "collective_measured": False}
+    sums = {"step": 0.0, "data_wait": 0.0, "collective": 0.0, "forward_backward": 0.0, "optimizer": 0.0,
+            "steps": 0, "collective_measured": False}
     for e in events:
         if e["kind"] == "step" and (e["attempt"], e["step"]) in keep:
             g = e.get("world_size", 1) * gpw
             sums["steps"] += 1
             sums["step"] += e.get("step_s", 0.0) * g
             sums["data_wait"] += e.get("data_wait_s", 0.0) * g
-            if "collective_wait_s" in e:
+            sums["forward_backward"] += (e.get("forward_backward_s") or 0.0) * g
+            sums["optimizer"] += (e.get("optimizer_s") or 0.0) * g
+            if e.get("collective_wait_s") is not None:
                 sums["collective_measured"] = True
                 sums["collective"] += e["collective_wait_s"] * g
     return sums
@@ -193,7 +196,11 @@ def diagnose(events: list[dict], ledger: Ledger, recoveries: list[Recovery] | No
               f"{f' (now {prefetch})' if prefetch else ''}, use more loader workers or faster/closer storage"))
     if sums["collective_measured"]:
         share = sums["collective"] / step_s
-        f.append(("collective_wait", sums["collective"], {"collective_wait_share_of_step": round(share, 4)},
+        f.append(("collective_wait", sums["collective"], {"collective_wait_share_of_step": round(share, 4),
+                                                          "forward_backward_share_of_step":
+                                                              round(sums["forward_backward"] / step_s, 4),
+                                                          "optimizer_share_of_step":
+                                                              round(sums["optimizer"] / step_s, 4)},
                   f"collective wait {share:.0%} of step time: look for a straggler node (slowest rank), "
                   "raise gradient accumulation so all-reduces are rarer, or overlap communication"))
     f.append(("step_overhead", overhead, {"loop_s_outside_steps_gpu_s": round(overhead, 3)},

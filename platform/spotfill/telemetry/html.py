@@ -39,6 +39,10 @@ def _table(head: list[str], rows: list[list[str]], left: int = 1) -> str:
     return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _no_peak(tr: dict) -> str:
+    return "n/a (CPU)" if tr.get("devices") == ["cpu"] else "n/a (no known GPU peak)"
+
+
 def _kpis(s: dict) -> str:
     tr = s.get("training") or {}
     items = [("goodput", _pct(s.get("goodput"))),
@@ -47,12 +51,32 @@ def _kpis(s: dict) -> str:
              ("steps", f'{_e(tr.get("steps_completed", "?"))}/{_e(tr.get("steps_target", "?"))}'),
              ("final loss", _num(tr.get("final_loss"), 4)),
              ("tokens/s", _num(tr.get("tokens_per_s"))),
-             ("MFU", _pct(tr.get("mfu")) if tr.get("mfu") is not None else "n/a (no known GPU peak)"),
+             ("MFU", _pct(tr.get("mfu")) if tr.get("mfu") is not None else _no_peak(tr)),
+             ("HFU", _pct(tr.get("hfu")) if tr.get("hfu") is not None else _no_peak(tr)),
+             ("GPU util (NVML)", _pct((tr.get("gpu_metrics") or {}).get("gpu_util_mean"))
+              if tr.get("gpu_metrics") else "n/a (no NVML)"),
              ("wall time", f'{_num(s["ledger"]["wall_s"])} s')]
     ok = s.get("ok")
     verdict = "" if ok is None else (f'<p class="{"ok" if ok else "bad"}" id="verdict">'
                                      f'{"run ok" if ok else "run failed: " + _e(s.get("error", ""))}</p>')
     return verdict + "".join(f'<div class="kpi" data-kpi="{_e(k)}">{_e(k)}<b>{v}</b></div>' for k, v in items)
+
+
+SPLIT_PARTS = ("data_wait", "forward_backward", "optimizer", "collective_wait", "checkpoint_stall")
+
+
+def _step_split(s: dict) -> str:
+    tr = s.get("training") or {}
+    split = tr.get("step_time_split_s") or {}
+    total = sum(split.get(k) or 0.0 for k in SPLIT_PARTS) or 1.0
+    rows = [[_e(k), _num(split[k], 3), _pct(split[k] / total)] for k in SPLIT_PARTS if k in split]
+    device = ", ".join(tr.get("devices") or []) or "unknown"
+    peak = tr.get("peak_flops_per_gpu")
+    fpt = tr.get("flops_per_token")
+    return (_table(["phase", "seconds", "share"], rows) +
+            f'<p class="muted">final lineage steps, timed by rank 0; device {_e(device)}, dense peak '
+            f'{_e(f"{peak / 1e12:g} TFLOPS" if peak else "unknown (MFU/HFU n/a)")}, '
+            f'{_e(f"{fpt:,.0f}" if fpt else "?")} model FLOPs/token</p>')
 
 
 def _gpu_seconds(s: dict, colors: dict) -> str:
@@ -124,6 +148,7 @@ def render_html(summary: dict, png: bytes, colors: dict, title: str) -> str:
         ("timeline", "Timeline",
          f'<img id="timeline-img" alt="GPUs over time by state, world size, markers; loss and tokens/s" '
          f'src="data:image/png;base64,{img}">'),
+        ("step-split", "Where a step's time goes", _step_split(summary)),
         ("gpu-seconds", "GPU-seconds by state", _gpu_seconds(summary, colors)),
         ("per-node", "GPU-seconds per node", _per_node(summary)),
         ("diagnosis", "Where the lost time went", _diagnosis(summary)),

@@ -101,9 +101,16 @@ class LiveMetrics:
                 g[("spotfill_step_seconds", tags)] = e["step_s"]
                 g[("spotfill_tokens_per_second", tags)] = e.get("tokens", 0) / e["step_s"]
                 g[("spotfill_data_wait_fraction", tags)] = e.get("data_wait_s", 0.0) / e["step_s"]
+                for phase in ("forward_backward", "optimizer", "collective_wait"):
+                    if e.get(f"{phase}_s") is not None:
+                        g[(f"spotfill_{phase}_fraction", tags)] = e[f"{phase}_s"] / e["step_s"]
             for k in ("mfu", "hfu"):
                 if e.get(k) is not None:
                     g[(f"spotfill_{k}", tags)] = e[k]
+            if e.get("gpu_util") is not None:
+                g[("spotfill_gpu_utilization", tags)] = e["gpu_util"]
+            if e.get("gpu_mem_used_gb") is not None:
+                g[("spotfill_gpu_memory_used_bytes", tags)] = e["gpu_mem_used_gb"] * 1e9
             c[("spotfill_tokens_total", tags)] = float(e.get("tokens", 0))
         elif kind == "checkpoint_save":
             g[("spotfill_checkpoint_stall_seconds", tags)] = e.get("stall_s", 0.0)
@@ -116,7 +123,8 @@ class LiveMetrics:
             for k in ("restore_prep_s", "load_s", "startup_s"):
                 if e.get(k) is not None:
                     g[(f"spotfill_restore_{k[:-2]}_seconds", tags)] = e[k]
-        elif kind == "attempt" and e.get("attempt", 0) > 0:
+        elif kind == "attempt" and e.get("attempt", 0) > 0 and e.get("cause") != "first start":
+            # (a run's first group can carry a later attempt number: numbering continues over one store)
             c[("spotfill_restarts_total", self._tags(cause=str(e.get("cause", "unknown"))[:60]))] = 1.0
         elif kind == "planned_exit":
             c[("spotfill_planned_exits_total", self._tags(reason=e.get("reason", "unknown")))] = 1.0
@@ -153,6 +161,12 @@ METRICS = {
     "spotfill_step_seconds": ("gauge", "wall time of the last step"),
     "spotfill_tokens_per_second": ("gauge", "tokens of the last step / its step time"),
     "spotfill_data_wait_fraction": ("gauge", "share of the last step spent waiting for data"),
+    "spotfill_forward_backward_fraction": ("gauge", "share of the last step in forward and backward"),
+    "spotfill_optimizer_fraction": ("gauge", "share of the last step in the optimizer step"),
+    "spotfill_collective_wait_fraction": ("gauge", "share of the last step waiting in the step's collective "
+                                                   "(for the slowest rank)"),
+    "spotfill_gpu_utilization": ("gauge", "NVML utilisation of rank 0's GPU (share of time a kernel ran)"),
+    "spotfill_gpu_memory_used_bytes": ("gauge", "NVML memory in use on rank 0's GPU"),
     "spotfill_mfu": ("gauge", "model FLOPs utilisation of the last step (when the GPU peak is known)"),
     "spotfill_hfu": ("gauge", "hardware FLOPs utilisation of the last step (recompute counted)"),
     "spotfill_checkpoint_stall_seconds": ("gauge", "training stall of the last checkpoint save"),

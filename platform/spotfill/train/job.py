@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 
@@ -46,7 +47,7 @@ class TrainingJob:
     # itself (the scenario runner) turns this off so the picture is drawn once.
     render_report = True
 
-    def __init__(self, config: JobConfig, runtime_env: dict | None = None):
+    def __init__(self, config: JobConfig, runtime_env: dict | None = None, live: bool = False):
         # Ray Train workers chdir into their own run folder: local paths must be absolute.
         for section, key in ((config, "storage"), (config.data, "path")):
             value = getattr(section, key)
@@ -54,6 +55,9 @@ class TrainingJob:
                 setattr(section, key, os.path.abspath(value))
         self.config = config
         self.runtime_env = runtime_env or {}
+        # live=True: a live view on stderr while fit() runs (a panel on a TTY, one line per event elsewhere),
+        # and Ray started with its worker and raylet output kept in its log files, off the user's screen.
+        self.live = live
         self.run_dir = os.path.abspath(config.run_dir)
         self.events_path = os.path.join(self.run_dir, "events.jsonl")
         self._manifest: dict | None = None
@@ -75,6 +79,7 @@ class TrainingJob:
             from spotfill.train.presets import check_hf_model
             check_hf_model(cfg.training.model, int(manifest["vocab_size"]), int(manifest["seq_len"]))
         from spotfill.train.preflight import preflight
+        self._init_ray()
         preflight(cfg, manifest, self.runtime_env)  # env numbers, seq_len, cluster resources (connects to Ray)
         self._manifest = manifest
         return manifest
@@ -86,6 +91,7 @@ class TrainingJob:
         from spotfill.train.elastic import SpotfillTorchTrainer
         from spotfill.fillin.training_hook import training_callbacks
         from spotfill.train.sink import RestartCauseCallback
+        from spotfill.train.teardown import UnreachableWorkerReaper
 
         from spotfill.train.worker_loop import train_loop_per_worker
 
@@ -114,46 +120,65 @@ class TrainingJob:
                                                                  **self.runtime_env.get("env_vars", {})})},
                 # every controller state change (failures it saw, sizes it chose) into events.jsonl
                 # and, on a cluster with fill-in, claim the GPUs first (a missing arbiter never blocks)
-                callbacks=[RestartCauseCallback(sink_name, namespace), *(training_callbacks(cfg) if spotfill else [])],
+                # and, on spotfill runs, a teardown that does not wait on workers of a dead node
+                callbacks=[RestartCauseCallback(sink_name, namespace),
+                           *([UnreachableWorkerReaper(sink_name, namespace), *training_callbacks(cfg)]
+                             if spotfill else [])],
             ),
         )
+
+    def _first_attempt(self) -> int:
+        """Attempt numbers continue past those in the checkpoint store (a second fit() over it)."""
+        from spotfill.storage.base import open_storage
+        from spotfill.storage.checkpoint_store import CheckpointStore
+        return CheckpointStore(open_storage(self.config.storage).child(self.config.name)).next_attempt()
 
     def fit(self) -> dict:
         """Run to completion; returns the report dict (also written to RUN_DIR/report.json)."""
         import ray
 
-        from spotfill.train.sink import EventSink
+        from spotfill.train.sink import LIVE_KEY_PREFIX, EventSink
 
         manifest = self.validate()
         os.makedirs(self.run_dir, exist_ok=True)
-        if not ray.is_initialized():
-            ray.init(runtime_env=self.runtime_env or None)
+        self._init_ray()
         namespace = "spotfill"
+        offset = os.path.getsize(self.events_path) if os.path.exists(self.events_path) else 0   # this run's events
         sink_name = f"spotfill-sink-{self.config.name}-{uuid.uuid4().hex[:6]}"
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         sink = EventSink.options(
             name=sink_name, namespace=namespace,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                soft=False),
-        ).remote(self.events_path, self.config.training.max_failures)
+        ).remote(self.events_path, self.config.training.max_failures, self._first_attempt(),
+                 live_key=f"{LIVE_KEY_PREFIX}{sink_name}", run_dir=self.run_dir)
         ray.get(sink.event.remote("job_start", name=self.config.name, steps=self.config.training.steps,
                                   global_batch=self.config.training.global_batch,
-                                  workers=self.config.training.workers, dataset_samples=manifest["num_samples"]))
+                                  workers=self.config.training.workers, dataset_samples=manifest["num_samples"],
+                                  gpus_per_worker=self.config.cluster.gpus_per_worker,
+                                  checkpoint_every=self.config.training.checkpoint_every,
+                                  prefetch=self.config.data.prefetch))
         # Ray Train propagates these from the driver's environment to its controller and workers; a value
         # the user set wins. "stock" runs with Ray's own defaults, "stock-tuned" with spotfill's knobs.
         tuned = self.config.training.elastic_restarts in ("spotfill", "stock-tuned")
         knobs = {k: (os.environ.get(k, v) if tuned else None) for k, v in ray_train_env().items()}
         t0 = time.time()
         error = None
+        view, follower = self._live_view(offset)
         # fill-in leases, reclaims and the GPU nodes the arbiter sees, into this run's events (no arbiter: none)
         from spotfill.fillin.forward import LeaseForwarder
         forwarder = LeaseForwarder(sink).start()
-        with constants.scoped_env(**knobs):
-            try:
-                self._trainer(sink_name, namespace).fit()
-            except Exception as exc:  # Ray Train raised: the job ran and failed
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        forwarder.stop()
+        try:
+            with constants.scoped_env(**knobs):
+                try:
+                    self._trainer(sink_name, namespace).fit()
+                except Exception as exc:  # Ray Train raised: the job ran and failed
+                    error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            forwarder.stop()
+            if follower is not None:
+                follower.stop()
+                view.__exit__(None, None, None)
         verdict = ray.get(sink.verdict.remote())
         ray.get(sink.event.remote("job_end", seconds=round(time.time() - t0, 3)))
         ray.get(sink.close.remote())
@@ -163,10 +188,31 @@ class TrainingJob:
             raise JobFailed(report.get("error") or "training did not finish")
         return report
 
+    def _init_ray(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            quiet = {"log_to_driver": False, "logging_level": logging.WARNING} if self.live else {}
+            ray.init(runtime_env=self.runtime_env or None, **quiet)
+
+    def _live_view(self, offset: int = 0):
+        """(view, follower) showing events.jsonl as it grows, or (None, None) when live is off."""
+        if not self.live:
+            return None, None
+        import ray
+
+        from spotfill.telemetry.liveview import EventFollower, LiveView
+
+        resource = self.config.cluster.gpu_resource
+        view = LiveView(sys.stderr, capacity=lambda: ray.cluster_resources().get(resource),
+                        steps_target=self.config.training.steps, job=self.config.name,
+                        console_log=os.path.join(self.run_dir, "console.log")).__enter__()
+        return view, EventFollower(self.events_path, view, offset=offset).start()
+
     def report(self, verdict: dict | None = None, error: str | None = None) -> dict:
         events = list(read_events(self.events_path))
         t = self.config.training
-        training = training_section(events, t.steps, t.global_batch)
+        training = training_section(events, t.steps, t.global_batch, self.config.cluster.gpus_per_worker)
         ok = bool(verdict and verdict.get("ok")) and error is None and training["steps_completed"] == t.steps
         report = {"ok": ok, "training": training, "checkpoints": checkpoints_section(events)}
         if not ok:

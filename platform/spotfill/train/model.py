@@ -114,11 +114,15 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
+def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int | None = None,
+                    recompute: str = "none") -> float:
     """Training FLOPs per token of a preset, by the planner's formula (PaLM: 6N + 12*L*h*s)."""
-    from spotfill.planning.architecture import Arch
-    from spotfill.planning.sizing import flops_per_token as model_and_hardware_flops
+    return model_flops(cfg, n_params, seq_len, recompute)[0]
 
-    arch = Arch(layers=cfg.n_layer, hidden=cfg.n_embd, heads=cfg.n_head, kv_heads=cfg.n_head,
-                ffn=4 * cfg.n_embd, vocab=cfg.vocab_size, mlp="gelu", source="preset")
-    return model_and_hardware_flops(n_params, arch, cfg.seq_len)[0]
+
+def model_flops(cfg: GPTConfig, n_params: int, seq_len: int | None = None,
+                recompute: str = "none") -> tuple[float, float]:
+    """(model, hardware) FLOPs per trained token (telemetry.throughput: the planner's formula)."""
+    from spotfill.telemetry.throughput import flops_per_token as per_token
+
+    return per_token(n_params, cfg.n_layer, cfg.n_embd, cfg.n_head, seq_len or cfg.seq_len, recompute)

@@ -7,6 +7,7 @@ verdict that `TrainingJob.fit()` reads when Ray Train returns.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -20,26 +21,65 @@ from spotfill.train.restarts import (PLACEMENT_GROUP_REMOVED, RESTART_STATES, Fa
 log = logging.getLogger(__name__)
 
 
+LIVE_KEY_PREFIX = "jobs/"        # Ray KV (namespace spotfill): one key per running job, its live numbers
+PUBLISH_EVERY_S = 1.0
+PUBLISH_NOW = ("job_start", "attempt", "start", "resume", "planned_exit", "checkpoint", "finish")
+
+
 @ray.remote(num_cpus=0)
 class EventSink:
-    def __init__(self, path: str, max_failures: int):
-        from spotfill.telemetry.prometheus import record   # spotfill_* series on this node's metrics endpoint
+    def __init__(self, path: str, max_failures: int, first_attempt: int = 0, live_key: str | None = None,
+                 run_dir: str | None = None):
+        from spotfill.telemetry.progress import Progress
+        from spotfill.telemetry.prometheus import exporter
 
-        self._log = EventLog(path, on_event=record)
-        self._attempt = -1
+        # the live numbers share the exporter's GPU-seconds attribution (folded once per event, by record)
+        self._progress, self._live_key, self._run_dir = Progress(live=exporter().live), live_key, run_dir
+        self._published = 0.0
+        self._log = EventLog(path, on_event=self._observe)
+        # numbering continues past the attempts of earlier runs over the same checkpoint store, so tags
+        # (step + attempt) stay unique across fit() calls
+        self._first_attempt = first_attempt
+        self._attempt = first_attempt - 1
         self._unplanned = 0
         self._max_failures = max_failures
         self._planned_exit: str | None = None
         self._failure: Failure | None = None
         self._verdict: dict | None = None
 
+    def _observe(self, event: dict) -> None:
+        """Every written event: the spotfill_* series (this node's metrics endpoint) and, at most every
+        PUBLISH_EVERY_S (at once for group changes and the end), the job's live numbers in Ray's KV store,
+        where `spotfill status` reads them."""
+        from spotfill.telemetry.prometheus import record
+
+        record(event)
+        if self._live_key is None:
+            return
+        self._progress.update(event, fold_live=False)
+        now = time.monotonic()
+        if event.get("kind") in PUBLISH_NOW or now - self._published >= PUBLISH_EVERY_S:
+            self._published = now
+            self.publish()
+
+    def publish(self) -> None:
+        from spotfill.ray_compat import kv_put
+        try:
+            kv_put(self._live_key, json.dumps({**self._progress.snapshot(), "run_dir": self._run_dir,
+                                               "sink": self._live_key[len(LIVE_KEY_PREFIX):],
+                                               "published": time.time()}, default=str))
+        except Exception as exc:  # the status view is a convenience: never break the log for it
+            log.warning("cannot publish live numbers to Ray's KV store: %s", exc)
+            self._live_key = None
+
     def begin_attempt(self, world_size: int) -> dict:
         """Called by rank 0 when a worker group starts. Counts an unplanned failure if the last attempt
         ended without saying why; records the attempt's cause. Returns {"attempt", "give_up", ...}."""
-        if self._attempt >= 0 and not self._planned_exit:
+        first = self._attempt < self._first_attempt
+        if not first and not self._planned_exit:
             self._unplanned += 1
         self._attempt += 1
-        cause = attempt_cause(self._attempt, self._planned_exit, self._failure)
+        cause = attempt_cause(first, self._planned_exit, self._failure, earlier_attempts=self._first_attempt)
         self._planned_exit, self._failure = None, None
         give_up = self._max_failures >= 0 and self._unplanned > self._max_failures
         self._log.write("attempt", attempt=self._attempt, world_size=world_size,
@@ -75,6 +115,12 @@ class EventSink:
 
     def close(self) -> None:
         self._log.close()
+        if self._live_key is not None:       # the job is over: `spotfill status` lists running jobs
+            from spotfill.ray_compat import kv_del
+            try:
+                kv_del(self._live_key)
+            except Exception as exc:
+                log.warning("cannot remove the live numbers from Ray's KV store: %s", exc)
 
 
 class RestartCauseCallback(ControllerCallback, WorkerGroupCallback):

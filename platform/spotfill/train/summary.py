@@ -1,15 +1,17 @@
 """Build report.json's `training` and `checkpoints` sections from events.jsonl (pure).
 
-Every number comes from a measured event. MFU/HFU are None unless the device's peak is known (CPU: None).
+Every number comes from a measured event. MFU/HFU are None unless every lineage step ran on a device whose
+peak is known (CPU: None); FLOPs per token and the peak come from each attempt's start/resume event.
 """
 from __future__ import annotations
 
 from statistics import mean
 
+from spotfill.telemetry.throughput import run_utilization, split_totals
 
 
 def training_section(events: list[dict], steps_target: int, global_batch: int,
-                     peak_flops_per_s: float | None = None, flops_per_token: float | None = None) -> dict:
+                     gpus_per_worker: float | None = None) -> dict:
     steps = [e for e in events if e["kind"] == "step"]
     # The lineage: for each step number, the newest attempt that ran it.
     newest: dict[int, dict] = {}
@@ -30,10 +32,12 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
     compute = sum(e["step_s"] for e in lineage) + stall
     tokens = sum(e["tokens"] for e in lineage)
     tokens_per_s = tokens / compute if compute > 0 else None
-    mfu = None
-    if peak_flops_per_s and flops_per_token and tokens_per_s:
-        n_gpus = mean(e["world_size"] for e in lineage)
-        mfu = tokens_per_s * flops_per_token / (peak_flops_per_s * n_gpus)
+    js = next((e for e in events if e["kind"] == "job_start"), {})
+    gpw = float(gpus_per_worker or js.get("gpus_per_worker") or 1.0)
+    devices = {e.get("attempt"): e for e in events if e["kind"] in ("start", "resume")}
+    util = run_utilization(lineage, devices, gpw)
+    split = split_totals(lineage)
+    used = [devices[a] for a in sorted({e["attempt"] for e in lineage}) if a in devices]
     return {
         "steps_target": steps_target,
         "steps_completed": completed,
@@ -42,16 +46,44 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
         "samples": samples,
         "world_size_timeline": timeline,
         "tokens_per_s": round(tokens_per_s, 2) if tokens_per_s else None,
-        "mfu": mfu,
-        "hfu": mfu,   # no activation recompute in the presets: hardware FLOPs == model FLOPs
+        "mfu": _round(util["mfu"], 5),
+        "hfu": _round(util["hfu"], 5),     # counts activation recompute (none in the presets: == mfu)
+        "devices": sorted({str(d.get("device")) for d in used if d.get("device")}),
+        "peak_flops_per_gpu": _one([d.get("peak_flops_per_gpu") for d in used]),
+        "flops_per_token": _one([d.get("flops_per_token") for d in used]),
+        "hardware_flops_per_token": _one([d.get("hardware_flops_per_token") for d in used]),
+        "gpu_metrics": gpu_metrics(lineage),
         "attempts": len(history),
         "attempt_history": history,
-        "step_time_split_s": {
-            "data_wait": round(sum(e["data_wait_s"] for e in lineage), 3),
-            "compute": round(sum(e["compute_s"] for e in lineage), 3),
-            "checkpoint_stall": round(stall, 3),
-        },
+        # seconds summed over the final lineage's steps (rank 0's clock); phases a step did not measure
+        # (events from before the split) are left out rather than guessed
+        "step_time_split_s": {k: round(v, 3) for k, v in {
+            "data_wait": split["data_wait_s"], "forward_backward": split["forward_backward_s"],
+            "optimizer": split["optimizer_s"], "collective_wait": split["collective_wait_s"],
+            "compute": split["compute_s"], "checkpoint_stall": stall}.items() if v is not None},
     }
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def _one(values: list):
+    """The value when every attempt agrees, else None (e.g. a restart on another GPU type)."""
+    return values[0] if values and all(v == values[0] for v in values) else None
+
+
+def gpu_metrics(steps: list[dict]) -> dict | None:
+    """NVML readings rank 0 attached to steps (every few seconds): mean utilisation, peak memory."""
+    util = [e["gpu_util"] for e in steps if e.get("gpu_util") is not None]
+    if not util:
+        return None
+    mem = [e["gpu_mem_used_gb"] for e in steps if e.get("gpu_mem_used_gb") is not None]
+    mem_util = [e["gpu_mem_util"] for e in steps if e.get("gpu_mem_util") is not None]
+    return {"samples": len(util), "gpu_util_mean": round(mean(util), 4),
+            "gpu_mem_util_mean": round(mean(mem_util), 4) if mem_util else None,
+            "gpu_mem_used_gb_max": max(mem) if mem else None,
+            "gpu_mem_total_gb": next((e["gpu_mem_total_gb"] for e in steps if e.get("gpu_mem_total_gb")), None)}
 
 
 def samples_section(events: list[dict], steps_completed: int, global_batch: int) -> dict:

@@ -30,6 +30,7 @@ from spotfill.train.engine import build_engine, ds_config, resolve_precision
 from spotfill.train.restore import restore_on_workers
 from spotfill.train.sample_ledger import FeedRecorder, SampleLedger
 from spotfill.train.step_policy import CONTINUE, FINISH, StepDecision, StepFacts, StepPolicy
+from spotfill.telemetry.throughput import split_step, step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ LEDGER_KEY = "sample_ledger"    # in every checkpoint's client_state
 # before any checkpoint containing it): one actor call per step was the loop's largest fixed cost on a
 # small model. A hard loss can leave up to this much of the newest steps off the record.
 STEP_EVENTS_FLUSH_S = 0.25
+NVML_EVERY_S = 2.0              # rank 0 reads its GPU's NVML utilisation and memory at most this often
 _F_LOSS, _F_PREEMPT, _F_DEADLINE, _F_GROW = range(4)
 
 
@@ -98,6 +100,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     store = CheckpointStore(open_storage(job.storage).child(job.name), keep_last=t.keep_checkpoints)
     local_root = os.path.join(constants.LOCAL_DIR, job.name, f"node-{node_id[:12]}")
     node_dir = os.path.join(local_root, "restore")
+    warm = _warm_imports()      # DeepSpeed and torch._dynamo load while the checkpoint downloads
     t0 = time.perf_counter()
     try:
         plan = restore_on_workers(store, comms, rank, world, node_id, node_dir, t.zero_stage,
@@ -110,7 +113,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     precision = resolve_precision(t.precision, torch.cuda.is_available() and job.cluster.gpu_resource == "GPU")
     torch.manual_seed(t.seed)
     reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
-    engine, vocab = _engine(job, reader, shape, precision, plan.universal)
+    warm.join()
+    engine, vocab, flops = _engine(job, reader, shape, precision, plan.universal)
+    device = _device_info(engine, precision) if rank == 0 else {}
     start_step, ledger, load_s = 0, SampleLedger(), 0.0
     if plan.tag:
         t1 = time.perf_counter()
@@ -123,7 +128,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                           world_size=world, micro_batch=shape.micro_batch, accum=shape.accum,
                           from_world_size=plan.world_size or None, universal=plan.universal,
                           restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
-                          startup_s=round(time.time() - t_start, 3), precision=precision)
+                          startup_s=round(time.time() - t_start, 3), precision=precision, **flops, **device)
 
     def make(step: int):
         return read_step(reader, step, rank_positions(step, shape, rank), shape.accum, job.data.seed)
@@ -132,20 +137,25 @@ def train_loop_per_worker(loop_config: dict) -> None:
                     Checkpointer(store, local_root, rank, world, attempt=f"{attempt}"))
     prefetch = Prefetcher(make, start_step, t.steps, depth=job.data.prefetch)
     tokens_per_step = t.global_batch * reader.seq_len
+    gpus = world * job.cluster.gpus_per_worker
+    timer = run.timer        # rank 0 only (None elsewhere): phases of the step
     try:
         for step in range(start_step, t.steps):
             ts = time.perf_counter()
             batch = prefetch.get(step)
             td = time.perf_counter()
-            loss_sum = _train_step(engine, batch.micro_batches, vocab)
+            loss_sum = _train_step(engine, batch.micro_batches, vocab, timer)
             run.recorder.record(batch.positions)        # what the model was fed, as the loader returned it
             facts, loss = run.gather(step + 1, loss_sum / shape.accum)
             tc = time.perf_counter()
             if rank == 0:
+                split = split_step(tc - ts, td - ts, *timer.read())
                 run.step_event({"t": time.time(), "kind": "step", "step": step + 1, "attempt": attempt,
                                 "loss": loss / world, "world_size": world, "tokens": tokens_per_step,
-                                "lr": engine.get_lr()[0], "step_s": tc - ts, "data_wait_s": td - ts,
-                                "compute_s": tc - td})
+                                "lr": engine.get_lr()[0], **split.as_event(),
+                                **step_metrics(tokens_per_step, split, gpus, flops["flops_per_token"],
+                                               flops["hardware_flops_per_token"], device["peak_flops_per_gpu"]),
+                                **run.gpu_sample()})
             decision = run.policy.decide(facts)
             run.apply(decision, step + 1)
             if decision.action == FINISH:
@@ -154,6 +164,23 @@ def train_loop_per_worker(loop_config: dict) -> None:
         prefetch.close()
         run.close()
     _finish(sink, rank, {"ok": True, "steps_completed": t.steps, "attempt": attempt})
+
+
+def _warm_imports():
+    """Import what building the engine needs (DeepSpeed; torch._dynamo, which torch's optimizers load on
+    first use) on a thread, so the imports overlap the restore's downloads and actor calls instead of
+    following them. The thread is joined before the engine is built; an import error surfaces there."""
+    import threading
+
+    def load():
+        from spotfill.ray_compat import skip_deepspeed_muon
+        skip_deepspeed_muon()
+        import deepspeed  # noqa: F401
+        import torch._dynamo  # noqa: F401
+
+    thread = threading.Thread(target=load, name="spotfill-warm-imports", daemon=True)
+    thread.start()
+    return thread
 
 
 def _finish(sink, rank: int, verdict: dict) -> None:
@@ -170,22 +197,43 @@ def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: s
     model = build_model(t.model, seq_len=reader.seq_len, vocab_size=None if t.model.startswith("hf:")
                         else reader.manifest["vocab_size"])
     config = ds_config(job, shape.micro_batch, shape.accum, precision, universal)
-    return build_engine(model, config), model.cfg.vocab_size
+    from spotfill.train.model import count_params, model_flops
+
+    # The planner's FLOPs per token at the trained sequence length; the presets recompute no activations,
+    # so hardware FLOPs equal model FLOPs (a recompute mode would add its forward here).
+    params = count_params(model)
+    fm, fh = model_flops(model.cfg, params, reader.seq_len, recompute="none")
+    flops = {"params": params, "flops_per_token": fm, "hardware_flops_per_token": fh, "recompute": "none"}
+    return build_engine(model, config), model.cfg.vocab_size, flops
 
 
-def _train_step(engine, micro_batches, vocab: int):
-    """Forward, backward and step over the micro-batches; the summed loss stays on the device."""
+def _device_info(engine, precision: str) -> dict:
+    from spotfill.train.step_timer import device_info
+    return device_info(engine.device, precision)
+
+
+def _train_step(engine, micro_batches, vocab: int, timer=None):
+    """Forward, backward and step over the micro-batches; the summed loss stays on the device. `timer`
+    (rank 0) marks each micro-batch's forward+backward and optimizer step."""
     import torch
     import torch.nn.functional as F
 
     device = engine.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)   # no host sync per micro-batch
+    if timer is not None:
+        timer.begin()
     for mb in micro_batches:
+        if timer is not None:
+            timer.mark()
         x = torch.from_numpy(mb[:, :-1]).to(device)
         y = torch.from_numpy(mb[:, 1:]).to(device)
         loss = F.cross_entropy(engine(x).float().reshape(-1, vocab), y.reshape(-1))
         engine.backward(loss)
+        if timer is not None:
+            timer.backward_done()
         engine.step()
+        if timer is not None:
+            timer.step_done()
         loss_sum += loss.detach().double()
     return loss_sum
 
@@ -209,6 +257,21 @@ class _Executor:
         self._grow_every, self._last_grow = t.resize_check_s, time.monotonic()
         self._steps: list[dict] = []
         self._steps_sent = time.monotonic()
+        self.timer, self._gpu, self._gpu_next = None, None, 0.0
+        if rank == 0:
+            from spotfill.train.step_timer import make_timer
+            self.timer = make_timer(engine.device)
+            if getattr(engine.device, "type", "") == "cuda":
+                from spotfill.telemetry.nvml import GpuSampler
+                uuid = getattr(comms.torch.cuda.get_device_properties(engine.device), "uuid", None)
+                self._gpu = GpuSampler.open(uuid=str(uuid) if uuid else None)
+
+    def gpu_sample(self) -> dict:
+        """Rank 0's NVML reading, at most every NVML_EVERY_S ({} without NVML or off a GPU)."""
+        if self._gpu is None or time.monotonic() < self._gpu_next:
+            return {}
+        self._gpu_next = time.monotonic() + NVML_EVERY_S
+        return self._gpu.sample() or {}
 
     def step_event(self, event: dict) -> None:
         """Rank 0: queue a step event; send the queue every STEP_EVENTS_FLUSH_S (fire-and-forget, ordered)."""
