@@ -16,7 +16,7 @@ PURE = [
     "spotfill.telemetry.html", "spotfill.telemetry.report", "spotfill.telemetry.live",
     "spotfill.storage.lineage", "spotfill.train.preflight", "spotfill.train.step_policy",
     "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.train.opcache",
-    "spotfill.fillin.policy",
+    "spotfill.fillin.policy", "spotfill.sim.nodes", "spotfill.sim.autoscaler_config",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 
