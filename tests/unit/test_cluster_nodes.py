@@ -9,11 +9,11 @@ from spotfill.sim.autoscaler_config import fake_cluster_config, parse_node_types
 from spotfill.sim.nodes import autoscaler_invariants, cluster_section
 from spotfill.sim.scenario import parse_scenario
 
-HEAD = {"id": "h", "type": "head", "market": "on-demand", "launched_by": "static", "started": 100.0}
+HEAD = {"id": "h", "type": "head", "market": "on-demand", "gpus": 0, "launched_by": "static", "started": 100.0}
 
 
 def test_nodes_from_records_provider_log_and_ray():
-    records = [HEAD, {"id": "s1", "type": None, "market": "on-demand", "launched_by": "scenario",
+    records = [HEAD, {"id": "s1", "type": None, "market": "on-demand", "gpus": 2, "launched_by": "scenario",
                       "started": 105.0, "ended": 150.0}]
     log = [{"t": 110.0, "event": "launched", "node_id": "a1", "node_type": "gpu_spot", "market": "spot"},
            {"t": 111.0, "event": "launched", "node_id": "a2", "node_type": "gpu_spot", "market": "spot"},
@@ -27,21 +27,31 @@ def test_nodes_from_records_provider_log_and_ray():
              "death_message": "spot notice", "dead_at": 160.0},
             {"id": "a2", "alive": False, "death_reason": "AUTOSCALER_DRAIN_IDLE", "death_message": ""},
             {"id": "a4", "alive": True}]
-    out = cluster_section(records, log, seen, now=200.0)
+    out = cluster_section(records, log, seen, now=200.0, gpus_by_type={"gpu_spot": 2, "gpu_od": 4})
     by = {n["id"]: n for n in out["nodes"]}
     assert [n["id"] for n in out["nodes"]] == ["h", "s1", "a1", "a2", "a4"]     # by start time
     assert by["h"] == {**HEAD, "ended": None, "death_reason": None}
     assert by["s1"]["launched_by"] == "scenario" and by["s1"]["ended"] == 150.0
     assert by["s1"]["death_reason"] == "UNEXPECTED_TERMINATION: killed"
     # seen dead at 160, terminated by the autoscaler at 170: it ended when it died
-    assert by["a1"] == {"id": "a1", "type": "gpu_spot", "market": "spot", "launched_by": "autoscaler",
+    assert by["a1"] == {"id": "a1", "type": "gpu_spot", "market": "spot", "gpus": 2, "launched_by": "autoscaler",
                         "started": 110.0, "ended": 160.0,
                         "death_reason": "AUTOSCALER_DRAIN_PREEMPTED: spot notice"}
     assert by["a2"]["ended"] == 200.0 and by["a2"]["death_reason"] == "AUTOSCALER_DRAIN_IDLE"
     assert by["a4"]["market"] == "on-demand" and by["a4"]["ended"] is None and by["a4"]["death_reason"] is None
+    assert by["a4"]["gpus"] == 4 and by["s1"]["gpus"] == 2
     # the unfulfilled spot request never became a node: it is a launch failure, not a node
     assert "a3" not in by
     assert out["launch_failures"] == [{"type": "gpu_spot", "market": "spot", "how": "unfulfilled", "t": 140.0}]
+
+
+def test_nodes_with_gpus_feed_the_gpu_seconds_ledger():
+    from spotfill.telemetry.ledger import nodes_from_report
+    log = [{"t": 110.0, "event": "launched", "node_id": "a1", "node_type": "gpu_spot", "market": "spot"}]
+    out = cluster_section([HEAD], log, [{"id": "a1", "alive": True}], 200.0, gpus_by_type={"gpu_spot": 2})
+    spans = {s.node: s for s in nodes_from_report({"cluster": out})}
+    assert spans["a1"].gpus == 2 and spans["a1"].start == 110.0 and spans["a1"].end is None
+    assert spans["h"].gpus == 0
 
 
 def _report(launches, timeline, notices, scale_down=None):
@@ -148,3 +158,11 @@ def test_autoscaler_keys_are_checked():
     with pytest.raises(ConfigError):
         parse_scenario({"cluster": {"autoscaler": {"max_workers": 1, "node_types": {"a": {"gpus": 1, "max_workers": 4}}}},
                         "training": {"workers": [2, 4], "global_batch": 12}})
+
+
+def test_builtin_autoscaling_demo_scenario_parses():
+    from spotfill.sim.scenario import AUTOSCALING_SCENARIO, DEFAULT_SCENARIO
+    sc = parse_scenario(AUTOSCALING_SCENARIO, "demo")
+    assert sc.cluster.nodes == [] and {t.name for t in sc.cluster.node_types()} == {"gpu_spot", "gpu_ondemand"}
+    assert not any(e.action == "add_node" for e in sc.events)        # the autoscaler brings the capacity
+    assert AUTOSCALING_SCENARIO["training"] == DEFAULT_SCENARIO["training"]

@@ -98,7 +98,7 @@ class AutoscalingCluster:
         # Node indices as scenarios use them: nodes added here (static / scenario) and nodes the autoscaler
         # launched, in the order they appeared. records: what report.json's cluster.nodes starts from.
         self.node_ids: list[str] = []
-        self.records: list[dict] = [{"id": self.head_node_id, "type": "head", "market": "on-demand",
+        self.records: list[dict] = [{"id": self.head_node_id, "type": "head", "market": "on-demand", "gpus": 0,
                                      "launched_by": "static", "started": round(self.started, 3)}]
         self._static: dict[str, object] = {}
         self._dead_at: dict[str, float] = {}
@@ -130,7 +130,8 @@ class AutoscalingCluster:
         self.refresh()
         self.node_ids.append(node.node_id)
         self._static[node.node_id] = node
-        self.records.append({"id": node.node_id, "type": None, "market": "on-demand", "launched_by": launched_by,
+        self.records.append({"id": node.node_id, "type": None, "market": "on-demand", "gpus": gpus,
+                             "launched_by": launched_by,
                              "started": round(time.time(), 3)})
         return len(self.node_ids) - 1
 
@@ -224,6 +225,9 @@ class AutoscalingCluster:
         """The cloud takes the instance back: every process of that node is killed (SIGKILL), as a spot
         instance vanishes at its deadline. The autoscaler then finds the node dead. Returns processes killed."""
         procs = [p for p in self._provider_descendants() if node_id in " ".join(_cmdline(p))]
+        for p in list(procs):             # and what they started (the node's workers)
+            with contextlib.suppress(Exception):
+                procs.extend(c for c in p.children(recursive=True) if c not in procs)
         for p in procs:
             with contextlib.suppress(Exception):
                 p.kill()
@@ -252,7 +256,8 @@ class AutoscalingCluster:
                  "death_reason": node_death_reason_name(n.get("DeathReason")),
                  "death_message": n.get("DeathReasonMessage") or "", "dead_at": self._dead_at.get(n["NodeID"])}
                 for n in ray.nodes()]
-        return cluster_section(self.records, self.provider_log(), seen, time.time())
+        return cluster_section(self.records, self.provider_log(), seen, time.time(),
+                               gpus_by_type={name: t.gpus for name, t in self.node_types.items()})
 
     def shutdown(self) -> None:
         import ray

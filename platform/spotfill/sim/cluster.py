@@ -41,6 +41,7 @@ class EmbeddedCluster:
         self.node_ids: list[str] = []
         # what report.json's cluster.nodes starts from (sim/nodes.py): the head and every node added here
         self.records: list[dict] = [{"id": self.cluster.head_node.node_id, "type": "head", "market": "on-demand",
+                                     "gpus": 0,
                                      "launched_by": "static", "started": round(time.time(), 3)}]
 
     @property
@@ -53,7 +54,8 @@ class EmbeddedCluster:
         node = self.cluster.add_node(**LOOPBACK_NODE, num_cpus=gpus, resources={self.gpu_resource: gpus})
         self.nodes.append(node)
         self.node_ids.append(node.node_id)
-        self.records.append({"id": node.node_id, "type": None, "market": "on-demand", "launched_by": launched_by,
+        self.records.append({"id": node.node_id, "type": None, "market": "on-demand", "gpus": gpus,
+                             "launched_by": launched_by,
                              "started": round(time.time(), 3)})
         log.info("node %d added (%d %s, id %s)", len(self.nodes) - 1, gpus, self.gpu_resource, node.node_id[:12])
         return len(self.nodes) - 1

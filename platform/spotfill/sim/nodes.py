@@ -16,16 +16,21 @@ scale-down, UNEXPECTED_TERMINATION for a hard loss) with Ray's message.
 from __future__ import annotations
 
 
-def cluster_section(records: list[dict], provider_log: list[dict], seen: list[dict], now: float) -> dict:
+def cluster_section(records: list[dict], provider_log: list[dict], seen: list[dict], now: float,
+                    gpus_by_type: dict[str, int] | None = None) -> dict:
+    """`gpus`: GPU slots of each node (records carry theirs; launched nodes take their type's), which lets
+    the GPU-seconds ledger count idle capacity per node (telemetry.ledger.nodes_from_report)."""
     nodes: dict[str, dict] = {}
     for r in records:
-        nodes[r["id"]] = {"id": r["id"], "type": r.get("type"), "market": r.get("market"),
+        nodes[r["id"]] = {"id": r["id"], "type": r.get("type"), "market": r.get("market"), "gpus": r.get("gpus"),
                           "launched_by": r["launched_by"], "started": r.get("started"), "ended": r.get("ended")}
     failures = []
     for e in provider_log:
         if e["event"] == "launched":
             nodes.setdefault(e["node_id"], {"id": e["node_id"], "type": e.get("node_type"),
-                                            "market": e.get("market"), "launched_by": "autoscaler",
+                                            "market": e.get("market"),
+                                            "gpus": (gpus_by_type or {}).get(e.get("node_type")),
+                                            "launched_by": "autoscaler",
                                             "started": e["t"], "ended": None})
         elif e["event"] == "terminated" and e.get("node_id") in nodes:
             if nodes[e["node_id"]].get("ended") is None:

@@ -289,3 +289,20 @@ def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 
                      "max_micro_batch": 3, "checkpoint_every": 20, "seed": seed},
         "events": events,
     }
+
+
+# The default `spotfill demo` story on an autoscaling cluster: DEFAULT_SCENARIO's training (and anything
+# else it sets) on a head-only cluster that Ray's autoscaler (v2, fake multi-node provider) scales with
+# cluster.yaml-like spot and on-demand types. A spot notice takes node 1 and the autoscaler replaces it;
+# later a hard loss takes node 0. No node is added by the scenario.
+AUTOSCALING_SCENARIO = {
+    **DEFAULT_SCENARIO,
+    "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
+        "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
+            "gpu_spot": {"gpus": 2, "market": "spot", "max_workers": 2, "priority": 10},
+            "gpu_ondemand": {"gpus": 2, "market": "on-demand", "max_workers": 1, "priority": 0}}}},
+    "events": [
+        {"at_step": 30, "min_world": 4, "action": "drain_node", "node": 1, "deadline_s": 10},
+        {"at_step": 150, "min_world": 4, "action": "kill_node", "node": 0},
+    ],
+}
