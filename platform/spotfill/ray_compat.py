@@ -7,11 +7,14 @@ fallback deep inside a training run. tests/unit/test_ray_compat.py imports it.
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import os
 import socket
+import sys
 import time
+import types
 
 import ray
 import ray._private.ray_constants as _ray_constants
@@ -29,6 +32,8 @@ from ray.train.v2._internal.execution import callback as _train_callback
 from ray.train.v2._internal.execution import context as _train_context
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ray.train.v2._internal.execution.worker_group import worker as _wg_worker
+from ray.train.v2._internal.execution.worker_group import worker_group as _wg
 from ray.util.state.exception import RayStateApiException
 import torch.utils.cpp_extension as _cpp_ext
 from torch.utils.file_baton import FileBaton as _FileBaton
@@ -90,6 +95,10 @@ HOOKS = [
     (_FileBaton, "wait", ()),
     (_FileBaton, "try_acquire", ()),
     (_train_callback.ControllerCallback, "before_controller_execute_resize_decision", ("resize_decision",)),
+    # a worker group's teardown: reap workers whose node is gone before Ray Train's 5 s shutdown patience
+    (WorkerGroupCallback, "before_worker_group_shutdown", ("worker_group",)),
+    (_wg.WorkerGroup, "get_workers", ()),
+    (_wg_worker.RayTrainWorker, "get_metadata", ()),
     # Ray's fake multi-node provider (local autoscaler tests, the demo's autoscaling cluster)
     (_fake_multinode, "FAKE_HEAD_NODE_ID", None),
     (common_pb2.NodeDeathInfo, "Reason", None),
@@ -101,6 +110,36 @@ HOOKS = [
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
+if "actor" not in getattr(_wg_worker.Worker, "__dataclass_fields__", {}):
+    raise RayCompatError(f"spotfill needs ray.train.v2 Worker.actor (checked against ray {RAY_VERSION_CHECKED}); "
+                         f"installed ray {ray.__version__} does not have it")
+
+# DeepSpeed imports its Muon optimizer modules lazily -- ZeRO's optimizer check at initialize, its gradient
+# reduction on every step -- and they apply torch.compile at import: ~1.5 s of torch._inductor imports on
+# every worker start, on the recovery critical path, for an optimizer spotfill never builds (it trains with
+# AdamW). Each module is located without importing DeepSpeed, and each name DeepSpeed imports from it is
+# checked to be defined there.
+MUON_MODULES = {
+    "deepspeed.runtime.zero.muon.muon_optimizer": ("MuonWithAuxAdam",),
+    "deepspeed.runtime.zero.muon.original_muon": ("MuonWithAuxAdam", "muon_update", "adam_update"),
+}
+
+
+def _muon_sources() -> dict[str, str]:
+    spec = importlib.util.find_spec("deepspeed")
+    out = {}
+    for module, names in MUON_MODULES.items():
+        path = os.path.join(os.path.dirname(spec.origin), *module.split(".")[1:]) + ".py" if spec else "?"
+        text = open(path, encoding="utf-8").read() if os.path.isfile(path) else ""
+        missing = [n for n in names if f"def {n}(" not in text and f"class {n}" not in text]
+        if not text or missing:
+            raise RayCompatError(f"spotfill expects DeepSpeed's {module} to define {', '.join(missing or names)} "
+                                 f"(checked against deepspeed 0.19); the installed DeepSpeed does not ({path})")
+        out[module] = path
+    return out
+
+
+_MUON_PATHS = _muon_sources()
 
 
 # Ray's fake multi-node node provider (ray.autoscaler._private; what ray.cluster_utils.AutoscalingCluster
@@ -216,7 +255,8 @@ class GcsCheckedPlacementGroupCleanerCallback(_pg_callback.PlacementGroupCleaner
 def use_spotfill_controller(trainer_cls, make_policy=None):
     """A subclass of `trainer_cls` whose controller gets `make_policy(scaling_config)` instead of Ray's
     ElasticScalingPolicy, when given (the policy is built on the driver and handed to the controller
-    actor), and the GCS-checked placement-group cleaner instead of Ray's."""
+    actor), the GCS-checked placement-group cleaner instead of Ray's, and its callbacks marked
+    `spotfill_runs_first` ahead of Ray's own (which the controller lists before RunConfig's)."""
 
     class Trainer(trainer_cls):
         def _initialize_and_run_controller(self, **kwargs):
@@ -225,11 +265,64 @@ def use_spotfill_controller(trainer_cls, make_policy=None):
             callbacks = [GcsCheckedPlacementGroupCleanerCallback()
                          if type(cb) is _pg_callback.PlacementGroupCleanerCallback else cb
                          for cb in kwargs.get("callbacks") or []]
-            kwargs["callbacks"] = callbacks
+            kwargs["callbacks"] = callbacks_first(callbacks)
             return super()._initialize_and_run_controller(**kwargs)
 
     Trainer.__name__ = Trainer.__qualname__ = f"Spotfill{trainer_cls.__name__}"
     return Trainer
+
+
+def callbacks_first(callbacks: list) -> list:
+    """`callbacks` with those marked `spotfill_runs_first` moved to the front, order otherwise kept.
+    The worker-group teardown reaper must run before Ray Train's backend callback, whose torch
+    process-group shutdown waits on every worker -- the dead ones too -- for up to 30 s."""
+    return sorted(callbacks, key=lambda cb: not getattr(cb, "spotfill_runs_first", False))
+
+
+def skip_deepspeed_muon() -> bool:
+    """Stand in for DeepSpeed's Muon optimizer modules with ones that define the names DeepSpeed imports
+    from them (its isinstance checks answer False; the update functions are only reached for parameters
+    marked use_muon) and apply no torch.compile: the engine is built and steps without importing
+    torch._inductor. Building a Muon optimizer afterwards fails with a clear message. Returns False when a
+    real module is already imported (then nothing is replaced)."""
+    if any(m in sys.modules and not isinstance(sys.modules[m], _MuonStandIn) for m in MUON_MODULES):
+        return False
+    for module, names in MUON_MODULES.items():
+        sys.modules.setdefault(module, _MuonStandIn(module, names))
+    return True
+
+
+class _MuonStandIn(types.ModuleType):
+    def __init__(self, name: str, names: tuple[str, ...]):
+        super().__init__(name, f"spotfill's stand-in for {name} (real file: {_MUON_PATHS[name]})")
+        why = "DeepSpeed's Muon optimizer is not loaded in spotfill workers: spotfill trains with AdamW"
+
+        class MuonWithAuxAdam:
+            def __init__(self, *args, **kwargs):
+                raise RuntimeError(why)
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError(why)
+
+        for n in names:
+            setattr(self, n, MuonWithAuxAdam if n == "MuonWithAuxAdam" else refuse)
+
+
+def unreachable_workers(worker_group, timeout_s: float) -> list:
+    """The workers of a Ray Train worker group that do not answer a metadata call within `timeout_s`
+    (their process or node is gone), as (world_rank, node_id, actor) tuples."""
+    workers = list(worker_group.get_workers())
+    refs = {w.actor.get_metadata.remote(): (rank, w) for rank, w in enumerate(workers)}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    answered = set()
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
+            answered.add(ref)
+        except Exception:
+            pass
+    return [(rank, getattr(w.metadata, "node_id", None), w.actor)
+            for ref, (rank, w) in refs.items() if ref not in answered]
 
 
 def single_host_loopback(enabled: bool) -> bool:

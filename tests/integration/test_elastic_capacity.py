@@ -182,3 +182,88 @@ def test_spotfill_trainer_uses_the_gcs_checked_cleaner():
         callbacks=[PlacementGroupCleanerCallback(), "other"])
     assert type(seen["callbacks"][0]) is GcsCheckedPlacementGroupCleanerCallback
     assert seen["callbacks"][1] == "other"
+
+
+def _job(name: str, tmp_path, dataset, store: str, **training):
+    from spotfill.sim.cluster import worker_env
+    from spotfill.train.job import TrainingJob
+    cfg = from_mapping(JobConfig, {
+        "name": name, "run_dir": str(tmp_path / f"run-{training['steps']}"), "storage": store,
+        "data": {"path": dataset}, "cluster": {"gpu_resource": "GPU_SLOT"},
+        "training": {"model": "tiny", "workers": [1, 4], "global_batch": 12, "max_micro_batch": 3,
+                     "checkpoint_every": 10, "keep_checkpoints": 5, **training}})
+    return TrainingJob(cfg, runtime_env={"env_vars": worker_env()})
+
+
+def test_a_second_fit_over_the_same_store_numbers_its_attempts_past_the_first(cluster, dataset, tmp_path):
+    """Tags are step + attempt. A second fit() over the same store used to start again at attempt 0 and
+    could write into a tag the first run had committed; it continues at attempt 1 and resumes from step
+    20, leaving the first run's committed checkpoints as they were."""
+    from spotfill.storage.base import open_storage
+    from spotfill.storage.checkpoint_store import CheckpointStore
+
+    store_path = str(tmp_path / "store")
+    first, error = _fit_with_deadline(_job("two-fits", tmp_path, dataset, store_path, steps=20))
+    assert error is None and first and first["ok"], error
+    store = CheckpointStore(open_storage(store_path).child("two-fits"))
+    before = {t: store.manifest(t) for t in store.committed()}
+    assert before and all(t.endswith("-a0") for t in before), before
+
+    job = _job("two-fits", tmp_path, dataset, store_path, steps=40)
+    second, error = _fit_with_deadline(job)
+    assert error is None and second and second["ok"], error
+    attempts = [e for e in read_events(job.events_path) if e["kind"] == "attempt"]
+    assert [a["attempt"] for a in attempts] == [1] and attempts[0]["earlier_attempts"] == 1, attempts
+    resume = next(e for e in read_events(job.events_path) if e["kind"] == "resume")
+    assert resume["step"] == 20
+    after = set(store.committed())
+    new = after - set(before)
+    assert new and all(t.endswith("-a1") for t in new), after
+    for tag in set(before) & after:
+        assert store.manifest(tag) == before[tag], tag
+
+
+def test_a_grow_whose_slot_is_taken_falls_back_to_the_previous_size(cluster, dataset, tmp_path):
+    """One slot is held by other work: training runs on 3. The holder leaves; training checkpoints and
+    exits to grow -- and at that moment other work takes the slot again (a placement group reserves it).
+    The restart falls back to 3 workers within seconds, nothing is lost, and no second grow is tried
+    while the capacity stays as it is."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    holder = placement_group([{"GPU_SLOT": 1}])
+    ray.get(holder.ready(), timeout=30)
+    job = _job("grow-fallback", tmp_path, dataset, str(tmp_path / "store"), steps=160, resize_check_s=1.0,
+               max_failures=0)
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(result=_fit_with_deadline(job)), daemon=True)
+    thread.start()
+    taker, exit_t = None, None
+    deadline = time.monotonic() + FIT_DEADLINE_S
+    try:
+        while thread.is_alive() and time.monotonic() < deadline:
+            events = list(read_events(job.events_path)) if os.path.exists(job.events_path) else []
+            steps = [e for e in events if e["kind"] == "step"]
+            if holder is not None and len(steps) >= 2:
+                remove_placement_group(holder)          # the slot is free: training will want it
+                holder = None
+            grow = next((e for e in events if e["kind"] == "planned_exit" and e["reason"] == "grow"), None)
+            if grow and taker is None:
+                taker = placement_group([{"GPU_SLOT": 1}])   # ...and other work takes it back at once
+                exit_t = grow["t"]
+            time.sleep(0.05)
+        thread.join(5)
+        report, error = out.get("result", (None, "hung"))
+        events = list(read_events(job.events_path))
+        attempts = [e for e in events if e["kind"] == "attempt"]
+        grows = [e for e in events if e["kind"] == "planned_exit" and e["reason"] == "grow"]
+        assert error is None and report and report["ok"], (error, attempts)
+        assert [a["world_size"] for a in attempts] == [3, 3], attempts
+        assert len(grows) == 1 and attempts[1]["cause"] == "planned: grow", (grows, attempts)
+        assert attempts[1]["t"] - exit_t < 20, attempts      # fell back promptly, no hang
+        assert report["training"]["samples"]["duplicates"] == 0 and report["training"]["samples"]["missing"] == 0
+        assert ray.util.placement_group_table(taker)["state"] == "CREATED"
+    finally:
+        for pg in (holder, taker):
+            if pg is not None:
+                remove_placement_group(pg)

@@ -69,6 +69,17 @@ def test_hard_loss_bounded_by_checkpoint_interval(scenario_run):
     assert 0 <= p["lost_steps"] <= allowed, p
 
 
+def test_teardown_reaps_exactly_the_dead_nodes_workers(scenario_run):
+    """After the hard loss the group's teardown killed the workers of the dead node (which cannot answer)
+    instead of waiting on them; planned exits (drain, grow) had every worker alive: nothing reaped."""
+    report, out = scenario_run
+    hard = next(p for p in report["preemptions"] if p["kind"] == "hard")
+    reaped = [e for e in read_events(str(out / "events.jsonl")) if e["kind"] == "workers_reaped"]
+    assert reaped and all(e["t"] >= hard["at"] for e in reaped), reaped
+    assert [e["nodes"] for e in reaped] == [[hard["node_id"]]], (reaped, hard)
+    assert 1 <= len(reaped[0]["ranks"]) <= 2 and "node gone" in reaped[0]["reason"]
+
+
 def test_world_size_shrinks_grows_and_shrinks(scenario_run):
     report, _ = scenario_run
     sizes = [n for _, n in report["training"]["world_size_timeline"]]

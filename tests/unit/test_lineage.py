@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from spotfill.storage.checkpoint_store import parse_tag, tag_for, tag_key
+from spotfill.storage.checkpoint_store import next_attempt, parse_tag, tag_for, tag_key
 from spotfill.storage.lineage import build_lineage
 
 _NO = object()
@@ -100,3 +100,14 @@ def test_tags_sort_by_step_then_attempt():
     tags = ["step-00000120-a3", "step-00000020-a9", "step-00000120", "step-00000040-a1"]
     assert sorted(tags, key=tag_key) == ["step-00000020-a9", "step-00000040-a1", "step-00000120",
                                          "step-00000120-a3"]
+
+
+@pytest.mark.parametrize("tags,first", [
+    ([], 0),
+    (["step-00000020", "step-00000040"], 0),                          # tags without attempt numbers
+    (["step-00000020-a0", "step-00000040-a2", "step-00000030-a11"], 12),  # numeric, not text, order
+    (["step-00000020-arun_2", "step-00000020-a1", "latest-notes"], 2),
+])
+def test_a_new_run_numbers_its_attempts_past_the_stores(tags, first):
+    assert next_attempt(tags) == first
+    assert not {tag_for(20, first), tag_for(40, first)} & set(tags)

@@ -25,12 +25,14 @@ def test_failures_are_classified_with_their_telling_line():
 
 
 def test_attempt_cause_planned_unplanned_and_unknown():
-    assert attempt_cause(0, None, None) == {"cause": "first start", "planned": True}
-    assert attempt_cause(3, "grow", classify_failure("PlannedExit: capacity")) == {"cause": "planned: grow",
+    assert attempt_cause(True, None, None) == {"cause": "first start", "planned": True}
+    assert attempt_cause(True, None, None, earlier_attempts=4) == {"cause": "first start", "planned": True,
+                                                                   "earlier_attempts": 4}
+    assert attempt_cause(False, "grow", classify_failure("PlannedExit: capacity")) == {"cause": "planned: grow",
                                                                                    "planned": True}
-    c = attempt_cause(2, None, classify_failure(NODE_LOST))
+    c = attempt_cause(False, None, classify_failure(NODE_LOST))
     assert c["cause"] == "unplanned: worker died or node lost" and not c["planned"] and "ActorDiedError" in c["error"]
-    assert attempt_cause(1, None, None)["cause"].startswith("unplanned: the previous attempt ended without")
+    assert attempt_cause(False, None, None)["cause"].startswith("unplanned: the previous attempt ended without")
 
 
 def test_attempt_history_shows_each_attempts_cause():
@@ -57,4 +59,4 @@ def test_a_run_torn_down_under_its_live_controller_is_named_so():
     from spotfill.train.restarts import PLACEMENT_GROUP_REMOVED
     f = classify_failure(f"{PLACEMENT_GROUP_REMOVED}\n{NODE_LOST}")
     assert f.kind == "placement group removed (cleaner teardown)" and "ActorDiedError" in f.detail
-    assert attempt_cause(1, None, f)["cause"] == "unplanned: placement group removed (cleaner teardown)"
+    assert attempt_cause(False, None, f)["cause"] == "unplanned: placement group removed (cleaner teardown)"

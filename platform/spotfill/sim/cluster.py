@@ -26,6 +26,20 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_
                           "health_check_timeout_ms": 1000}
 
 
+def dashboard_port(preferred: int = 8265) -> int:
+    """Ray's usual dashboard port when it is free on 127.0.0.1, else any free one: Ray refuses to start a
+    head whose dashboard port is taken (another local cluster, a dashboard left behind)."""
+    import socket
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+                return s.getsockname()[1]
+            except OSError:
+                continue
+    return preferred
+
+
 class EmbeddedCluster:
     def __init__(self, gpu_resource: str = "GPU_SLOT", head_cpus: int = 2,
                  system_config: dict | None = None):
@@ -36,7 +50,7 @@ class EmbeddedCluster:
         self.gpu_resource = gpu_resource
         self._loopback_before = single_host_loopback(True)   # the driver connects on 127.0.0.1 too
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            **LOOPBACK_NODE, **HEAD_DASHBOARD, "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
+            **LOOPBACK_NODE, **HEAD_DASHBOARD, "dashboard_port": dashboard_port(), "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
         self.node_ids: list[str] = []
         # what report.json's cluster.nodes starts from (sim/nodes.py): the head and every node added here

@@ -288,8 +288,10 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
         if ev.action in ("drain_node", "kill_node", "remove_node"):
             out = node_event_outcome(events, t, ev.deadline_s if ev.action != "kill_node" else None)
             entry.update(out)
+            entry["node_id"] = cluster.node_ids[ev.node]
             report["preemptions"].append({"kind": "hard" if ev.action == "kill_node" else "announced",
-                                          "action": ev.action, "node": ev.node, "at": round(t, 3), **out})
+                                          "action": ev.action, "node": ev.node, "node_id": entry["node_id"],
+                                          "at": round(t, 3), **out})
         elif ev.action == "add_node":
             entry.update(grow_outcome(events, t))
         elif ev.action == "corrupt_checkpoint":

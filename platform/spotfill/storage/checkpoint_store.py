@@ -60,6 +60,14 @@ def parse_tag(tag: str) -> tuple[int, str | None] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
+def next_attempt(tags: Iterable[str]) -> int:
+    """The first attempt number a new run over a store holding `tags` may use: one past the largest
+    numeric attempt in them (0 for a store without attempt-numbered tags). A second fit() over the same
+    store then never writes into a tag an earlier run committed."""
+    attempts = [int(p[1]) for p in map(parse_tag, tags) if p and p[1] and p[1].isdigit()]
+    return max(attempts) + 1 if attempts else 0
+
+
 def tag_key(tag: str) -> tuple[int, str]:
     """Sort key for tags: the step, then the text (so one step's attempts sort together)."""
     parsed = parse_tag(tag)
@@ -244,6 +252,10 @@ class CheckpointStore:
             elif name == QUARANTINE:
                 quarantined.add(tag)
         return sorted(tags, key=tag_key, reverse=True), committed, quarantined
+
+    def next_attempt(self) -> int:
+        """next_attempt() over every tag in the store, committed, quarantined or not."""
+        return next_attempt(self._tags()[0])
 
     def uploading(self) -> list[str]:
         """Uncommitted tags newer than `latest`: saves still uploading (or debris of a dead attempt)."""

@@ -69,8 +69,9 @@ def build_engine(model, config: dict):
     """deepspeed.initialize over the model's trainable parameters, with torch's AdamW as the client
     optimizer (no JIT op); returns the engine."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_cache_dir())
-    from spotfill.ray_compat import guard_jit_op_builds
+    from spotfill.ray_compat import guard_jit_op_builds, skip_deepspeed_muon
     guard_jit_op_builds()
+    skip_deepspeed_muon()    # no torch.compile/inductor import for an optimizer spotfill never builds
     import deepspeed
 
     config = dict(config)

@@ -86,6 +86,7 @@ class TrainingJob:
         from spotfill.train.elastic import SpotfillTorchTrainer
         from spotfill.fillin.training_hook import training_callbacks
         from spotfill.train.sink import RestartCauseCallback
+        from spotfill.train.teardown import UnreachableWorkerReaper
 
         from spotfill.train.worker_loop import train_loop_per_worker
 
@@ -114,9 +115,18 @@ class TrainingJob:
                                                                  **self.runtime_env.get("env_vars", {})})},
                 # every controller state change (failures it saw, sizes it chose) into events.jsonl
                 # and, on a cluster with fill-in, claim the GPUs first (a missing arbiter never blocks)
-                callbacks=[RestartCauseCallback(sink_name, namespace), *(training_callbacks(cfg) if spotfill else [])],
+                # and, on spotfill runs, a teardown that does not wait on workers of a dead node
+                callbacks=[RestartCauseCallback(sink_name, namespace),
+                           *([UnreachableWorkerReaper(sink_name, namespace), *training_callbacks(cfg)]
+                             if spotfill else [])],
             ),
         )
+
+    def _first_attempt(self) -> int:
+        """Attempt numbers continue past those in the checkpoint store (a second fit() over it)."""
+        from spotfill.storage.base import open_storage
+        from spotfill.storage.checkpoint_store import CheckpointStore
+        return CheckpointStore(open_storage(self.config.storage).child(self.config.name)).next_attempt()
 
     def fit(self) -> dict:
         """Run to completion; returns the report dict (also written to RUN_DIR/report.json)."""
@@ -135,7 +145,7 @@ class TrainingJob:
             name=sink_name, namespace=namespace,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                soft=False),
-        ).remote(self.events_path, self.config.training.max_failures)
+        ).remote(self.events_path, self.config.training.max_failures, self._first_attempt())
         ray.get(sink.event.remote("job_start", name=self.config.name, steps=self.config.training.steps,
                                   global_batch=self.config.training.global_batch,
                                   workers=self.config.training.workers, dataset_samples=manifest["num_samples"]))

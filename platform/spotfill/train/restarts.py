@@ -45,10 +45,13 @@ def classify_failure(error_text: str) -> Failure:
     return Failure(kind, telling[:300])
 
 
-def attempt_cause(attempt: int, planned_reason: str | None, failure: Failure | None) -> dict:
-    """The cause recorded with a worker-group start."""
-    if attempt == 0:
-        return {"cause": "first start", "planned": True}
+def attempt_cause(first: bool, planned_reason: str | None, failure: Failure | None,
+                  earlier_attempts: int = 0) -> dict:
+    """The cause recorded with a worker-group start: `first` for the run's first group (after
+    `earlier_attempts` attempts of earlier runs over the same checkpoint store, when there were any)."""
+    if first:
+        return {"cause": "first start", "planned": True,
+                **({"earlier_attempts": earlier_attempts} if earlier_attempts else {})}
     if planned_reason:
         return {"cause": f"planned: {planned_reason}", "planned": True}
     if failure is None:

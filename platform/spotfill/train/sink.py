@@ -22,11 +22,14 @@ log = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=0)
 class EventSink:
-    def __init__(self, path: str, max_failures: int):
+    def __init__(self, path: str, max_failures: int, first_attempt: int = 0):
         from spotfill.telemetry.prometheus import record   # spotfill_* series on this node's metrics endpoint
 
         self._log = EventLog(path, on_event=record)
-        self._attempt = -1
+        # numbering continues past the attempts of earlier runs over the same checkpoint store, so tags
+        # (step + attempt) stay unique across fit() calls
+        self._first_attempt = first_attempt
+        self._attempt = first_attempt - 1
         self._unplanned = 0
         self._max_failures = max_failures
         self._planned_exit: str | None = None
@@ -36,10 +39,11 @@ class EventSink:
     def begin_attempt(self, world_size: int) -> dict:
         """Called by rank 0 when a worker group starts. Counts an unplanned failure if the last attempt
         ended without saying why; records the attempt's cause. Returns {"attempt", "give_up", ...}."""
-        if self._attempt >= 0 and not self._planned_exit:
+        first = self._attempt < self._first_attempt
+        if not first and not self._planned_exit:
             self._unplanned += 1
         self._attempt += 1
-        cause = attempt_cause(self._attempt, self._planned_exit, self._failure)
+        cause = attempt_cause(first, self._planned_exit, self._failure, earlier_attempts=self._first_attempt)
         self._planned_exit, self._failure = None, None
         give_up = self._max_failures >= 0 and self._unplanned > self._max_failures
         self._log.write("attempt", attempt=self._attempt, world_size=world_size,

@@ -98,6 +98,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     store = CheckpointStore(open_storage(job.storage).child(job.name), keep_last=t.keep_checkpoints)
     local_root = os.path.join(constants.LOCAL_DIR, job.name, f"node-{node_id[:12]}")
     node_dir = os.path.join(local_root, "restore")
+    warm = _warm_imports()      # DeepSpeed and torch._dynamo load while the checkpoint downloads
     t0 = time.perf_counter()
     try:
         plan = restore_on_workers(store, comms, rank, world, node_id, node_dir, t.zero_stage,
@@ -110,6 +111,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     precision = resolve_precision(t.precision, torch.cuda.is_available() and job.cluster.gpu_resource == "GPU")
     torch.manual_seed(t.seed)
     reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
+    warm.join()
     engine, vocab = _engine(job, reader, shape, precision, plan.universal)
     start_step, ledger, load_s = 0, SampleLedger(), 0.0
     if plan.tag:
@@ -154,6 +156,23 @@ def train_loop_per_worker(loop_config: dict) -> None:
         prefetch.close()
         run.close()
     _finish(sink, rank, {"ok": True, "steps_completed": t.steps, "attempt": attempt})
+
+
+def _warm_imports():
+    """Import what building the engine needs (DeepSpeed; torch._dynamo, which torch's optimizers load on
+    first use) on a thread, so the imports overlap the restore's downloads and actor calls instead of
+    following them. The thread is joined before the engine is built; an import error surfaces there."""
+    import threading
+
+    def load():
+        from spotfill.ray_compat import skip_deepspeed_muon
+        skip_deepspeed_muon()
+        import deepspeed  # noqa: F401
+        import torch._dynamo  # noqa: F401
+
+    thread = threading.Thread(target=load, name="spotfill-warm-imports", daemon=True)
+    thread.start()
+    return thread
 
 
 def _finish(sink, rank: int, verdict: dict) -> None:
