@@ -72,7 +72,14 @@ def test_replaced_and_grown_back_needs_a_launch_after_the_notice_and_the_old_siz
     # a replacement came but training never reached its size before the notice again
     short = [[10, 2], [20, 4], [41, 2]]
     assert not autoscaler_invariants(_report([5, 6, 50], short, [40]))["replaced_and_grown_back"]["ok"]
-    # the size that counts is the one at the notice, not the largest ever
+    # the runner's own record of the size at the notice wins over the timeline (whose entry for a restart
+    # can come a moment after the notice that followed it)
+    rep = _report([5, 50], [[10, 2], [40.5, 4], [41, 2], [60, 2]], [40])
+    rep["preemptions"][0]["world_size_before"] = 4
+    assert not autoscaler_invariants(rep)["replaced_and_grown_back"]["ok"]
+    rep["training"]["world_size_timeline"].append([70, 4])
+    assert autoscaler_invariants(rep)["replaced_and_grown_back"]["ok"]
+        # the size that counts is the one at the notice, not the largest ever
     assert autoscaler_invariants(_report([5, 50], [[10, 4], [20, 2], [41, 1], [60, 2]], [30]))[
         "replaced_and_grown_back"]["ok"]
 

@@ -78,7 +78,7 @@ def autoscaler_invariants(report: dict) -> dict:
     if announced:
         details, ok = [], True
         for p in announced:
-            before = ([n for t, n in timeline if t <= p["at"]] or [0])[-1]   # the size when the notice came
+            before = p.get("world_size_before") or ([n for t, n in timeline if t <= p["at"]] or [0])[-1]
             new = [t for t in launched if t >= p["at"]]
             back = next((t for t, n in timeline if new and t >= new[0] and n >= before), None)
             ok = ok and back is not None

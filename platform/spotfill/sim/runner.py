@@ -222,6 +222,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
     corrupted: dict[int, dict] = {}
     first_step_t, step, world, refreshed = None, 0, 0, 0.0
     requests: list[dict] = []       # the cluster's standing resource request, each time it changed
+    world_at: dict[int, int] = {}   # event index -> workers training ran on when the node event fired
     while thread.is_alive():
         for e in tail.poll():
             if e["kind"] == "step":
@@ -273,6 +274,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
             elif ev.action == "corrupt_checkpoint":
                 corrupted[ev.index] = corrupt_newest_checkpoint(job, say)
             if ev.action in ("drain_node", "kill_node", "remove_node"):
+                world_at[ev.index] = world
                 world = 0          # unknown until the next start/resume (min_world waits for the regrow)
             fired.append((ev, t))
         time.sleep(0.25)
@@ -291,7 +293,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say) -> dict:
             entry["node_id"] = cluster.node_ids[ev.node]
             report["preemptions"].append({"kind": "hard" if ev.action == "kill_node" else "announced",
                                           "action": ev.action, "node": ev.node, "node_id": entry["node_id"],
-                                          "at": round(t, 3), **out})
+                                          "at": round(t, 3), "world_size_before": world_at.get(ev.index), **out})
         elif ev.action == "add_node":
             entry.update(grow_outcome(events, t))
         elif ev.action == "corrupt_checkpoint":
