@@ -79,6 +79,12 @@ def test_replaced_and_grown_back_needs_a_launch_after_the_notice_and_the_old_siz
     assert not autoscaler_invariants(rep)["replaced_and_grown_back"]["ok"]
     rep["training"]["world_size_timeline"].append([70, 4])
     assert autoscaler_invariants(rep)["replaced_and_grown_back"]["ok"]
+        # the replacement was up before the group restarted: straight back at 4, no timeline change
+    rep = _report([5, 42], [[10, 2], [20, 4]], [40])
+    rep["preemptions"][0].update(world_size_before=4, world_size_after=4, recovery_seconds=12.0)
+    assert autoscaler_invariants(rep)["replaced_and_grown_back"]["ok"]
+    rep["preemptions"][0].update(recovery_seconds=1.0)          # restarted at 4 before the launch: not it
+    assert not autoscaler_invariants(rep)["replaced_and_grown_back"]["ok"]
         # the size that counts is the one at the notice, not the largest ever
     assert autoscaler_invariants(_report([5, 50], [[10, 4], [20, 2], [41, 1], [60, 2]], [30]))[
         "replaced_and_grown_back"]["ok"]

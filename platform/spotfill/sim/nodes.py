@@ -80,7 +80,11 @@ def autoscaler_invariants(report: dict) -> dict:
         for p in announced:
             before = p.get("world_size_before") or ([n for t, n in timeline if t <= p["at"]] or [0])[-1]
             new = [t for t in launched if t >= p["at"]]
-            back = next((t for t, n in timeline if new and t >= new[0] and n >= before), None)
+            # the timeline records changes only: a restart straight back at the old size (the replacement
+            # was up before the group restarted) shows as the preemption's own first step after the notice
+            sizes = sorted([(t, n) for t, n in timeline] + ([(p["at"] + p["recovery_seconds"], p["world_size_after"])]
+                           if p.get("recovery_seconds") is not None and p.get("world_size_after") else []))
+            back = next((t for t, n in sizes if new and t >= new[0] and n >= before), None)
             ok = ok and back is not None
             details.append(f"notice at {p['at']:.0f}: {len(new)} launched after it, back to {before} workers "
                            + (f"{back - p['at']:.1f}s after the notice" if back is not None else "never"))
