@@ -22,8 +22,9 @@ import ray._private.services as _services
 import ray._private.state as _state
 import ray._private.worker as _worker
 import ray._raylet as _raylet
-from ray.core.generated import autoscaler_pb2, gcs_pb2  # noqa: F401 (the drain and node-list messages)
+from ray.core.generated import autoscaler_pb2, common_pb2, gcs_pb2  # noqa: F401 (drain, node death, node list)
 import ray.experimental.internal_kv as _kv
+import ray.autoscaler._private.fake_multi_node.node_provider as _fake_multinode
 import ray.train.v2._internal.callbacks.placement_group_callback as _pg_callback
 import ray.train.v2._internal.execution.controller.placement_group_cleaner as _pg_cleaner
 from ray.train.torch import TorchTrainer as _TorchTrainer
@@ -100,6 +101,14 @@ HOOKS = [
     (WorkerGroupCallback, "before_worker_group_shutdown", ("worker_group",)),
     (_wg.WorkerGroup, "get_workers", ()),
     (_wg_worker.RayTrainWorker, "get_metadata", ()),
+    # Ray's fake multi-node provider (local autoscaler tests, the demo's autoscaling cluster)
+    (_fake_multinode, "FAKE_HEAD_NODE_ID", None),
+    (common_pb2.NodeDeathInfo, "Reason", None),
+    (_fake_multinode.FakeMultiNodeProvider, "__init__", ("provider_config", "cluster_name")),
+    (_fake_multinode.FakeMultiNodeProvider, "_create_node_with_resources_and_labels",
+     ("node_config", "tags", "count", "resources", "labels")),
+    (_fake_multinode.FakeMultiNodeProvider, "terminate_node", ("node_id",)),
+    (_fake_multinode.FakeMultiNodeProvider, "_terminate_node", ("node",)),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
@@ -133,6 +142,24 @@ def _muon_sources() -> dict[str, str]:
 
 
 _MUON_PATHS = _muon_sources()
+
+
+# Ray's fake multi-node node provider (ray.autoscaler._private; what ray.cluster_utils.AutoscalingCluster
+# runs): each "instance" it launches is a real raylet on this machine, node id = cloud instance id. The fake
+# head's node id is fixed (FAKE_HEAD_NODE_ID); the provider needs RAY_FAKE_CLUSTER=1 in its environment.
+FakeMultiNodeProvider = _fake_multinode.FakeMultiNodeProvider
+FAKE_HEAD_NODE_ID = _fake_multinode.FAKE_HEAD_NODE_ID
+
+
+def node_death_reason_name(value) -> str | None:
+    """ray.nodes()' DeathReason (a NodeDeathInfo.Reason number) by name, e.g. AUTOSCALER_DRAIN_PREEMPTED;
+    None for a node that has not died (0, UNSPECIFIED)."""
+    if not value:
+        return None
+    try:
+        return common_pb2.NodeDeathInfo.Reason.Name(int(value))
+    except (ValueError, TypeError):
+        return str(value)
 
 
 def local_preemption_info():

@@ -13,6 +13,8 @@ def register(sub) -> None:
     p.add_argument("--storage", metavar="URI", help="checkpoint storage: local path or s3://bucket/prefix "
                                                      "(default: RUN_DIR/storage)")
     p.add_argument("--quick", action="store_true", help="shorter run (fewer steps)")
+    p.add_argument("--static", action="store_true", help="the built-in scenario on fixed nodes added by the "
+                                                          "scenario, without Ray's autoscaler")
     p.set_defaults(func=run)
 
 
@@ -42,6 +44,13 @@ def summarize(report: dict) -> str:
                      f"{', '.join(f'{h:.2f}s' for h in hb) or 'none'}; GPU-seconds lent "
                      f"{report.get('gpu_seconds', {}).get('fillin', 0):.1f}, harvest ratio "
                      f"{report.get('harvest_ratio', 'n/a')}")
+    nodes = (report.get("cluster") or {}).get("nodes") or []
+    t0 = min((n["started"] for n in nodes if n.get("started")), default=0)
+    for n in nodes:
+        if n["launched_by"] == "autoscaler":
+            end = f"gone at +{n['ended'] - t0:.0f}s ({n['death_reason']})" if n.get("ended") else "alive at the end"
+            lines.append(f"node {n['id'][-6:]} ({n['type']}, {n['market']}) launched by the autoscaler at "
+                         f"+{n['started'] - t0:.0f}s, {end}")
     ck = report["checkpoints"]
     lines.append(f"checkpoints: {ck['committed']} committed, stall max {ck['stall_seconds_max']:.3f}s")
     for name, inv in report.get("invariants", {}).items():
@@ -51,12 +60,14 @@ def summarize(report: dict) -> str:
 
 
 def run(args) -> int:
-    from spotfill.sim.scenario import DEFAULT_SCENARIO, load_scenario, parse_scenario
+    from spotfill.sim.scenario import AUTOSCALING_SCENARIO, DEFAULT_SCENARIO, load_scenario, parse_scenario
 
-    scenario = load_scenario(args.scenario) if args.scenario else parse_scenario(DEFAULT_SCENARIO, "demo")
+    builtin = DEFAULT_SCENARIO if args.static else AUTOSCALING_SCENARIO
+    scenario = load_scenario(args.scenario) if args.scenario else parse_scenario(builtin, "demo")
     if args.quick:
         t = scenario.training
-        t.steps = max(t.checkpoint_every, min(t.steps, 90))
+        # on an autoscaling cluster the replacement node must launch and training regrow before the end
+        t.steps = max(t.checkpoint_every, min(t.steps, 140 if scenario.cluster.autoscaler else 90))
     from spotfill.sim.runner import run_scenario
     report = run_scenario(scenario, args.out, storage=args.storage)
     print(summarize(report))

@@ -162,3 +162,14 @@ def scoped_env(**values: str | None) -> Iterator[None]:
         yield
     finally:
         _set_env(old)
+
+
+# --- Autoscaler config (train/preflight.py) -------------------------------------------------------
+# Where preflight reads the node types an autoscaler may add: `ray up` leaves its config at
+# ~/ray_bootstrap_config.yaml on the head; the embedded autoscaling cluster (sim/autoscaling.py) points this
+# at its own. Read at call time.
+AUTOSCALER_CONFIG_ENV = "SPOTFILL_AUTOSCALER_CONFIG"
+
+
+def autoscaler_config_path(default: str) -> str:
+    return os.environ.get(AUTOSCALER_CONFIG_ENV) or default

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +58,24 @@ class EmbeddedCluster:
             **LOOPBACK_NODE, **HEAD_DASHBOARD, "dashboard_port": dashboard_port(), "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
         self.node_ids: list[str] = []
+        # what report.json's cluster.nodes starts from (sim/nodes.py): the head and every node added here
+        self.records: list[dict] = [{"id": self.cluster.head_node.node_id, "type": "head", "market": "on-demand",
+                                     "gpus": 0,
+                                     "launched_by": "static", "started": round(time.time(), 3)}]
 
     @property
     def address(self) -> str:
         return self.cluster.address
 
-    def add_node(self, gpus: int) -> int:
-        """Add a worker node; returns its index (position in the order nodes were added)."""
+    def add_node(self, gpus: int, launched_by: str = "static") -> int:
+        """Add a worker node; returns its index (position in the order nodes were added). launched_by:
+        static (the scenario's cluster.nodes) or scenario (an add_node event)."""
         node = self.cluster.add_node(**LOOPBACK_NODE, num_cpus=gpus, resources={self.gpu_resource: gpus})
         self.nodes.append(node)
         self.node_ids.append(node.node_id)
+        self.records.append({"id": node.node_id, "type": None, "market": "on-demand", "gpus": gpus,
+                             "launched_by": launched_by,
+                             "started": round(time.time(), 3)})
         log.info("node %d added (%d %s, id %s)", len(self.nodes) - 1, gpus, self.gpu_resource, node.node_id[:12])
         return len(self.nodes) - 1
 
@@ -79,12 +88,28 @@ class EmbeddedCluster:
             return
         self.cluster.remove_node(node, allow_graceful=graceful)
         self.nodes[index] = None
+        for r in self.records:
+            if r["id"] == self.node_ids[index] and "ended" not in r:
+                r["ended"] = round(time.time(), 3)
         log.info("node %d removed (%s)", index, "graceful" if graceful else "killed")
+
+    def refresh(self) -> list[int]:
+        """Nothing launches nodes here but the scenario (the autoscaling cluster's counterpart does)."""
+        return []
+
+    def node_report(self) -> dict:
+        """report.json's `cluster` section: every node that took part (needs ray.init; call before shutdown)."""
+        import ray
+
+        from spotfill.ray_compat import node_death_reason_name
+        from spotfill.sim.nodes import cluster_section
+        seen = [{"id": n["NodeID"], "alive": bool(n.get("Alive")),
+                 "death_reason": node_death_reason_name(n.get("DeathReason")),
+                 "death_message": n.get("DeathReasonMessage") or ""} for n in ray.nodes()]
+        return cluster_section(self.records, [], seen, time.time())
 
     def drain_node(self, index: int, deadline_s: float, message: str, reason: str = "PREEMPTION") -> None:
         """Ray drain with a deadline, as `spotfill spot-watch` does on a spot notice."""
-        import time
-
         from spotfill.spot.watcher import drain_ray_node
         drain_ray_node(self.node_ids[index], deadline_s=time.time() + deadline_s, message=message,
                        reason=f"DRAIN_NODE_REASON_{reason}", address=self.address)

@@ -106,17 +106,20 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
     storage = storage or os.path.join(out_dir, "storage")
     if not storage.startswith("s3://") and os.path.isdir(storage):
         shutil.rmtree(storage)
-    say(f"starting an embedded Ray cluster: {len(scenario.cluster.nodes)} nodes x "
-        f"{[n.get('gpus', 1) for n in scenario.cluster.nodes]} {scenario.cluster.gpu_resource}")
     serve_on = scenario.fillin.serve_enabled
     if serve_on:   # Serve's replicas import serving/ from the checkout, like the spotfill package itself
         from spotfill.fillin.local import repo_root
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo_root()])
-    cluster = EmbeddedCluster(scenario.cluster.gpu_resource)
+    if scenario.cluster.autoscaler:
+        cluster = _autoscaling_cluster(scenario, out_dir, say)
+    else:
+        say(f"starting an embedded Ray cluster: {len(scenario.cluster.nodes)} nodes x "
+            f"{[n.get('gpus', 1) for n in scenario.cluster.nodes]} {scenario.cluster.gpu_resource}")
+        cluster = EmbeddedCluster(scenario.cluster.gpu_resource)
     fillin = None
     try:
         for node in scenario.cluster.nodes:
-            cluster.add_node(node.get("gpus", 1))
+            cluster.add_node(node.get("gpus", 1), launched_by="static")
         import ray
         ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level=logging.WARNING,
                  log_to_driver=False)
@@ -162,6 +165,13 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
                 f"{serve_report['requests_ok']} ok, {serve_report['requests_rejected_503']} rejected at once "
                 f"with 503, {failed} failed"}
             report["ok"] = report["ok"] and ok
+        if scenario.cluster.autoscaler:
+            report["autoscaler"]["scale_down"] = _await_scale_down(cluster, scenario, say)
+        report["cluster"] = cluster.node_report()
+        if scenario.cluster.autoscaler:
+            from spotfill.sim.nodes import autoscaler_invariants
+            report["invariants"].update(autoscaler_invariants(report))
+            report["ok"] = "error" not in report and all(i["ok"] for i in report["invariants"].values())
     finally:
         cluster.shutdown()
         if s3:
@@ -281,6 +291,42 @@ class ServeFillin:
         return summary
 
 
+def _autoscaling_cluster(scenario: Scenario, out_dir: str, say):
+    """A head-only cluster scaled by Ray's autoscaler v2 (fake multi-node provider): sim/autoscaling.py."""
+    from spotfill.sim.autoscaling import AutoscalingCluster
+    spec = scenario.cluster.autoscaler
+    types = scenario.cluster.node_types()
+    say("starting an embedded Ray cluster with Ray's autoscaler (v2, fake multi-node provider): " + ", ".join(
+        f"{t.name} ({t.market}, {t.gpus} {scenario.cluster.gpu_resource}, {t.min_workers}..{t.max_workers}, "
+        f"priority {t.priority})" for t in types))
+    return AutoscalingCluster(types, scenario.cluster.gpu_resource, idle_timeout_s=spec.get("idle_timeout_s", 10),
+                              allocate_timeout_s=int(spec.get("allocate_timeout_s", 10)),
+                              max_workers=spec.get("max_workers"),
+                              workdir=os.path.join(out_dir, "autoscaler"))
+
+
+def _await_scale_down(cluster, scenario: Scenario, say) -> dict:
+    """After training: the autoscaler removes the idle nodes it launched (idle_timeout_s), and spotfill left
+    nothing behind that keeps one alive (placement groups, actors on launched nodes)."""
+    spec = scenario.cluster.autoscaler
+    keep = sum(t.min_workers for t in scenario.cluster.node_types())
+    wait_s = float(spec.get("idle_timeout_s", 10)) * 3 + 30
+    t0 = time.time()
+    left = cluster.leftovers()
+    say(f"training done; waiting for the autoscaler to remove idle nodes (idle timeout "
+        f"{spec.get('idle_timeout_s', 10):g}s, keeping min_workers {keep})")
+    while time.time() - t0 < wait_s:
+        cluster.refresh()
+        if len(cluster.worker_nodes()) <= keep:
+            break
+        time.sleep(0.5)
+    remaining = cluster.worker_nodes()
+    out = {"seconds": round(time.time() - t0, 1), "nodes_left": len(remaining), "min_workers": keep,
+           "request_after": cluster.resource_request(), **left}
+    say(f"{len(remaining)} launched nodes left after {out['seconds']}s")
+    return out
+
+
 def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
     """The corrupt_checkpoint action: flip one byte in the largest file of the newest committed checkpoint
     (the store's `latest`). A save still uploading is waited for (up to `wait_s`), so the damage lands on
@@ -327,7 +373,9 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
     removals: list[tuple[float, int, bool]] = []
     n_added = len(scenario.cluster.nodes)
     corrupted: dict[int, dict] = {}
-    first_step_t, step = None, 0
+    first_step_t, step, world, refreshed = None, 0, 0, 0.0
+    requests: list[dict] = []       # the cluster's standing resource request, each time it changed
+    world_at: dict[int, int] = {}   # event index -> workers training ran on when the node event fired
     while thread.is_alive():
         new = tail.poll()
         if feed is not None and new:
@@ -338,7 +386,17 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                 if first_step_t is None and on_first_step is not None:
                     on_first_step()
                 first_step_t = first_step_t or e["t"]
+            elif e["kind"] in ("start", "resume"):
+                world = e["world_size"]
         now = time.time()
+        if now - refreshed >= 1.0:     # nodes the autoscaler launched get the next indices
+            refreshed = now
+            for index in cluster.refresh():
+                say(f"node {index} launched by the autoscaler")
+            if scenario.cluster.autoscaler:
+                request = cluster.resource_request()
+                if not requests or requests[-1]["request"] != request:
+                    requests.append({"t": round(now, 3), "step": step, "request": request})
         for when, index, graceful in [r for r in removals if r[0] <= now]:
             removals.remove((when, index, graceful))
             cluster.remove_node(index, graceful=graceful)
@@ -346,7 +404,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
         for ev in list(pending) if gate is None or gate() else []:
             due = (ev.at_step is not None and step >= ev.at_step) or \
                   (ev.at is not None and first_step_t is not None and now - first_step_t >= ev.at)
-            if not due:
+            if not due or (ev.min_world and world < ev.min_world):
                 continue
             pending.remove(ev)
             if ev.node is not None and not cluster.alive(ev.node):
@@ -364,12 +422,17 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
             elif ev.action == "kill_node":
                 cluster.remove_node(ev.node, graceful=False)
             elif ev.action == "add_node":
-                cluster.add_node(ev.gpus)
+                cluster.add_node(ev.gpus, launched_by="scenario")
                 n_added += 1
+            elif ev.action == "market":
+                cluster.set_unavailable(ev.node_type, None if ev.available else ev.how)
             elif ev.action == "storage_outage":
                 s3.outage_for(ev.duration_s)
             elif ev.action == "corrupt_checkpoint":
                 corrupted[ev.index] = corrupt_newest_checkpoint(job, say)
+            if ev.action in ("drain_node", "kill_node", "remove_node"):
+                world_at[ev.index] = world
+                world = 0          # unknown until the next start/resume (min_world waits for the regrow)
             fired.append((ev, t))
         time.sleep(0.25)
     thread.join()
@@ -389,7 +452,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
             entry["node_id"] = cluster.node_ids[ev.node]
             report["preemptions"].append({"kind": "hard" if ev.action == "kill_node" else "announced",
                                           "action": ev.action, "node": ev.node, "node_id": entry["node_id"],
-                                          "at": round(t, 3), **out})
+                                          "at": round(t, 3), "world_size_before": world_at.get(ev.index), **out})
         elif ev.action == "add_node":
             entry.update(grow_outcome(events, t))
         elif ev.action == "corrupt_checkpoint":
@@ -398,6 +461,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
     for ev in pending:
         report["events"].append({"index": ev.index, "action": ev.action, "fired": False,
                                  "skipped": "training finished before the trigger"})
+    if scenario.cluster.autoscaler:
+        report["autoscaler"] = {"requests": requests}
     report["invariants"] = invariants(report, scenario.training.checkpoint_every)
     report["ok"] = "error" not in report and all(i["ok"] for i in report["invariants"].values())
     return report

@@ -24,8 +24,13 @@ ACTIONS = {
     "remove_node": ({"node"}, {"deadline_s"}),
     "storage_outage": ({"duration_s"}, set()),
     "corrupt_checkpoint": (set(), set()),   # flip bytes in one file of the newest committed checkpoint
+    # autoscaling clusters: close (available: false) or reopen the fake cloud's market for a node type
+    "market": ({"node_type", "available"}, {"how"}),
 }
 TRIGGERS = {"at", "at_step"}
+# Any event may also wait until training runs on at least this many workers (e.g. grown onto new nodes).
+MODIFIERS = {"min_world"}
+MARKET_HOW = ("unfulfilled", "refuse")
 
 
 @dataclass(frozen=True)
@@ -39,26 +44,58 @@ class Event:
     remove: bool = True
     gpus: int = 2
     duration_s: float = 0.0
+    node_type: str | None = None
+    available: bool = True
+    how: str = "unfulfilled"
+    min_world: int | None = None
 
     def describe(self) -> str:
         when = f"at step {self.at_step}" if self.at_step is not None else f"at {self.at:g}s"
+        if self.min_world:
+            when += f" once training runs {self.min_world} workers"
         what = {"drain_node": f"drain node {self.node} (deadline {self.deadline_s:g}s)",
                 "add_node": f"add a node with {self.gpus} GPUs",
                 "kill_node": f"kill node {self.node}",
                 "remove_node": f"remove node {self.node}",
                 "storage_outage": f"storage outage for {self.duration_s:g}s",
-                "corrupt_checkpoint": "corrupt the newest committed checkpoint"}[self.action]
+                "corrupt_checkpoint": "corrupt the newest committed checkpoint",
+                "market": f"{'open' if self.available else 'close'} the market for {self.node_type}"
+                          + ("" if self.available else f" ({self.how})")}[self.action]
         return f"{what} {when}"
+
+
+AUTOSCALER_KEYS = {"node_types", "idle_timeout_s", "allocate_timeout_s", "max_workers"}
 
 
 @dataclass
 class ClusterSpec:
     gpu_resource: str = "GPU_SLOT"
     nodes: list[dict] = field(default_factory=lambda: [{"gpus": 2}, {"gpus": 2}])
+    # Ray's autoscaler (v2, fake multi-node provider) adds nodes of these types on demand:
+    # {node_types: {name: {gpus, market, min_workers, max_workers, priority}}, idle_timeout_s, allocate_timeout_s,
+    #  max_workers (worker nodes of all types together)}
+    autoscaler: dict = field(default_factory=dict)
+
+    def node_types(self) -> list:
+        from spotfill.sim.autoscaler_config import parse_node_types
+        return parse_node_types(self.autoscaler.get("node_types"), "cluster.autoscaler.node_types") \
+            if self.autoscaler else []
 
     def validate(self, path: str) -> None:
-        if not self.nodes:
-            raise ConfigError(f"{path}.nodes", self.nodes, accepted="at least one node")
+        if not isinstance(self.autoscaler, dict):
+            raise ConfigError(f"{path}.autoscaler", self.autoscaler, accepted="a mapping")
+        for key in self.autoscaler:
+            if key not in AUTOSCALER_KEYS:
+                raise ConfigError(f"{path}.autoscaler.{key}", self.autoscaler[key], reason="unknown key",
+                                  accepted=sorted(AUTOSCALER_KEYS))
+        for key in ("idle_timeout_s", "allocate_timeout_s"):
+            if key in self.autoscaler:
+                _number(f"{path}.autoscaler.{key}", self.autoscaler[key], 1)
+        if "max_workers" in self.autoscaler:
+            _number(f"{path}.autoscaler.max_workers", self.autoscaler["max_workers"], 1, integer=True)
+        self.node_types()
+        if not self.nodes and not self.autoscaler:
+            raise ConfigError(f"{path}.nodes", self.nodes, accepted="at least one node (or an autoscaler)")
         for i, node in enumerate(self.nodes):
             if not isinstance(node, dict) or set(node) - {"gpus"}:
                 raise ConfigError(f"{path}.nodes[{i}]", node, accepted="{gpus: N}")
@@ -134,7 +171,7 @@ def parse_event(i: int, raw: Any) -> Event:
     if action not in ACTIONS:
         raise ConfigError(f"{path}.action", action, accepted=sorted(ACTIONS))
     required, optional = ACTIONS[action]
-    allowed = {"action"} | TRIGGERS | required | optional
+    allowed = {"action"} | TRIGGERS | MODIFIERS | required | optional
     for key in raw:
         if key not in allowed:
             raise ConfigError(f"{path}.{key}", raw[key], reason=f"unknown key for {action}", accepted=sorted(allowed))
@@ -157,6 +194,20 @@ def parse_event(i: int, raw: Any) -> Event:
         kwargs["gpus"] = _number(f"{path}.gpus", raw["gpus"], 1, integer=True)
     if "duration_s" in raw:
         kwargs["duration_s"] = float(_number(f"{path}.duration_s", raw["duration_s"], 0.1))
+    if "min_world" in raw:
+        kwargs["min_world"] = _number(f"{path}.min_world", raw["min_world"], 1, integer=True)
+    if "node_type" in raw:
+        if not isinstance(raw["node_type"], str) or not raw["node_type"]:
+            raise ConfigError(f"{path}.node_type", raw["node_type"], accepted="a node type name")
+        kwargs["node_type"] = raw["node_type"]
+    if "available" in raw:
+        if not isinstance(raw["available"], bool):
+            raise ConfigError(f"{path}.available", raw["available"], accepted="true or false")
+        kwargs["available"] = raw["available"]
+    if "how" in raw:
+        if raw["how"] not in MARKET_HOW:
+            raise ConfigError(f"{path}.how", raw["how"], accepted=list(MARKET_HOW))
+        kwargs["how"] = raw["how"]
     if "remove" in raw:
         if not isinstance(raw["remove"], bool):
             raise ConfigError(f"{path}.remove", raw["remove"], accepted="true or false")
@@ -164,9 +215,17 @@ def parse_event(i: int, raw: Any) -> Event:
     return Event(**kwargs)
 
 
-def _check_node_refs(events: list[Event], n_nodes: int) -> None:
-    """Node indices: position in cluster.nodes; each add_node gets the next index, in firing order."""
+def _check_node_refs(events: list[Event], n_nodes: int, node_types: list | None = None) -> None:
+    """Node indices: position in cluster.nodes; each add_node gets the next index, in firing order. With an
+    autoscaler, nodes it launches get the next indices too, in launch order (up to the types' max_workers)."""
+    names = {t.name for t in node_types or []}
+    for e in events:
+        if e.action == "market" and e.node_type not in names:
+            raise ConfigError(f"events[{e.index}].node_type", e.node_type,
+                              accepted=sorted(names) or "an autoscaler node type (cluster.autoscaler.node_types)")
     known = n_nodes + sum(1 for e in events if e.action == "add_node")
+    if node_types:   # every launch (replacements too) takes a new index: no upper bound known up front
+        known = 10 ** 6
     for e in events:
         if e.node is not None and e.node >= known:
             raise ConfigError(f"events[{e.index}].node", e.node,
@@ -186,9 +245,16 @@ def parse_scenario(data: dict, name: str = "scenario") -> Scenario:
     raw_events = data.get("events") or []
     if not isinstance(raw_events, list):
         raise ConfigError("events", raw_events, accepted="a list")
+    if isinstance(data.get("cluster"), dict) and "autoscaler" in data["cluster"] and "nodes" not in data["cluster"]:
+        cluster.nodes = []     # an autoscaling cluster starts head-only unless static nodes are listed
+        cluster.validate("cluster")
     events = [parse_event(i, e) for i, e in enumerate(raw_events)]
-    _check_node_refs(events, len(cluster.nodes))
-    total = sum(n.get("gpus", 1) for n in cluster.nodes)
+    node_types = cluster.node_types()
+    _check_node_refs(events, len(cluster.nodes), node_types)
+    total = sum(n.get("gpus", 1) for n in cluster.nodes) + sum(t.gpus * t.max_workers for t in node_types)
+    if node_types and "max_workers" in cluster.autoscaler:
+        total = sum(n.get("gpus", 1) for n in cluster.nodes) + cluster.autoscaler["max_workers"] * max(
+            t.gpus for t in node_types)
     if training.min_workers > total:
         raise ConfigError("training.workers", training.workers,
                           reason=f"min workers exceed the cluster's {total} GPUs")
@@ -252,3 +318,20 @@ def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 
                      "max_micro_batch": 3, "checkpoint_every": 20, "seed": seed},
         "events": events,
     }
+
+
+# The default `spotfill demo` story on an autoscaling cluster: DEFAULT_SCENARIO's training (and anything
+# else it sets) on a head-only cluster that Ray's autoscaler (v2, fake multi-node provider) scales with
+# cluster.yaml-like spot and on-demand types. A spot notice takes node 1 and the autoscaler replaces it;
+# later a hard loss takes node 0. No node is added by the scenario.
+AUTOSCALING_SCENARIO = {
+    **DEFAULT_SCENARIO,
+    "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
+        "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
+            "gpu_spot": {"gpus": 2, "market": "spot", "max_workers": 2, "priority": 10},
+            "gpu_ondemand": {"gpus": 2, "market": "on-demand", "max_workers": 1, "priority": 0}}}},
+    "events": [
+        {"at_step": 30, "min_world": 4, "action": "drain_node", "node": 1, "deadline_s": 10},
+        {"at_step": 150, "min_world": 4, "action": "kill_node", "node": 0},
+    ],
+}

@@ -137,11 +137,13 @@ def alive_node_resources() -> list[dict]:
     return [dict(n.get("Resources") or {}) for n in ray.nodes() if n.get("Alive")]
 
 
-def autoscaler_node_types(path: str = BOOTSTRAP_CONFIG) -> list[NodeType] | None:
-    """The node types of the `ray up` autoscaler config on this node, or None when there is none."""
+def autoscaler_node_types(path: str | None = None) -> list[NodeType] | None:
+    """The node types of the `ray up` autoscaler config on this node (or the one SPOTFILL_AUTOSCALER_CONFIG
+    names), or None when there is none."""
     import yaml
 
-    path = os.path.expanduser(path)
+    from spotfill.config import constants
+    path = os.path.expanduser(path or constants.autoscaler_config_path(BOOTSTRAP_CONFIG))
     if not os.path.isfile(path):
         return None
     try:
