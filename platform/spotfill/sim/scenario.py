@@ -326,6 +326,10 @@ def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 
 # later a hard loss takes node 0. No node is added by the scenario.
 AUTOSCALING_SCENARIO = {
     **DEFAULT_SCENARIO,
+    # No Serve fill-in on this story yet: with every launched slot inside training's max, a replica that
+    # started on a slot during the first grow kept training at 3 workers, and the min_world: 4 events never
+    # fired (measured on the merged tree). `spotfill demo --static` runs Serve fill-in on a spare slot.
+    "fillin": {},
     "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
         "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
             "gpu_spot": {"gpus": 2, "market": "spot", "max_workers": 2, "priority": 10},
