@@ -139,8 +139,9 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
             for pkg in CORPUS_PACKAGES:
                 shutil.copytree(os.path.join(default_corpus(), pkg), os.path.join(corpus, pkg),
                                 ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        manifest = prepare(from_mapping(PrepareConfig, {
-            "source": corpus, "output": data_dir, "seq_len": SEQ_LEN, "suffixes": [".py"]}))
+        with _quiet_logger("ray.data"):    # its INFO lines stay in the session's ray-data log file
+            manifest = prepare(from_mapping(PrepareConfig, {
+                "source": corpus, "output": data_dir, "seq_len": SEQ_LEN, "suffixes": [".py"]}))
         say(f"{manifest['num_samples']} sequences of 65 tokens in {manifest['seconds']:.1f}s")
         job_cfg = from_mapping(JobConfig, {
             "name": name, "run_dir": out_dir, "storage": storage,
@@ -185,6 +186,21 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         json.dump(report, f, indent=2)
     write_report(out_dir, events=events, report=report)
     return report
+
+
+class _quiet_logger:
+    """Raise a logger's level to ERROR for a block (Ray Data's per-dataset INFO lines and its progress-bar
+    warning are not for the demo's screen; Ray Data also writes them to its log file in the session)."""
+
+    def __init__(self, name: str):
+        self.logger = logging.getLogger(name)
+
+    def __enter__(self):
+        self.level = self.logger.level
+        self.logger.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        self.logger.setLevel(self.level)
 
 
 def run_storage_uri(storage: str, name: str) -> str:
