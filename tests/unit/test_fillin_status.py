@@ -35,3 +35,18 @@ def test_render_shows_owners_leases_reclaims_and_reasons():
 def test_bad_arguments_are_one_line_errors(capsys):
     assert main(["status", "--last", "-1"]) == 2
     assert capsys.readouterr().err.strip() == "spotfill: error: --last: bad value -1; accepted: an integer >= 0"
+
+
+def test_an_address_where_nothing_listens_is_refused_in_seconds(capsys):
+    """ray.init retried such an address for minutes, printing GCS warnings; now: one line, exit 2."""
+    import socket
+    import time
+
+    with socket.socket() as s:        # a port nothing listens on (bound, never listening)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        assert main(["status", "--address", f"127.0.0.1:{port}"]) == 2
+    assert time.monotonic() - t0 < 10
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"spotfill: error: --address: nothing answers there") and "\n" not in err, err

@@ -87,11 +87,27 @@ def _read_live(gpu_resource: str | None) -> tuple[list[dict], list[dict]]:
     return jobs, node_rows(ray.nodes(), gpu_resource)
 
 
+def _require_listening(where: str, timeout_s: float = 3.0) -> None:
+    """A HOST:PORT address where nothing listens is refused in seconds (ray.init would retry for minutes,
+    printing GCS connection warnings). Other forms (auto, ray://, http://) are left to ray.init."""
+    import socket
+
+    host, _, port = where.rpartition(":")
+    if "://" in where or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError("--address", where, reason=f"nothing answers there ({exc.strerror or exc})",
+                          accepted="a running cluster's GCS address, e.g. 127.0.0.1:6379") from None
+
+
 def read_status(address: str | None, last: int) -> dict:
     import ray
 
     from spotfill.fillin.arbiter import get_arbiter
     where = address or "auto"
+    _require_listening(where)
     try:
         if where.split(":")[0] in ("127.0.0.1", "localhost"):
             # a loopback-bound cluster (`spotfill serve`, the demo): keep Ray from rewriting the address
