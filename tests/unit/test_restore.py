@@ -195,3 +195,43 @@ def test_a_failed_conversion_is_raised_on_every_rank_not_waited_for(uri, tmp_pat
     assert time.monotonic() - t0 < 10
     assert all(isinstance(r, RuntimeError) and "boom" in str(r) and tag in str(r) for r in results), results
     assert CheckpointStore(open_storage(uri)).quarantined() == {}     # not damage: nothing quarantined
+
+
+def test_a_reader_of_a_live_store_never_moves_latest(tmp_path):
+    """Serving loads the newest checkpoint while training commits. A reader that listed the store before
+    training's next commit restored the older tag and (as training's restore does) marked it resumed:
+    `latest` went back under the live run, and training's next restore after a node loss rolled back
+    137 steps (seen in the fill-in scenario test). Readers restore with resume=False."""
+    from spotfill.fillin.generate import load_newest  # noqa: F401 - the reader this guards
+
+    uri = str(tmp_path / "store")
+    writer = CheckpointStore(open_storage(uri), keep_last=5)
+    _save(writer, tmp_path, 10)
+    reader = CheckpointStore(open_storage(uri), keep_last=5)
+    listed_before_the_commit = reader.restore_candidates()
+    _save(writer, tmp_path, 20)
+    assert writer.latest_tag() == tag_for(20, "0")
+
+    reader.restore_candidates = lambda: listed_before_the_commit   # the race, made deterministic
+    got = reader.restore(str(tmp_path / "r1"), resume=False)
+    assert got["tag"] == tag_for(10, "0") and writer.latest_tag() == tag_for(20, "0")
+    # what training's restore does with the same stale listing (and what serving used to do)
+    reader.restore(str(tmp_path / "r2"))
+    assert writer.latest_tag() == tag_for(10, "0")
+
+
+def test_serving_loads_without_resuming(tmp_path, monkeypatch):
+    from spotfill.fillin import generate
+
+    seen = {}
+
+    class Store:
+        def latest_tag(self):
+            return "step-00000010-a0"
+
+        def restore(self, work_dir, **kwargs):
+            seen.update(kwargs)
+            return None
+
+    assert generate.load_newest(Store(), str(tmp_path)) is None
+    assert seen == {"resume": False}

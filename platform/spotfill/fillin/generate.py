@@ -84,7 +84,7 @@ def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | Non
     latest = store.latest_tag()
     if latest is None or (newer_than and tag_key(latest) <= tag_key(newer_than)):
         return None
-    manifest = store.restore(work_dir)
+    manifest = store.restore(work_dir, resume=False)   # a reader: training's lineage is not its to move
     if manifest is None or (newer_than and tag_key(manifest["tag"]) <= tag_key(newer_than)):
         return None
     try:

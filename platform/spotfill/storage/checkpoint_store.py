@@ -334,7 +334,7 @@ class CheckpointStore:
         return list(build_lineage(manifests, quarantined, self.latest_tag()).restore_order)
 
     def restore(self, local_dir: str, tag: str | None = None, verify: bool = True,
-                ranks: Iterable[int] | None = None) -> dict | None:
+                ranks: Iterable[int] | None = None, resume: bool = True) -> dict | None:
         """Download the newest intact checkpoint of the live lineage to `local_dir/<tag>/`; its manifest
         or None.
 
@@ -343,7 +343,9 @@ class CheckpointStore:
         CheckpointCorrupt instead. `ranks` limits the download to those ranks' files. The returned manifest
         carries `path` (the local tag directory) and `download_seconds`. The tags quarantined by this call
         are in `self.last_quarantined` [(tag, reason)]. Without an explicit tag the store then resumes
-        from the restored tag (mark_resumed).
+        from the restored tag (mark_resumed) -- training's restore; a reader of a store training writes
+        (serving) passes resume=False, or a tag it listed before training's next commit would move
+        `latest` back under the live run.
         """
         candidates = [tag] if tag else self.restore_candidates()
         self.last_quarantined = [] if tag else self.last_quarantined
@@ -359,7 +361,7 @@ class CheckpointStore:
                 self.quarantine(cand, str(exc))
                 self.last_quarantined.append((cand, str(exc)))
                 continue
-            if not tag:
+            if not tag and resume:
                 self.mark_resumed(cand, int(out["step"]))
             return out
         if candidates:
