@@ -20,7 +20,7 @@ import yaml
 pytestmark = pytest.mark.timeout(400)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ_LEN = 32
-STEPS, PER_REPORT, CKPT_EVERY, SLEEP_S = 32, 4, 8, 0.3
+STEPS, PER_REPORT, CKPT_EVERY, SLEEP_S = 80, 4, 8, 0.3     # ~7 s per trial: both run at once
 
 
 def wait_for(check, timeout: float, what: str, every: float = 0.1):
@@ -96,6 +96,13 @@ def recorder():
             if self.on_result:
                 self.on_result(row)
 
+        def __getstate__(self):          # Tune pickles its run config; the copy records nothing
+            return {"results": [], "on_result": None}
+
+        def __setstate__(self, state):
+            self.__dict__.update(state)
+            self.lock = threading.Lock()
+
         def of(self, trial_id):
             with self.lock:
                 return [r for r in self.results if r["trial"] == trial_id]
@@ -142,8 +149,7 @@ def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_
             seen["pgs_at_zero"] = len(job_pgs(job_id))
             grant.set(2)
             wait_for(lambda: len(rec.trials()) == 2 and all(
-                max(r["step"] for r in rec.of(t)) >= 2 * PER_REPORT for t in rec.trials()), 90,
-                "both trials running past their first reports")
+                not rec.of(t)[-1]["done"] for t in rec.trials()), 90, "both trials running at once")
             seen["steps_before_drop"] = {t: max(r["step"] for r in rec.of(t)) for t in rec.trials()}
             t_drop = time.monotonic()
             grant.set(0)
@@ -160,8 +166,11 @@ def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_
 
     t = threading.Thread(target=drive, daemon=True)
     t.start()
-    out = run_sweep(cfg, grant, callbacks=[rec], step_sleep_s=SLEEP_S)
+    events: list = []
+    out = run_sweep(cfg, grant, callbacks=[rec], step_sleep_s=SLEEP_S,
+                    emit=lambda kind, **f: events.append({"t": time.monotonic(), "kind": kind, **f}))
     t.join(30)
+    print("\nEVENTS", events, "\nSEEN", seen, "\nOUT", out, "\nRESULTS", rec.results)
     assert "error" not in seen, seen.get("error")
     assert seen["results_at_zero"] == 0 and seen["pgs_at_zero"] == 0, seen    # nothing started at grant 0
     assert seen["results_while_zero"] == 0 and seen["pgs_while_zero"] == 0, seen
@@ -226,17 +235,30 @@ def test_a_training_claim_takes_the_sweeps_gpus_back_within_its_grace_and_the_sw
         st = ray.get(env["arbiter"].status.remote(last=50), timeout=30)
         return [le for le in st["leases"] if le["tenant"] == tenant]
 
+    # longer trials than above (~16 s each), so that both hold a GPU at once when training claims
+    errlog = open(tmp_path / "sweep.stderr", "w+")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "jobs", "sweep.py"), "--config", str(path),
-                             "--step-sleep-s", str(SLEEP_S)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "--steps", "120", "--step-sleep-s", "0.5"], stdout=subprocess.PIPE, stderr=errlog,
                             text=True, env={**os.environ, "RAY_ADDRESS": env["cluster"].address,
                                             "PYTHONPATH": os.path.join(ROOT, "platform")})
+
+    def stderr_tail() -> str:
+        errlog.flush()
+        return (tmp_path / "sweep.stderr").read_text()[-3000:]
+
     try:
-        wait_for(lambda: len(leases()) == 2, 120, "both trials on lent GPUs", every=0.3)
+        try:
+            wait_for(lambda: len(leases()) == 2 or proc.poll() is not None, 120, "both trials on lent GPUs",
+                     every=0.3)
+        except AssertionError:
+            raise AssertionError(f"never 2 leases: {leases()}; sweep: {stderr_tail()}") from None
+        assert proc.poll() is None, f"the sweep ended before the claim: {stderr_tail()}"
         time.sleep(1.0)
         answer = ray.get(env["arbiter"].claim.remote("train-sweep", 2, 20.0, 1, 1, 2), timeout=60)
         assert answer["ok"], answer
         assert len(answer["reclaimed"]) == 2, answer
         handback = answer["waited_s"]
+        wait_for(lambda: not leases(), 10, "the arbiter to see the sweep's leases end")
         # nothing is lent while training holds the GPUs: no trial starts or resumes
         for _ in range(10):
             assert not leases()
@@ -245,16 +267,16 @@ def test_a_training_claim_takes_the_sweeps_gpus_back_within_its_grace_and_the_sw
         forced = [d for d in st["decisions"] if d["tenant"] == tenant and d["reason"].startswith("forced")]
         assert not forced, forced
         ray.get(env["arbiter"].release_job.remote("train-sweep"), timeout=30)
-        stdout, stderr = proc.communicate(timeout=180)
+        stdout, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == 0, stderr_tail()
     summary = json.loads(stdout.strip().splitlines()[-1])
     report = json.loads(open(summary["report"]).read())
     s = report["fillin"]["sweep"]
     assert s["trials"] == 2 and s["completed"] == 2 and s["paused"] >= 2 and s["resumed"] >= 2, s
-    assert s["best"] and s["best"]["config"] in ({"lr": 0.001, "warmup_steps": 0}, {"lr": 0.001, "warmup_steps": 4})
+    assert s["best"]["config"] in ({"lr": 0.001, "warmup_steps": 0}, {"lr": 0.001, "warmup_steps": 4}), s
     assert len(s["handback_seconds"]) == 2 and max(s["handback_seconds"]) <= handback + 0.5, s
     assert handback < cfg["fillin"]["grace_s"], f"the sweep did not yield within its grace: {handback}s"
     kinds = [json.loads(line) for line in open(os.path.join(cfg["run_dir"], "events.jsonl"))]

@@ -163,6 +163,16 @@ class SweepControl:
         self.started: set[str] = set()
         self.last_result: dict[str, dict] = {}
 
+    def __getstate__(self) -> dict:
+        # Tune pickles its config (searcher, scheduler) into the experiment folder; the grant, the lock and
+        # the event sink are live objects of this driver: a restored copy has none (and grants nothing).
+        return {k: v for k, v in self.__dict__.items() if k not in ("grant", "lock", "emit", "clock")}
+
+    def __setstate__(self, state: dict) -> None:
+        from spotfill.fillin.grant import FixedGrant
+        self.__dict__.update(state)
+        self.grant, self.lock, self.emit, self.clock = FixedGrant(0), threading.RLock(), (lambda kind, **f: None), time.monotonic
+
     @property
     def unstarted(self) -> int:
         return len(self.configs) - self.handed_out
@@ -181,7 +191,7 @@ def _searcher_class():
         """Hands out the sweep's configurations one by one, and only while the plan admits a new trial."""
 
         def __init__(self, control: SweepControl):
-            super().__init__(metric=METRIC, mode=MODE)
+            super().__init__()       # no metric: eval_loss comes with a trial's last result only
             self.control = control
 
         def suggest(self, trial_id: str):
@@ -214,6 +224,7 @@ def _scheduler_class():
             super().__init__()
             self.control = control
             self.pausing: set[str] = set()       # pause requested, Tune has not stopped it yet
+            self.errored: set[str] = set()
 
         def set_search_properties(self, metric, mode, **spec):
             return True
@@ -250,7 +261,7 @@ def _scheduler_class():
                     if running:
                         c.tally.on_pause(tid, time.time(), step)
                         c.paused_with_checkpoint.add(tid)
-                        c.emit("sweep_trial", action="paused", trial=tid, step=step, cause="grant_below_running",
+                        c.emit("sweep_trial", action="paused", trial=tid, last_reported_step=step, cause="grant_below_running",
                                allowed=c.grant.allowed())
                     else:
                         c.emit("sweep_trial", action="deferred", trial=tid, cause="grant_below_running",
@@ -267,9 +278,11 @@ def _scheduler_class():
             return self._apply(tune_controller)
 
         def on_trial_add(self, tune_controller, trial):
+            # also called when Tune requeues a trial whose actor died (after on_trial_error)
             with self.control.lock:
-                if self.control.book.state(trial.trial_id) is None:
+                if self.control.book.state(trial.trial_id) in (None, sp.DONE):
                     self.control.book.observe(trial.trial_id, sp.STARTING)
+                self.errored.discard(trial.trial_id)
 
         def on_trial_result(self, tune_controller, trial, result):
             c = self.control
@@ -311,8 +324,9 @@ def _scheduler_class():
             with c.lock:
                 c.book.observe(trial.trial_id, sp.DONE)
                 self.pausing.discard(trial.trial_id)
-                c.tally.failed += 1
-                c.emit("sweep_trial", action="failed", trial=trial.trial_id, cause="trial_error")
+                self.errored.add(trial.trial_id)     # failed for good unless Tune requeues it (on_trial_add)
+                c.emit("sweep_trial", action="error", trial=trial.trial_id, cause="trial_error",
+                       retry=trial.should_recover() if hasattr(trial, "should_recover") else None)
 
         def on_trial_remove(self, tune_controller, trial):
             with self.control.lock:
@@ -363,6 +377,7 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
                         "history_len": m.get("history_len"), "history_unique": m.get("history_unique"),
                         "error": None if r.error is None else f"{type(r.error).__name__}: {r.error}"[:300],
                         "path": r.path})
+    control.tally.failed = sum(1 for r in results if r["error"])
     out = control.tally.as_report()
     out.update({"steps_per_trial": s.steps, "seconds": round(time.time() - t0, 2), "storage": cfg.storage,
                 "results": results})
