@@ -35,6 +35,10 @@ from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.execution.worker_group import worker as _wg_worker
 from ray.train.v2._internal.execution.worker_group import worker_group as _wg
 from ray.util.state.exception import RayStateApiException
+from ray.tune.execution.tune_controller import TuneController as _TuneController
+from ray.tune.experiment import Trial as _TuneTrial
+from ray.tune.schedulers import TrialScheduler as _TrialScheduler
+from ray.tune.search import Searcher as _TuneSearcher
 import torch.utils.cpp_extension as _cpp_ext
 from torch.utils.file_baton import FileBaton as _FileBaton
 
@@ -109,6 +113,20 @@ HOOKS = [
      ("node_config", "tags", "count", "resources", "labels")),
     (_fake_multinode.FakeMultiNodeProvider, "terminate_node", ("node_id",)),
     (_fake_multinode.FakeMultiNodeProvider, "_terminate_node", ("node",)),
+    # Tune's scheduler/searcher extension points (DeveloperAPI) the grant-driven sweep uses (fillin/sweep.py)
+    (_TrialScheduler, "choose_trial_to_run", ("tune_controller",)),
+    (_TrialScheduler, "on_trial_result", ("tune_controller", "trial", "result")),
+    (_TrialScheduler, "on_trial_add", ("tune_controller", "trial")),
+    (_TrialScheduler, "on_trial_error", ("tune_controller", "trial")),
+    (_TrialScheduler, "on_trial_complete", ("tune_controller", "trial", "result")),
+    (_TrialScheduler, "on_trial_remove", ("tune_controller", "trial")),
+    (_TrialScheduler, "PAUSE", None),
+    (_TuneController, "pause_trial", ("trial", "should_checkpoint")),
+    (_TuneController, "get_trials", ()),
+    (_TuneSearcher, "suggest", ("trial_id",)),
+    (_TuneSearcher, "FINISHED", None),
+    (_TuneTrial, "PAUSED", None),
+    (_TuneTrial, "should_recover", ()),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)

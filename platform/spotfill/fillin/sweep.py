@@ -185,6 +185,7 @@ class SweepControl:
 
 
 def _searcher_class():
+    from spotfill import ray_compat  # noqa: F401 - checks the Tune extension points used here
     from ray.tune.search import Searcher
 
     class GrantSearcher(Searcher):
@@ -326,7 +327,7 @@ def _scheduler_class():
                 self.pausing.discard(trial.trial_id)
                 self.errored.add(trial.trial_id)     # failed for good unless Tune requeues it (on_trial_add)
                 c.emit("sweep_trial", action="error", trial=trial.trial_id, cause="trial_error",
-                       retry=trial.should_recover() if hasattr(trial, "should_recover") else None)
+                       retry=trial.should_recover())
 
         def on_trial_remove(self, tune_controller, trial):
             with self.control.lock:
