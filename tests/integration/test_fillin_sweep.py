@@ -253,7 +253,7 @@ def test_a_training_claim_takes_the_sweeps_gpus_back_within_its_grace_and_the_sw
         except AssertionError:
             raise AssertionError(f"never 2 leases: {leases()}; sweep: {stderr_tail()}") from None
         assert proc.poll() is None, f"the sweep ended before the claim: {stderr_tail()}"
-        time.sleep(1.0)
+        time.sleep(4.0)             # a placed group is a lease before its trial's actor runs: let both run
         answer = ray.get(env["arbiter"].claim.remote("train-sweep", 2, 20.0, 1, 1, 2), timeout=60)
         assert answer["ok"], answer
         assert len(answer["reclaimed"]) == 2, answer
@@ -277,7 +277,7 @@ def test_a_training_claim_takes_the_sweeps_gpus_back_within_its_grace_and_the_sw
     s = report["fillin"]["sweep"]
     assert s["trials"] == 2 and s["completed"] == 2 and s["paused"] >= 2 and s["resumed"] >= 2, s
     assert s["best"]["config"] in ({"lr": 0.001, "warmup_steps": 0}, {"lr": 0.001, "warmup_steps": 4}), s
-    assert len(s["handback_seconds"]) == 2 and max(s["handback_seconds"]) <= handback + 0.5, s
+    assert len(s["handback_seconds"]) == 2 and max(s["handback_seconds"]) <= handback + 1.0, s
     assert handback < cfg["fillin"]["grace_s"], f"the sweep did not yield within its grace: {handback}s"
     kinds = [json.loads(line) for line in open(os.path.join(cfg["run_dir"], "events.jsonl"))]
     assert sum(1 for e in kinds if e["kind"] == "sweep_trial" and e["action"] == "paused") >= 2
