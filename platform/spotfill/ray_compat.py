@@ -127,6 +127,7 @@ HOOKS = [
     (_TuneSearcher, "FINISHED", None),
     (_TuneTrial, "PAUSED", None),
     (_TuneTrial, "should_recover", ()),
+    (_TuneController, "_unstage_trial_with_resources", ("trial",)),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
@@ -427,3 +428,20 @@ def guard_jit_op_builds(retries: int = 3) -> None:
     load._spotfill_guarded = True
     _cpp_ext.FileBaton = OwnedFileBaton
     _cpp_ext.load = load
+
+
+def tune_unstage_trial(controller, trial) -> bool:
+    """Forget that Tune staged `trial` (placement group requested, actor not started yet) after the sweep's
+    scheduler paused it (fillin/sweep.py: a claim arrived while the trial was starting). Ray 2.60's
+    TuneController only unstages a trial when its actor starts; a paused trial left in its staged set is
+    only ever started with a cached actor, i.e. never with reuse_actors off. `controller` is what Tune hands
+    a TrialScheduler (a TrialRunnerWrapper around the controller) or the controller itself."""
+    ctrl = getattr(controller, "_tune_controller", controller)
+    staged = getattr(ctrl, "_staged_trials", None)
+    if staged is None:
+        raise RayCompatError(f"spotfill needs TuneController._staged_trials (checked against ray "
+                             f"{RAY_VERSION_CHECKED}); installed ray {ray.__version__} does not have it")
+    if trial in staged:
+        ctrl._unstage_trial_with_resources(trial)
+        return True
+    return False

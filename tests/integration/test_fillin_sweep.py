@@ -253,7 +253,11 @@ def test_a_training_claim_takes_the_sweeps_gpus_back_within_its_grace_and_the_sw
         except AssertionError:
             raise AssertionError(f"never 2 leases: {leases()}; sweep: {stderr_tail()}") from None
         assert proc.poll() is None, f"the sweep ended before the claim: {stderr_tail()}"
-        time.sleep(4.0)             # a placed group is a lease before its trial's actor runs: let both run
+        events = os.path.join(cfg["run_dir"], "events.jsonl")
+
+        def started() -> int:       # a placed group is a lease before its trial runs: wait for both to report
+            return sum(1 for line in open(events) if '"action":"started"' in line) if os.path.exists(events) else 0
+        wait_for(lambda: started() == 2, 60, "both trials reporting")
         answer = ray.get(env["arbiter"].claim.remote("train-sweep", 2, 20.0, 1, 1, 2), timeout=60)
         assert answer["ok"], answer
         assert len(answer["reclaimed"]) == 2, answer

@@ -215,6 +215,7 @@ def _searcher_class():
 
 
 def _scheduler_class():
+    from spotfill import ray_compat
     from ray.tune.experiment import Trial
     from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
@@ -255,19 +256,26 @@ def _scheduler_class():
                     trial = by_id.get(tid)
                     if trial is None or trial.status not in (Trial.RUNNING, Trial.PENDING):
                         continue
-                    running = trial.status == Trial.RUNNING
                     step = (c.last_result.get(tid) or {}).get("step")
-                    self.pausing.add(tid)
-                    c.book.observe(tid, sp.PAUSED)
-                    if running:
+                    if trial.status == Trial.RUNNING:
+                        # save (behind the current train() call), then stop: Tune sets PAUSED afterwards
+                        self.pausing.add(tid)
+                        c.book.observe(tid, sp.PAUSED)
                         c.tally.on_pause(tid, time.time(), step)
                         c.paused_with_checkpoint.add(tid)
-                        c.emit("sweep_trial", action="paused", trial=tid, last_reported_step=step, cause="grant_below_running",
-                               allowed=c.grant.allowed())
-                    else:
+                        c.emit("sweep_trial", action="paused", trial=tid, last_reported_step=step,
+                               cause="grant_below_running", allowed=c.grant.allowed())
+                        tc.pause_trial(trial, should_checkpoint=True)
+                        continue
+                    # starting (its group requested or placed, no actor running yet): stop it without a save;
+                    # it keeps the checkpoint it had (none for a new trial). A no-op while Tune has not staged
+                    # it yet: then it stays `starting` and the next step tries again.
+                    tc.pause_trial(trial, should_checkpoint=False)
+                    if trial.status == Trial.PAUSED:
+                        ray_compat.tune_unstage_trial(tc, trial)
+                        c.book.observe(tid, sp.PAUSED)
                         c.emit("sweep_trial", action="deferred", trial=tid, cause="grant_below_running",
                                allowed=c.grant.allowed())
-                    tc.pause_trial(trial, should_checkpoint=running)
                 for tid in plan.resume:
                     trial = by_id.get(tid)
                     if trial is not None and trial.status == Trial.PAUSED:
