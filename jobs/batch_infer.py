@@ -4,7 +4,7 @@
 
 Config file: spotfill.fillin.batch_config.BatchConfig as YAML (unknown keys are rejected):
     name: eval-tiny
-    checkpoint: /tmp/spotfill/ckpt/tiny-cpu     # the run's storage; its newest committed checkpoint is pinned
+    checkpoint: /tmp/spotfill/checkpoints/tiny-cpu/tiny-cpu   # storage/name of the run; newest commit pinned
     output: s3://bucket/batch/eval-tiny         # parquet: eval/part-*.parquet, generate/part-*.parquet
     eval: {data: /tmp/spotfill/data/heldout, rows: 0, rows_per_unit: 32, batch_size: 16}
     generate: {prompts: /data/prompts.jsonl, max_tokens: 32, rows_per_unit: 4}

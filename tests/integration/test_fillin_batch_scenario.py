@@ -18,10 +18,10 @@ from spotfill.telemetry.events import read_events
 pytestmark = pytest.mark.timeout(420)
 SCENARIO = {
     "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 1}, {"gpus": 1}, {"gpus": 1}]},
-    "training": {"model": "tiny", "workers": [1, 2], "steps": 500, "global_batch": 8, "max_micro_batch": 2,
+    "training": {"model": "tiny", "workers": [1, 2], "steps": 1000, "global_batch": 8, "max_micro_batch": 2,
                  "checkpoint_every": 10},
-    "fillin": {"batch": {"enabled": True, "rows": 96, "prompts": 24}},
-    "events": [{"at_step": 250, "action": "kill_node", "node": 0}],
+    "fillin": {"batch": {"enabled": True, "rows": 192, "prompts": 48}},
+    "events": [{"at_step": 700, "action": "kill_node", "node": 0}],
 }
 
 
@@ -39,11 +39,11 @@ def test_the_batch_job_runs_on_lent_gpus_and_every_row_lands_once(run):
     report, events, out = run
     b = report["fillin"]["batch"]
     assert report["invariants"]["batch_exactly_once"]["ok"], (b, digest(report))
-    assert (b["rows_target"], b["rows_written"], b["duplicates"], b["missing"]) == (96 + 24, 120, 0, 0), b
+    assert (b["rows_target"], b["rows_written"], b["duplicates"], b["missing"]) == (192 + 48, 240, 0, 0), b
     ids = [i for p in (out / "batch" / "output").rglob("part-*.parquet")
            for i in pq.read_table(str(p)).column("id").to_pylist()]
-    assert sorted(ids) == sorted(set(ids)) and len(ids) == 120
-    assert b["eval"]["rows"] == 96 and b["eval"]["loss"] > 0
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 240
+    assert b["eval"]["rows"] == 192 and b["eval"]["loss"] > 0
     leases = [e for e in events if e["kind"] == "lease" and e["tenant"] == "batch:batch-itest-batch"]
     assert leases, "the batch job held lent GPUs (its leases reached the run's events)"
     print(f"\nBATCH-SCENARIO fillin.batch {b} ok={report['ok']}")

@@ -131,6 +131,9 @@ def _pinned_checkpoint(cfg) -> tuple[dict, str, int]:
     store = CheckpointStore(open_storage(cfg.checkpoint))
     work = tempfile.mkdtemp(prefix="spotfill-batch-ckpt-")
     try:
+        t_end = time.monotonic() + cfg.checkpoint_wait_s
+        while not cfg.checkpoint_tag and store.latest_tag() is None and time.monotonic() < t_end:
+            time.sleep(1.0)                # a run that has just started: its first commit comes soon
         manifest = store.restore(work, tag=cfg.checkpoint_tag, resume=False)   # a reader, never training's
         if manifest is None:
             raise ConfigError("checkpoint", cfg.checkpoint, reason="no committed checkpoint in it")

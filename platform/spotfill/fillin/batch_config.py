@@ -3,6 +3,7 @@
     name: eval-tiny
     checkpoint: /tmp/spotfill/ckpt/tiny        # a run's storage (its checkpoints/); local path or s3://
     checkpoint_tag: null                       # null: the newest committed one when the job first starts
+    checkpoint_wait_s: 0                       # wait up to this long for a first commit (a run just started)
     output: s3://bucket/batch/eval-tiny        # parquet parts + commit markers (fillin/batch_plan.py)
     eval: {data: /tmp/spotfill/data/heldout, rows: 0, rows_per_unit: 32, batch_size: 16}
     generate: {prompts: /path/prompts.jsonl, max_tokens: 32, temperature: 0.0, seed: 0, rows_per_unit: 4}
@@ -72,6 +73,7 @@ class BatchConfig:
     name: str = "batch"
     checkpoint: str = ""
     checkpoint_tag: str | None = None
+    checkpoint_wait_s: float = 0.0       # wait this long for the run's first committed checkpoint (0: none)
     output: str = ""
     model: str = "auto"
     eval: EvalSection = field(default_factory=EvalSection)
@@ -84,6 +86,7 @@ class BatchConfig:
             raise ConfigError("name", self.name, accepted="letters, digits, '-' and '_'")
         if not self.checkpoint:
             raise ConfigError("checkpoint", self.checkpoint, accepted="a run's storage: local path or s3:// URI")
+        _positive(path, "checkpoint_wait_s", self.checkpoint_wait_s, allow_zero=True)
         if not self.output:
             raise ConfigError("output", self.output, accepted="a local path or s3://bucket/prefix")
         if not self.eval.data and not self.generate.prompts:

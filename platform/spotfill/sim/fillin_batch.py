@@ -2,9 +2,9 @@
 training runs, and report.json's `fillin.batch` read back from its output.
 
 The driver is a subprocess (its own Ray job, as `ray job submit` would run it), so the arbiter sees its Data
-actors as the tenant `batch:<run>-batch` and can stop that driver, never the runner. It starts once training
-has committed a checkpoint (the one it evaluates), evaluates `rows` rows of the scenario's prepared shards
-and generates for `prompts` prompts (first lines of the corpus files). After training ends the runner waits
+actors as the tenant `batch:<run>-batch` and can stop that driver, never the runner. It starts at training's
+first step and waits for training's first committed checkpoint (the one it evaluates), evaluates `rows` rows of the scenario's prepared shards
+and generates for `prompts` prompts (lines of the corpus files). After training ends the runner waits
 up to FINISH_S for it (the GPUs training gave back are lent to it); a driver still running then is stopped
 and the report says how far it got (a rerun with the same output would resume).
 """
@@ -23,20 +23,33 @@ FINISH_S = 180.0          # after training: how long the runner waits for the ba
 CHECKPOINT_WAIT_S = 600.0
 
 
-def corpus_prompts(corpus: str, n: int) -> list[dict]:
-    """`n` prompts: the first non-empty line (<= 60 chars) of the corpus's .py files, in sorted order."""
+def last_json(text: str) -> dict:
+    """The driver's summary: the last stdout line that is a JSON object (Ray may print lines of its own)."""
+    for line in reversed((text or "").strip().splitlines()):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return obj
+    return {}
+
+
+def corpus_prompts(corpus: str, n: int, per_file: int = 4) -> list[dict]:
+    """`n` prompts: non-empty lines (<= 60 chars), up to `per_file` from each of the corpus's .py files in
+    sorted order."""
     from spotfill.train.data import iter_corpus_files
-    out = []
+    out: list[dict] = []
     for path in iter_corpus_files(corpus, (".py",)):
-        if len(out) >= n:
-            break
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
-                line = next((ln.strip() for ln in f if ln.strip()), "")
+                lines = [ln.strip()[:60] for ln in f if ln.strip()][:per_file]
         except OSError:
             continue
-        if line:
-            out.append({"id": f"p{len(out):04d}", "prompt": line[:60]})
+        for line in lines[: n - len(out)]:
+            out.append({"id": f"p{len(out):04d}", "prompt": line})
+        if len(out) >= n:
+            break
     return out
 
 
@@ -59,8 +72,10 @@ class BatchFillin:
         spec = self.scenario.fillin.batch
         gpus = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes) or 1
         cfg = {"name": self.name, "checkpoint": self.checkpoint, "output": self.output,
+               "checkpoint_wait_s": CHECKPOINT_WAIT_S,
                "cluster": {"gpu_resource": self.scenario.cluster.gpu_resource,
-                           "max_units": spec["max_units"] or gpus, "grace_s": 5.0}}
+                           "max_units": spec["max_units"] or gpus, "grace_s": 5.0,
+                           "units_per_actor": 2}}
         if spec["rows"]:
             cfg["eval"] = {"data": self.data_dir, "rows": spec["rows"], "rows_per_unit": 16, "batch_size": 8}
         if spec["prompts"]:
@@ -74,7 +89,7 @@ class BatchFillin:
         return path
 
     def start(self) -> None:
-        """Training steps: wait for its first committed checkpoint, then start the driver (a thread)."""
+        """Training steps: start the driver (it waits for training's first committed checkpoint)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._start, name="batch-fillin", daemon=True)
             self._thread.start()
@@ -85,12 +100,6 @@ class BatchFillin:
         from spotfill.storage.checkpoint_store import CheckpointStore
         try:
             os.makedirs(self.dir, exist_ok=True)
-            store = CheckpointStore(open_storage(self.checkpoint))
-            t_end = time.monotonic() + CHECKPOINT_WAIT_S
-            while store.latest_tag() is None:
-                if self._stop.wait(1.0) or time.monotonic() > t_end:
-                    self.error = "no checkpoint was committed while training ran: the batch job never started"
-                    return
             repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
             script = os.path.join(repo, "jobs", "batch_infer.py")
             env = {**os.environ, **self.env, **LOOPBACK_CLIENT_ENV, "RAY_ADDRESS": self.cluster.address}
@@ -112,9 +121,10 @@ class BatchFillin:
         if self.proc is not None:
             try:
                 out, _ = self.proc.communicate(timeout=timeout_s)
-                if self.proc.returncode == 0 and out.strip():
-                    summary = json.loads(out.strip().splitlines()[-1])
-                else:
+                with open(os.path.join(self.dir, "driver.out"), "w") as f:
+                    f.write(out or "")
+                summary = last_json(out)
+                if self.proc.returncode != 0:
                     self.error = f"batch driver exited {self.proc.returncode} (see {self.log_path})"
             except subprocess.TimeoutExpired:
                 self.proc.kill()
