@@ -91,7 +91,7 @@ def write_config(path, inputs, output: str, *, units: int = 0, max_tokens: int =
     import yaml
     cfg = {"name": path.stem, "checkpoint": inputs["checkpoint"], "output": output,
            "eval": {"data": inputs["heldout"], "rows": eval_rows, "rows_per_unit": 16, "batch_size": 8},
-           "cluster": {"gpu_resource": "GPU_SLOT", "max_units": 2, "grace_s": grace_s, "units_per_actor": 1000},
+           "cluster": {"gpu_resource": "GPU_SLOT", "max_units": 2, "grace_s": grace_s},
            "grant": {"units": units}}
     if prompts:
         cfg["generate"] = {"prompts": inputs["prompts"], "max_tokens": max_tokens, "rows_per_unit": 4}
@@ -110,7 +110,8 @@ def driver(env, config: str) -> subprocess.Popen:
 def finish(proc: subprocess.Popen, timeout: float = 240) -> dict:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"batch driver exit {proc.returncode}:\n{err[-3000:]}"
-    return json.loads(out.strip().splitlines()[-1])
+    from spotfill.sim.fillin_batch import last_json
+    return last_json(out)
 
 
 def committed_count(output: str) -> int:

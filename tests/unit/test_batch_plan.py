@@ -82,3 +82,13 @@ def test_a_resume_with_other_inputs_is_named_field_by_field():
             "prompts_sha256": "abc", "generate_rows_per_unit": 4, "max_tokens": 8, "temperature": 0.0, "seed": 0}
     assert bp.same_plan(plan, dict(plan)) == []
     assert bp.same_plan(plan, {**plan, "eval_rows": 50, "prompts_sha256": "def"}) == ["eval_rows", "prompts_sha256"]
+
+
+def test_a_wave_takes_everything_left_unless_capped_and_regrows_only_when_it_pays():
+    todo = bp.split("eval", 40, 4)
+    assert bp.next_wave(todo, 1) == todo
+    assert bp.next_wave(todo, 2, 3) == todo[:6]
+    assert bp.regrow(running=1, allowed=2, max_units=4, left=10)
+    assert not bp.regrow(running=2, allowed=2, max_units=4, left=10), "the grant did not rise"
+    assert not bp.regrow(running=2, allowed=3, max_units=2, left=10), "the job's max"
+    assert not bp.regrow(running=2, allowed=3, max_units=4, left=4), "too little left to pay for a new wave"

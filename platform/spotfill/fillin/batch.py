@@ -29,6 +29,7 @@ from spotfill.config.errors import ConfigError
 from spotfill.fillin import batch_plan as bp
 
 log = logging.getLogger("spotfill.fillin.batch")
+REGROW_AFTER_S = 2.0     # a grant larger than the wave for this long: start a wave on it
 
 
 # -- inputs -------------------------------------------------------------------------------------------
@@ -307,14 +308,28 @@ class BatchJob:
         log.info("batch %s: wave %d on %d GPU actor(s), %d unit(s)", self.cfg.name, len(self.waves), n, len(units))
         thread = threading.Thread(target=consume, name="batch-wave", daemon=True)
         thread.start()
-        stopped_at = None
+        stopped_at = more_since = None
         while thread.is_alive():
             thread.join(0.1)
-            if stopped_at is None and thread.is_alive() and self.grant.allowed() < n:
+            if stopped_at is not None or not thread.is_alive():
+                continue
+            allowed = self.grant.allowed()
+            if allowed < n:
                 stopped_at = time.monotonic()
                 stop.set()
                 log.info("batch %s: grant fell below %d: stopping the wave (%d of %d unit(s) done)",
                          self.cfg.name, n, wave["done"], len(units))
+            elif bp.regrow(n, allowed, self.cfg.cluster.max_units, len(units) - wave["done"]):
+                more_since = more_since or time.monotonic()
+                if time.monotonic() - more_since >= REGROW_AFTER_S:
+                    wave["regrow"] = True
+                    stop.set()             # not a reclaim: the next wave runs on the larger grant
+                    log.info("batch %s: grant rose to %d: the next wave takes it", self.cfg.name, allowed)
+                    break
+            else:
+                more_since = None
+        if wave.get("regrow"):
+            thread.join(self.cfg.cluster.grace_s)
         if stopped_at is not None:
             released_s = self._wait_released(stopped_at)
             stop_rec = {"at": time.time(), "done": wave["done"], "units": len(units),

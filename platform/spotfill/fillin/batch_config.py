@@ -7,7 +7,7 @@
     output: s3://bucket/batch/eval-tiny        # parquet parts + commit markers (fillin/batch_plan.py)
     eval: {data: /tmp/spotfill/data/heldout, rows: 0, rows_per_unit: 32, batch_size: 16}
     generate: {prompts: /path/prompts.jsonl, max_tokens: 32, temperature: 0.0, seed: 0, rows_per_unit: 4}
-    cluster: {gpu_resource: GPU_SLOT, max_units: 2, grace_s: 5.0, units_per_actor: 4}
+    cluster: {gpu_resource: GPU_SLOT, max_units: 2, grace_s: 5.0, units_per_actor: 0}
     grant: {units: 0}                          # 0: GPUs lent by the fill-in arbiter; N: N GPUs of its own
 """
 from __future__ import annotations
@@ -50,12 +50,13 @@ class BatchCluster:
     gpu_resource: str = "GPU"
     max_units: int = 2           # most GPU actors it runs at once
     grace_s: float = 5.0         # how long it has to let go after its grant drops
-    units_per_actor: int = 4     # work units per GPU actor in one wave (the grant is re-read between waves)
+    units_per_actor: int = 0     # work units per GPU actor in one wave; 0: all that is left (a wave ends
+                                 # early when the grant falls, or rises for 2 s: the next wave takes it)
 
     def validate(self, path: str) -> None:
         _positive(path, "max_units", self.max_units)
         _positive(path, "grace_s", self.grace_s)
-        _positive(path, "units_per_actor", self.units_per_actor)
+        _positive(path, "units_per_actor", self.units_per_actor, allow_zero=True)
         if not self.gpu_resource or not self.gpu_resource.replace("_", "").isalnum():
             raise ConfigError(_join(path, "gpu_resource"), self.gpu_resource, accepted="a Ray resource name")
 

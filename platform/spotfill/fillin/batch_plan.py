@@ -99,11 +99,18 @@ def remaining(units: Iterable[Unit], done: set[str]) -> list[Unit]:
     return [u for u in units if u.unit_id not in done]
 
 
-def next_wave(todo: list[Unit], grant: int, units_per_actor: int) -> list[Unit]:
-    """The units of the next wave: `units_per_actor` for each granted unit (GPU actor), from the front."""
+def next_wave(todo: list[Unit], grant: int, units_per_actor: int = 0) -> list[Unit]:
+    """The units of the next wave: `units_per_actor` for each granted unit (GPU actor) from the front, or
+    (0) everything left: a wave ends early when the grant falls (a reclaim) or rises (`regrow`)."""
     if grant < 1:
         return []
-    return todo[: grant * max(1, units_per_actor)]
+    return list(todo) if units_per_actor <= 0 else todo[: grant * units_per_actor]
+
+
+def regrow(running: int, allowed: int, max_units: int, left: int) -> bool:
+    """Worth ending a wave to restart it larger: the grant allows more actors than it runs, the job may use
+    them, and the work left in the wave is more than its actors have in hand."""
+    return allowed > running and running < max_units and left > 2 * running
 
 
 def wave_size(grant: int, max_units: int, todo: int) -> int:

@@ -74,8 +74,7 @@ class BatchFillin:
         cfg = {"name": self.name, "checkpoint": self.checkpoint, "output": self.output,
                "checkpoint_wait_s": CHECKPOINT_WAIT_S,
                "cluster": {"gpu_resource": self.scenario.cluster.gpu_resource,
-                           "max_units": spec["max_units"] or gpus, "grace_s": 5.0,
-                           "units_per_actor": 2}}
+                           "max_units": spec["max_units"] or gpus, "grace_s": 5.0}}
         if spec["rows"]:
             cfg["eval"] = {"data": self.data_dir, "rows": spec["rows"], "rows_per_unit": 16, "batch_size": 8}
         if spec["prompts"]:
