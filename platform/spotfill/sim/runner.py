@@ -16,6 +16,7 @@ import time
 
 from spotfill.config.job import JobConfig, PrepareConfig, from_mapping
 from spotfill.config.errors import ConfigError
+from spotfill.sim import fillin_batch
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
 from spotfill.sim.scenario import Event, Scenario
 
@@ -151,12 +152,17 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         job.render_report = False          # rendered once below, with the scenario's sections
         if fillin:
             fillin.ready()
+        batch = fillin_batch.start(cluster, scenario, run_storage_uri(storage, name), name, out_dir, env, say,
+                                   data_dir, corpus) if scenario.fillin.batch_enabled else None
+        firsts = [f.start for f in (fillin, batch) if f]
         try:
             report = _drive(cluster, scenario, job, s3, say, view.feed if view is not None else None,
-                            on_first_step=fillin.start if fillin else None,
+                            on_first_step=(lambda: [f() for f in firsts]) if firsts else None,
                             gate=fillin.serving if fillin and wait_for_fillin else None)
         finally:
             serve_report = fillin.stop() if fillin else None
+            batch_report = batch.stop() if batch else None
+        fillin_batch.merge(report, batch_report)
         if serve_report is not None:
             report.setdefault("fillin", {})["serve"] = serve_report
             failed = serve_report["requests_failed"]
@@ -244,6 +250,7 @@ class ServeFillin:
         t = self.scenario.training
         try:
             self.arbiter = ensure_arbiter(self.scenario.cluster.gpu_resource, runtime_env={"env_vars": self.env},
+                                          order=tuple(self.scenario.fillin.reclaim_order),
                                           state_path=os.path.join(self.out_dir, "arbiter", "state.json"))
             ray.get(self.arbiter.register_job.remote(self.name, t.min_workers, t.max_workers, 1), timeout=30)
             serve.start(http_options={"host": "127.0.0.1", "port": self.port, "location": "HeadOnly"})
