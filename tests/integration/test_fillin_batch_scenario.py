@@ -1,7 +1,8 @@
-"""Batch fill-in through the scenario runner on a real local multi-node cluster (3 nodes x 1 GPU slot):
+"""Batch and sweep fill-in through the scenario runner on a real local multi-node cluster (3 nodes x 1 GPU slot):
 training (at most 2 workers) leaves one slot spare, the arbiter lends it to the batch job, which evaluates a
 checkpoint this run committed; a node dies mid-run; after training the job finishes on the slots training
-gave back; report.json has fillin.batch read back from the parquet: every row exactly once. (Reclaims of the
+gave back; report.json has fillin.batch read back from the parquet: every row exactly once. The sweep
+(2 trials of the tiny GPT) runs as the third tenant and finishes every trial; fillin.sweep says so. (Reclaims of the
 batch job by training claims are proven in test_batch_infer.py, where the claims are not left to timing.)"""
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ SCENARIO = {
     "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 1}, {"gpus": 1}, {"gpus": 1}]},
     "training": {"model": "tiny", "workers": [1, 2], "steps": 1000, "global_batch": 8, "max_micro_batch": 2,
                  "checkpoint_every": 10},
-    "fillin": {"batch": {"enabled": True, "rows": 192, "prompts": 48}},
+    "fillin": {"batch": {"enabled": True, "rows": 192, "prompts": 48},
+               "sweep": {"enabled": True, "trials": 2, "steps": 20}},
     "events": [{"at_step": 700, "action": "kill_node", "node": 0}],
 }
 
@@ -49,3 +51,17 @@ def test_the_batch_job_runs_on_lent_gpus_and_every_row_lands_once(run):
     # journal only while training runs, and the arbiter saw the Data actor seconds after it started.
     leases = [e for e in events if e["kind"] == "lease" and e["tenant"] == "batch:batch-itest-batch"]
     print(f"\nBATCH-SCENARIO fillin.batch {b} ok={report['ok']} leases_in_run_events={len(leases)}")
+
+
+def test_the_sweep_runs_as_a_third_tenant_and_finishes_every_trial(run):
+    import json
+    report, _, out = run
+    s = report["fillin"]["sweep"]
+    assert report["invariants"]["sweep_every_trial_completed"]["ok"], s
+    assert (s["trials"], s["completed"], s["failed"]) == (2, 2, 0), s
+    assert s["best"]["config"]["lr"] in (1e-3, 3e-3) and s["best"]["metric"] > 0, s
+    # the trials' own results: each applied steps 1..20 exactly once (from its final checkpoint's history)
+    with open(out / "sweep" / "run" / "report.json") as f:
+        results = json.load(f)["fillin"]["sweep"]["results"]
+    assert len(results) == 2 and all(r["history_ok"] for r in results), results
+    assert report["ok"], digest(report)

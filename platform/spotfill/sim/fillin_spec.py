@@ -2,12 +2,16 @@
 
     fillin:
       batch: {enabled: true, rows: 256, prompts: 16, max_units: null}
+      sweep: {enabled: true, trials: 4, steps: 40, max_units: null}
       reclaim_order: [sweep, batch, serve]        # the default: sweeps first, serving (user-facing) last
 
 `batch.rows`: held-out rows the batch job evaluates (the loss and perplexity of the run's checkpoint over the
 scenario's prepared token shards, capped by what the data holds); `batch.prompts`: prompts it generates for
 (taken from the same corpus); report.json's fillin.batch.rows_target is their sum. `max_units`: most GPUs
 it holds at once (default: every GPU slot).
+
+`sweep.trials`: trials of jobs/sweep.py's learning-rate x warm-up grid of the tiny GPT (the grid's first
+N), `sweep.steps`: optimizer steps per trial, `max_units`: most trials at once (default: every GPU slot).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from spotfill.config.errors import ConfigError
 from spotfill.fillin.policy import DEFAULT_ORDER
 
 BATCH_KEYS = {"enabled": False, "rows": 256, "prompts": 16, "max_units": None}
+SWEEP_KEYS = {"enabled": False, "trials": 4, "steps": 40, "max_units": None}
 TENANT_KINDS = ("sweep", "batch", "serve")
 
 
@@ -34,6 +39,26 @@ def batch_spec(spec, path: str) -> dict:
     if out["enabled"] and out["rows"] + out["prompts"] == 0:
         raise ConfigError(f"{path}.rows", out["rows"], reason="nothing to do with rows: 0 and prompts: 0",
                           accepted="rows and/or prompts > 0")
+    mu = out["max_units"]
+    if mu is not None and (isinstance(mu, bool) or not isinstance(mu, int) or mu < 1):
+        raise ConfigError(f"{path}.max_units", mu, accepted="an integer >= 1")
+    return out
+
+
+def sweep_spec(spec, path: str) -> dict:
+    if not isinstance(spec, dict):
+        raise ConfigError(path, spec, accepted="a mapping {enabled, trials, steps, max_units}")
+    for key in spec:
+        if key not in SWEEP_KEYS:
+            raise ConfigError(f"{path}.{key}", spec[key], reason="unknown key", accepted=sorted(SWEEP_KEYS))
+    out = {**SWEEP_KEYS, **spec}
+    if not isinstance(out["enabled"], bool):
+        raise ConfigError(f"{path}.enabled", out["enabled"], accepted="true or false")
+    for key, low, high in (("trials", 1, 8), ("steps", 5, 100000)):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            raise ConfigError(f"{path}.{key}", v, accepted=f"an integer from {low} to {high}"
+                              + (" (the grid: 4 learning rates x 2 warm-ups)" if key == "trials" else ""))
     mu = out["max_units"]
     if mu is not None and (isinstance(mu, bool) or not isinstance(mu, int) or mu < 1):
         raise ConfigError(f"{path}.max_units", mu, accepted="an integer >= 1")

@@ -16,7 +16,7 @@ import time
 
 from spotfill.config.job import JobConfig, PrepareConfig, from_mapping
 from spotfill.config.errors import ConfigError
-from spotfill.sim import fillin_batch
+from spotfill.sim import fillin_batch, fillin_sweep
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
 from spotfill.sim.scenario import Event, Scenario
 
@@ -154,7 +154,9 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
             fillin.ready()
         batch = fillin_batch.start(cluster, scenario, run_storage_uri(storage, name), name, out_dir, env, say,
                                    data_dir, corpus) if scenario.fillin.batch_enabled else None
-        firsts = [f.start for f in (fillin, batch) if f]
+        sweep = fillin_sweep.start(cluster, scenario, name, out_dir, env, say, data_dir) \
+            if scenario.fillin.sweep_enabled else None
+        firsts = [f.start for f in (fillin, batch, sweep) if f]
         try:
             report = _drive(cluster, scenario, job, s3, say, view.feed if view is not None else None,
                             on_first_step=(lambda: [f() for f in firsts]) if firsts else None,
@@ -162,7 +164,9 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         finally:
             serve_report = fillin.stop() if fillin else None
             batch_report = batch.stop() if batch else None
+            sweep_report = sweep.stop() if sweep else None
         fillin_batch.merge(report, batch_report)
+        fillin_sweep.merge(report, sweep_report)
         if serve_report is not None:
             report.setdefault("fillin", {})["serve"] = serve_report
             failed = serve_report["requests_failed"]

@@ -3,7 +3,7 @@
     cluster:  {gpu_resource: GPU_SLOT, nodes: [{gpus: 2}, {gpus: 2}]}
     training: {model: tiny, workers: [1, 4], steps: 200, global_batch: 16, checkpoint_every: 20, ...}
     fillin:   {serve: {enabled: true, load_rps: 2}}          # Serve on the GPUs training leaves spare
-              # also batch: {enabled, rows, prompts} and reclaim_order: [sweep, batch, serve] (sim/fillin_spec.py)
+              # also batch: {enabled, rows, prompts}, sweep: {enabled, trials, steps} and reclaim_order: [sweep, batch, serve] (sim/fillin_spec.py)
     events:   [{at_step: 30, action: drain_node, node: 1, deadline_s: 20}, ...]
 
 Actions: drain_node, remove_node, kill_node, add_node, storage_outage and corrupt_checkpoint (flip bytes in
@@ -112,9 +112,10 @@ SERVE_KEYS = {"enabled": False, "load_rps": 2.0, "max_replicas": None}
 class FillinSpec:
     """`fillin.serve`: Ray Serve generation on the GPUs training leaves spare, under a steady HTTP load of
     `load_rps` requests per second for the whole scenario (`max_replicas`: default every GPU slot).
-    `fillin.batch` and `fillin.reclaim_order`: sim/fillin_spec.py."""
+    `fillin.batch`, `fillin.sweep` and `fillin.reclaim_order`: sim/fillin_spec.py."""
     serve: dict = field(default_factory=dict)
     batch: dict = field(default_factory=dict)
+    sweep: dict = field(default_factory=dict)
     reclaim_order: list | None = None
 
     def validate(self, path: str) -> None:
@@ -134,8 +135,9 @@ class FillinSpec:
         if mr is not None and (isinstance(mr, bool) or not isinstance(mr, int) or mr < 1):
             raise ConfigError(f"{path}.serve.max_replicas", mr, accepted="an integer >= 1")
         self.serve = serve
-        from spotfill.sim.fillin_spec import batch_spec, reclaim_order
+        from spotfill.sim.fillin_spec import batch_spec, reclaim_order, sweep_spec
         self.batch = batch_spec(self.batch, f"{path}.batch")
+        self.sweep = sweep_spec(self.sweep, f"{path}.sweep")
         self.reclaim_order = reclaim_order(self.reclaim_order, f"{path}.reclaim_order")
 
     @property
@@ -145,6 +147,10 @@ class FillinSpec:
     @property
     def batch_enabled(self) -> bool:
         return bool(self.batch.get("enabled"))
+
+    @property
+    def sweep_enabled(self) -> bool:
+        return bool(self.sweep.get("enabled"))
 
 
 @dataclass
