@@ -22,7 +22,7 @@ def _port() -> int:
 
 def _spawn(world: int, mode: str, stage: int, uri: str, work: str) -> dict:
     mp.spawn(run, args=(world, _port(), mode, stage, uri, work), nprocs=world, join=True)
-    with open(os.path.join(work, f"{mode}-w{world}.pkl"), "rb") as f:
+    with open(os.path.join(work, f"{mode.split('-')[0]}-w{world}.pkl"), "rb") as f:
         return pickle.load(f)
 
 
