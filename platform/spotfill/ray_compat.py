@@ -525,12 +525,15 @@ def zero_load_elastic(engine, load_dir: str, tag: str) -> dict:
     return client_state
 
 
-def worker_setup_hook_env(hook: str, env: dict[str, str]) -> dict[str, str]:
+def worker_setup_hook_env(hook: str, env: dict[str, str], job_runtime_env: dict | None = None) -> dict[str, str]:
     """`env` (a runtime_env's env_vars) with `hook` ("module.function") as the worker processes' setup
     hook: Ray's `worker_process_setup_hook` in the form Ray's job-level runtime_env turns it into (the env
     var its default_worker.py reads at process start), here for the processes of one runtime_env (Ray Train's
-    worker_runtime_env), which Ray does not convert itself. A hook already set (the user's) is kept."""
+    worker_runtime_env), which Ray does not convert itself. A hook already set -- in `env`, this process's
+    environment or the job's runtime_env (`job_runtime_env`, the user's) -- is kept: nothing is added."""
     name = _ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR
-    if env.get(name) or os.environ.get(name):
+    job = job_runtime_env or {}
+    if (env.get(name) or os.environ.get(name) or job.get("worker_process_setup_hook")
+            or (job.get("env_vars") or {}).get(name)):
         return dict(env)
     return {**env, name: hook}

@@ -26,6 +26,13 @@ def test_a_users_own_setup_hook_is_kept(monkeypatch):
     assert HOOK_VAR not in worker_env_vars({}, warm_imports=True)   # the job-level one reaches the workers
 
 
+def test_a_job_level_setup_hook_is_kept(monkeypatch):
+    monkeypatch.delenv(HOOK_VAR, raising=False)
+    for job in ({"worker_process_setup_hook": "user.setup"}, {"env_vars": {HOOK_VAR: "user.setup"}}):
+        assert HOOK_VAR not in worker_env_vars({}, warm_imports=True, job_runtime_env=job)
+    assert worker_env_vars({}, warm_imports=True, job_runtime_env={"env_vars": {"X": "1"}})[HOOK_VAR] == HOOK
+
+
 def test_the_hook_path_resolves_to_a_function_that_returns_at_once():
     module, _, name = HOOK.rpartition(".")
     start = getattr(importlib.import_module(module), name)
