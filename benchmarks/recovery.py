@@ -65,11 +65,36 @@ def recovery_breakdown(events: list[dict], fired_at: float) -> dict:
         for key in ("restore_prep_s", "load_s"):
             if key in ready:
                 out[f"state_load.{key}"] = ready[key]
+        out.update(_worker_marks(ready, decide["t"] if detect and decide else None, nxt["t"]))
     if ready and first:
         out["first_step_s"] = rnd(first["t"] - ready["t"], 2)
     failed_schedules = [e for e in states if e["state"] == "RESCHEDULING"]
     if failed_schedules:
         out["failed_schedules"] = len(failed_schedules)
+    return out
+
+
+def _worker_marks(ready: dict, decided: float | None, attempt_t: float) -> dict:
+    """Rank 0's own moments (resume/start event, newer runs) split workers start and state load further:
+    workers_start.process_s (decision to rank 0's process created: placement group, process spawn),
+    .init_s (process created to the training function entered: imports, Ray Train's worker set-up,
+    torch.distributed), .loop_s (function entered to the attempt recorded); state_load.restore_s
+    (attempt to restore done), .imports_s (waiting for the warm imports after it), .engine_s (model and
+    deepspeed.initialize), .checkpoint_s (the rest: engine.load_checkpoint and the event)."""
+    out: dict = {}
+    proc, entered = ready.get("process_started_t"), ready.get("loop_entered_t")
+    if proc is not None and decided is not None and entered is not None:
+        out["workers_start.process_s"] = rnd(proc - decided, 2)
+        out["workers_start.init_s"] = rnd(entered - proc, 2)
+    if entered is not None:
+        out["workers_start.loop_s"] = rnd(attempt_t - entered, 2)
+    marks = [ready.get(k) for k in ("restored_t", "imported_t", "engine_t")]
+    if all(m is not None for m in marks):
+        restored, imported, engine = marks
+        out.update({"state_load.restore_s": rnd(restored - attempt_t, 2),
+                    "state_load.imports_s": rnd(imported - restored, 2),
+                    "state_load.engine_s": rnd(engine - imported, 2),
+                    "state_load.checkpoint_s": rnd(ready["t"] - engine, 2)})
     return out
 
 

@@ -7,6 +7,7 @@ fallback deep inside a training run. tests/unit/test_ray_compat.py imports it.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import logging
@@ -79,6 +80,7 @@ HOOKS = [
     (gcs_pb2.GcsNodeInfo, "ALIVE", None),
     (autoscaler_pb2.DrainNodeReason, "Value", None),
     (_ray_constants, "ENABLE_RAY_CLUSTER", None),
+    (_ray_constants, "WORKER_PROCESS_SETUP_HOOK_ENV_VAR", None),
     (ElasticScalingPolicy, "make_decision_for_running_worker_group", ("worker_group_state", "worker_group_status")),
     (_state.GlobalState, "available_resources_per_node", ()),
     (_state.GlobalState, "actor_table", ("actor_id",)),
@@ -161,6 +163,32 @@ def _muon_sources() -> dict[str, str]:
 
 
 _MUON_PATHS = _muon_sources()
+
+
+# DeepSpeed ZeRO-1/2 internals the elastic (no conversion) resharding load uses, read against DeepSpeed
+# 0.19: checked by name in the installed source at import (DeepSpeed itself is imported only by workers)
+# and by signature when first used.
+ZERO_ELASTIC_HOOKS = {
+    "runtime/engine.py": ("_get_all_zero_checkpoints", "zero_elastic_checkpoint", "load_checkpoint"),
+    "runtime/zero/stage_1_and_2.py": ("_load_global_state", "_partition_base_optimizer_state",
+                                      "_restore_from_elastic_fp32_weights", "_link_all_hp_params",
+                                      "_get_state_without_padding", "state_dict"),
+}
+ZERO_ELASTIC_KEYS = ("BASE_OPTIMIZER_STATE", "SINGLE_PARTITION_OF_FP32_GROUPS")
+
+
+def _check_zero_elastic_sources() -> None:
+    spec = importlib.util.find_spec("deepspeed")
+    for rel, names in ZERO_ELASTIC_HOOKS.items():
+        path = os.path.join(os.path.dirname(spec.origin), rel) if spec else "?"
+        text = open(path, encoding="utf-8").read() if os.path.isfile(path) else ""
+        missing = [n for n in names if f"def {n}(" not in text]
+        if not text or missing:
+            raise RayCompatError(f"spotfill needs DeepSpeed's {rel} to define {', '.join(missing or names)} "
+                                 f"(checked against deepspeed 0.19); the installed DeepSpeed does not ({path})")
+
+
+_check_zero_elastic_sources()
 
 
 # Ray's fake multi-node node provider (ray.autoscaler._private; what ray.cluster_utils.AutoscalingCluster
@@ -445,3 +473,103 @@ def tune_unstage_trial(controller, trial) -> bool:
         ctrl._unstage_trial_with_resources(trial)
         return True
     return False
+
+
+def zero_elastic_supported(engine) -> bool:
+    """Whether `engine` (built with zero_optimization.elastic_checkpoint) saves ZeRO-1/2 optimizer state
+    in DeepSpeed's elastic layout, which zero_load_resharded loads at any data-parallel size."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    return isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and bool(engine.optimizer.elastic_checkpoint)
+
+
+def zero_load_elastic(engine, load_dir: str, tag: str) -> dict:
+    """Load a ZeRO-1/2 checkpoint saved in DeepSpeed's elastic layout, at the saved data-parallel size or
+    any other, exactly (fp32 master weights and every optimizer state), without universal conversion.
+
+    DeepSpeed 0.19 has the pieces but not the path: engine._load_zero_checkpoint raises when the
+    data-parallel size changed, its legacy loader indexes the saved ranks by the current rank (fails when
+    growing), and both of its elastic-layout restores read a param-group "step" that torch's AdamW (the
+    client optimizer spotfill uses) does not keep. So: the module, LR scheduler and client state through
+    the public load (optimizer states off); then this rank's partition of every optimizer state and of the
+    fp32 weights, and the learning rate from the restored scheduler -- at the saved size read from its own file, at another size merged from every saved rank's
+    file and re-partitioned with DeepSpeed's own helpers. Returns the client state."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.checkpoint import constants as ds_keys
+
+    for key in ZERO_ELASTIC_KEYS:
+        _require(ds_keys, key)
+    opt, zc = engine.optimizer, engine._config.zero_config
+    _require(type(engine), "_get_all_zero_checkpoints", ("load_dir", "tag"))
+    _require(type(opt), "_partition_base_optimizer_state", ("state_key", "all_partition_states", "group_id"))
+    _require(type(opt), "_restore_from_elastic_fp32_weights", ("all_state_dict",))
+    _require(type(opt), "_load_global_state", ("sd",))
+    _require(type(opt), "_link_all_hp_params", ())
+    if not zero_elastic_supported(engine):
+        raise RuntimeError("zero_load_elastic needs a ZeRO-1/2 engine built with "
+                           "zero_optimization.elastic_checkpoint: true")
+    _, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=False,
+                                             load_lr_scheduler_states=True)
+    if client_state is None:
+        raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {load_dir}")
+    dp_rank, dp_world = dist.get_rank(group=opt.dp_process_group), dist.get_world_size(group=opt.dp_process_group)
+    same = int(engine.loaded_checkpoint_dp_world_size) == dp_world
+    zc.elastic_checkpoint = not same          # DeepSpeed reads every rank's file only when elastic is set
+    try:
+        saved = engine._get_all_zero_checkpoints(load_dir, tag)
+    finally:
+        zc.elastic_checkpoint = True
+    if not saved or (same and saved[dp_rank] is None) or (not same and any(sd is None for sd in saved)):
+        raise FileNotFoundError(f"ZeRO partitions of {tag!r} missing under {load_dir}")
+    base, fp32 = ds_keys.BASE_OPTIMIZER_STATE, ds_keys.SINGLE_PARTITION_OF_FP32_GROUPS
+    own = saved[dp_rank] if same else saved[0]
+    if isinstance(own[base], dict):
+        raise RuntimeError(f"checkpoint {tag!r} holds a rigid (non-elastic) ZeRO optimizer state")
+    opt._load_global_state(own)
+
+    def put(dst, value):                      # this rank's share, zero-padded to the live partition
+        value = value.reshape(-1)
+        if value.numel() < dst.numel():
+            value = torch.cat([value, value.new_zeros(dst.numel() - value.numel())])
+        dst.data.copy_(value.reshape(dst.shape).to(dtype=dst.dtype, device=dst.device))
+
+    for i, group in enumerate(opt.optimizer.param_groups):
+        p = group["params"][0]
+        for key in own[base][i]:
+            if same:
+                mine = own[base][i][key]
+            else:
+                values = [sd[base][i][key] for sd in saved]
+                partitioned = all(torch.is_tensor(v) and v.shape == sd[fp32][i].shape for v, sd in zip(values, saved))
+                mine = opt._partition_base_optimizer_state(key, values, i, is_partition_state=partitioned)
+            dst = opt.optimizer.state[p].get(key)
+            if torch.is_tensor(mine) and torch.is_tensor(dst):
+                put(dst, mine)
+            else:
+                opt.optimizer.state[p][key] = mine.clone() if torch.is_tensor(mine) else mine
+    if same:
+        for current, part in zip(opt.single_partition_of_fp32_groups, own[fp32]):
+            put(current, part)
+    else:
+        opt._restore_from_elastic_fp32_weights(saved)
+    opt._link_all_hp_params()
+    # The elastic layout keeps optimizer states, not param groups: the learning rate the saved optimizer
+    # held is the one the restored scheduler gives at its iteration (DeepSpeed's schedulers set it so).
+    sched = engine.lr_scheduler
+    if sched is not None and hasattr(sched, "last_batch_iteration"):
+        sched.step(sched.last_batch_iteration)
+    return client_state
+
+
+def worker_setup_hook_env(hook: str, env: dict[str, str], job_runtime_env: dict | None = None) -> dict[str, str]:
+    """`env` (a runtime_env's env_vars) with `hook` ("module.function") as the worker processes' setup
+    hook: Ray's `worker_process_setup_hook` in the form Ray's job-level runtime_env turns it into (the env
+    var its default_worker.py reads at process start), here for the processes of one runtime_env (Ray Train's
+    worker_runtime_env), which Ray does not convert itself. A hook already set -- in `env`, this process's
+    environment or the job's runtime_env (`job_runtime_env`, the user's) -- is kept: nothing is added."""
+    name = _ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+    job = job_runtime_env or {}
+    if (env.get(name) or os.environ.get(name) or job.get("worker_process_setup_hook")
+            or (job.get("env_vars") or {}).get(name)):
+        return dict(env)
+    return {**env, name: hook}

@@ -53,7 +53,7 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
     from spotfill.config.job import JobConfig, from_mapping
     from spotfill.train.model import build_model
     from spotfill.storage.base import open_storage
-    from spotfill.train.engine import build_engine, ds_config
+    from spotfill.train.engine import build_engine, ds_config, load_checkpoint
 
     job = from_mapping(JobConfig, {"storage": storage_uri, "data": {"path": "/unused"},
                                    "training": {"workers": [1, 3], "global_batch": 6, "zero_stage": stage,
@@ -68,8 +68,11 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
     torch.manual_seed(0)
     model = build_model("tiny")
     # the production engine (train.engine.build_engine: torch AdamW client optimizer)
-    engine = build_engine(model, ds_config(job, shape.micro_batch, shape.accum, "fp32", plan.universal))
-    if mode == "save":
+    config = ds_config(job, shape.micro_batch, shape.accum, "fp32", plan.universal)
+    if mode == "save-rigid":    # DeepSpeed's default layout (checkpoints saved before the elastic one)
+        config["zero_optimization"].pop("elastic_checkpoint", None)
+    engine = build_engine(model, config)
+    if mode.startswith("save"):
         g = torch.Generator().manual_seed(1234 + rank)
         for _ in range(3):
             for _ in range(shape.accum):
@@ -81,14 +84,14 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
         ckpt.save(engine, 3, {"note": "test"}, kind="final")
         ckpt.close()
     else:
-        _, client = engine.load_checkpoint(plan.load_dir, tag=plan.load_tag)
+        client = load_checkpoint(engine, plan.load_dir, plan.load_tag, plan.elastic)
         assert client["step"] == 3, client
     state = full_state(engine)
     if rank == 0:
         result = {"state": state, "global_steps": engine.global_steps, "lr": engine.get_lr()[0],
                   "sched": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
-                  "universal": plan.universal, "timings": plan.timings}
-        with open(os.path.join(work, f"{mode}-w{world}.pkl"), "wb") as f:
+                  "universal": plan.universal, "elastic": plan.elastic, "timings": plan.timings}
+        with open(os.path.join(work, f"{mode.split('-')[0]}-w{world}.pkl"), "wb") as f:
             pickle.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()

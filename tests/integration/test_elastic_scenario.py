@@ -86,7 +86,21 @@ def test_world_size_shrinks_grows_and_shrinks(scenario_run):
     assert sizes[0] == 4 and 2 in sizes
     grow = [e for e in report["events"] if e["action"] == "add_node"][0]
     assert grow["grew"] and grow["lost_steps"] == 0, grow
-    assert any(e["kind"] == "resume" and e["universal"] for e in read_events(str(scenario_run[1] / "events.jsonl")))
+    resharded = [e for e in read_events(str(scenario_run[1] / "events.jsonl"))
+                 if e["kind"] == "resume" and e["from_world_size"] != e["world_size"]]
+    # ZeRO-2 checkpoints load at another world size as saved (DeepSpeed's elastic layout): nothing converts
+    assert resharded and all(e["zero_elastic"] and not e["universal"] and e["conversions"] == 0
+                             for e in resharded), resharded
+
+
+def test_restarted_workers_start_importing_when_their_process_starts(scenario_run):
+    """spotfill's worker processes run the warm-import hook at process start, before Ray Train hands them
+    the training function; the hook's moment and the imports' end are in every resume event."""
+    resumes = [e for e in read_events(str(scenario_run[1] / "events.jsonl")) if e["kind"] == "resume"]
+    assert len(resumes) >= 3
+    for e in resumes:
+        assert e["process_started_t"] <= e["warm_hook_t"] <= e["loop_entered_t"], e
+        assert e["warm_done_t"] >= e["warm_hook_t"], e
 
 
 def test_elastic_loss_curve_matches_fixed_size(scenario_run, tmp_path):

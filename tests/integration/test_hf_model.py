@@ -1,5 +1,5 @@
 """A Hugging Face causal LM (a small Llama written with save_pretrained, no download) trains elastically
-like the presets: an announced preemption shrinks it from 2 workers to 1 through a universal checkpoint,
+like the presets: an announced preemption shrinks it from 2 workers to 1 (ZeRO-2's elastic layout: nothing converted),
 with nothing lost or repeated."""
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def test_hf_llama_trains_and_reshards(llama_dir, tmp_path):
                              "source": "checkpoint-ledger"}
     assert [n for _, n in tr["world_size_timeline"]] == [2, 1]
     resumes = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["kind"] == "resume"]
-    assert resumes and resumes[0]["universal"] and resumes[0]["from_world_size"] == 2
+    assert resumes and resumes[0]["from_world_size"] == 2 and resumes[0]["world_size"] == 1
+    assert resumes[0]["zero_elastic"] and not resumes[0]["universal"] and resumes[0]["conversions"] == 0
     losses = [e["loss"] for e in read_events(str(tmp_path / "events.jsonl")) if e["kind"] == "step"]
     assert losses[-1] < losses[0]          # it learns: ln(320) = 5.77 at the start

@@ -1,5 +1,6 @@
 """A checkpoint written by N ranks loads on M != N ranks with the same weights, Adam moments, LR schedule
-and step -- for ZeRO stages 1, 2 and 3 (DeepSpeed universal checkpoints through spotfill's storage)."""
+and step -- for ZeRO stages 1, 2 and 3: ZeRO-1/2 from DeepSpeed's elastic layout with no conversion, ZeRO-3
+(and ZeRO-1/2 checkpoints in DeepSpeed's default layout) through universal checkpoints in spotfill's storage."""
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ def _port() -> int:
 
 def _spawn(world: int, mode: str, stage: int, uri: str, work: str) -> dict:
     mp.spawn(run, args=(world, _port(), mode, stage, uri, work), nprocs=world, join=True)
-    with open(os.path.join(work, f"{mode}-w{world}.pkl"), "rb") as f:
+    with open(os.path.join(work, f"{mode.split('-')[0]}-w{world}.pkl"), "rb") as f:
         return pickle.load(f)
 
 
@@ -35,23 +36,36 @@ def _assert_same(saved: dict, loaded: dict) -> None:
             torch.testing.assert_close(l_[key], s[key], rtol=0, atol=0, msg=f"{name}.{key} differs")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_resume_on_fewer_and_more_ranks(stage, tmp_path, s3_uri):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_resumes_on_fewer_and_more_ranks_without_conversion(stage, tmp_path, s3_uri):
     uri = s3_uri if stage == 2 else str(tmp_path / "storage")
     saved = _spawn(2, "save", stage, uri, str(tmp_path))
+    for world in (3, 1):
+        loaded = _spawn(world, "load", stage, uri, str(tmp_path))
+        assert loaded["elastic"] and not loaded["universal"], loaded
+        assert loaded["timings"]["conversions"] == 0 and loaded["timings"]["universal_sources"] == []
+        assert loaded["timings"]["nodes"] == world
+        _assert_same(saved, loaded)
+
+
+@pytest.mark.parametrize("stage,save", [(3, "save"), (2, "save-rigid")])
+def test_universal_resume_on_fewer_and_more_ranks(stage, save, tmp_path, s3_uri):
+    uri = s3_uri if stage == 2 else str(tmp_path / "storage")
+    saved = _spawn(2, save, stage, uri, str(tmp_path))
     # 3 ranks, each on its own "node": converted once (rank 0's node), the other two download that copy
     # at the same time; then 1 rank: the shared copy is reused, nothing converts
     for world, sources in ((3, ["converted", "shared", "shared"]), (1, ["shared"])):
         loaded = _spawn(world, "load", stage, uri, str(tmp_path))
-        assert loaded["universal"], "a different world size must load through a universal checkpoint"
+        assert loaded["universal"] and not loaded["elastic"], "a different world size must load through a universal checkpoint"
         assert loaded["timings"]["universal_sources"] == sources, loaded["timings"]
         assert loaded["timings"]["nodes"] == world
         _assert_same(saved, loaded)
 
 
-def test_resume_on_same_ranks_loads_directly(tmp_path):
+@pytest.mark.parametrize("save", ["save", "save-rigid"])
+def test_resume_on_same_ranks_loads_directly(save, tmp_path):
     uri = str(tmp_path / "storage")
-    saved = _spawn(2, "save", 2, uri, str(tmp_path))
+    saved = _spawn(2, save, 2, uri, str(tmp_path))
     loaded = _spawn(2, "load", 2, uri, str(tmp_path))
-    assert not loaded["universal"]
+    assert not loaded["universal"] and loaded["elastic"] == (save == "save")
     _assert_same(saved, loaded)

@@ -27,6 +27,21 @@ def test_breakdown_splits_the_recovery_at_each_recorded_moment():
     assert sum(v for k, v in b.items() if "." not in k) == 106.25 - fired
 
 
+def test_rank_zeros_own_moments_split_worker_start_and_state_load():
+    events = [
+        {"t": 100.5, "kind": "controller_state", "state": "RESTARTING", "previous": "RUNNING"},
+        {"t": 101.0, "kind": "controller_state", "state": "SCHEDULING", "previous": "RESTARTING"},
+        {"t": 105.0, "kind": "attempt", "attempt": 1, "world_size": 2},
+        {"t": 110.0, "kind": "resume", "attempt": 1, "step": 40, "process_started_t": 102.0,
+         "loop_entered_t": 104.5, "restored_t": 106.0, "imported_t": 106.5, "engine_t": 109.0},
+    ]
+    b = recovery_breakdown(events, 100.0)
+    assert b["workers_start_s"] == 4.0 and b["state_load_s"] == 5.0
+    assert (b["workers_start.process_s"], b["workers_start.init_s"], b["workers_start.loop_s"]) == (1.0, 2.5, 0.5)
+    assert (b["state_load.restore_s"], b["state_load.imports_s"], b["state_load.engine_s"],
+            b["state_load.checkpoint_s"]) == (1.0, 0.5, 2.5, 1.0)
+
+
 def test_without_controller_events_the_first_three_are_one_number_and_failed_schedules_count():
     events = [{"t": 10.0, "kind": "controller_state", "state": "RESCHEDULING", "previous": "SCHEDULING"},
               {"t": 18.0, "kind": "attempt", "attempt": 3},

@@ -15,8 +15,9 @@ files, and rank 0 commits the manifest once every rank's part is stored (checkpo
 
 Restore: rank 0 picks the newest intact committed checkpoint (falling back past a partial or corrupt one)
 and broadcasts its tag; one rank per node downloads it and flattens the rank folders into a DeepSpeed
-checkpoint folder. When the world size changed (and ZeRO partitions the optimizer), that rank converts it
-once with DeepSpeed's universal-checkpoint converter, and every rank loads it with `load_universal`.
+checkpoint folder. ZeRO-1/2 state is saved in DeepSpeed's elastic layout (recorded in the manifest's
+meta.zero_elastic) and loads at any world size as is; otherwise, when the world size changed (ZeRO-3), it is
+converted once with DeepSpeed's universal-checkpoint converter and every rank loads it with `load_universal`.
 """
 from __future__ import annotations
 
@@ -57,6 +58,13 @@ def _no_zip_crc32():
         yield
     finally:
         config.save.compute_crc32 = old
+
+
+def zero_elastic_layout(engine) -> bool:
+    """Whether `engine` saves its ZeRO-1/2 optimizer state in DeepSpeed's elastic layout (recorded in the
+    manifest: restore then loads it at any world size without conversion)."""
+    opt = getattr(engine, "optimizer", None)
+    return type(opt).__name__ == "DeepSpeedZeroOptimizer" and bool(getattr(opt, "elastic_checkpoint", False))
 
 
 KINDS = ("periodic", "final", "grow", "emergency")
@@ -158,6 +166,7 @@ class Checkpointer:
         self._failed_step = -1            # latest failed upload not yet shared with the other ranks
         self._snapshot_s = 0.0            # last measured snapshot and upload+commit seconds (estimates)
         self._upload_s = 0.0
+        self._zero_elastic = False        # the snapshot's ZeRO optimizer state is in the elastic layout
 
     # -- public ---------------------------------------------------------------------------------------
     def save(self, engine, step: int, client_state: dict, *, kind: str,
@@ -306,6 +315,7 @@ class Checkpointer:
         state = {**client_state, "step": step, "world_size": self.world_size,
                  "universal_checkpoint_info": {}}
         self.snap_root = self._choose_root(engine)
+        self._zero_elastic = zero_elastic_layout(engine)
         with _no_zip_crc32():
             engine.save_checkpoint(self.snap_root, tag=tag, client_state=state, save_latest=False)
         self._snapshot_s = time.perf_counter() - t0
@@ -338,8 +348,9 @@ class Checkpointer:
             guard.check()
             if self.rank == 0:
                 timeout = None if until is None else max(0.0, until - time.time())
-                manifest = self.store.commit(tag, step, self.world_size, attempt=self.attempt,
-                                             timeout_s=timeout, meta={"attempt": self.attempt}, guard=guard)
+                manifest = self.store.commit(tag, step, self.world_size, attempt=self.attempt, timeout_s=timeout,
+                                             meta={"attempt": self.attempt, "zero_elastic": self._zero_elastic},
+                                             guard=guard)
                 with self._lock:
                     self.committed.append({"tag": tag, "step": step, "save_kind": kind,
                                            "bytes": manifest.get("bytes"),

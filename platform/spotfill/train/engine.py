@@ -27,7 +27,10 @@ def ds_config(job: JobConfig, micro: int, accum: int, precision: str, universal:
         "scheduler": {"type": "WarmupCosineLR", "params": {
             "total_num_steps": t.steps, "warmup_num_steps": max(1, t.warmup_steps), "warmup_type": "linear",
             "warmup_min_ratio": 0.0, "cos_min_ratio": t.min_lr / t.lr}},
-        "zero_optimization": {"stage": t.zero_stage},
+        # ZeRO-1/2 save their optimizer state in DeepSpeed's elastic layout: it loads at any world size
+        # without a universal-checkpoint conversion (load_checkpoint below)
+        "zero_optimization": {"stage": t.zero_stage, **({"elastic_checkpoint": True} if t.zero_stage in (1, 2)
+                                                        else {})},
         "checkpoint": {"load_universal": universal},
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
@@ -52,6 +55,21 @@ def jit_cache_dir(base: str | None = None) -> str:
     from spotfill.train.opcache import extensions_dir
     base = base or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
     return extensions_dir(base, sys.executable, sys.version.split()[0], version("torch"), version("deepspeed"))
+
+
+def load_checkpoint(engine, load_dir: str, tag: str, elastic: bool) -> dict:
+    """Load checkpoint `tag` into `engine` (optimizer and LR scheduler states included); returns its client
+    state. `elastic`: a ZeRO-1/2 checkpoint in DeepSpeed's elastic layout (what ds_config saves), loaded at
+    any data-parallel size without conversion (spotfill.ray_compat.zero_load_elastic); else DeepSpeed's own
+    load (the saved size, or a universal checkpoint)."""
+    if elastic:
+        from spotfill.ray_compat import zero_load_elastic
+        return zero_load_elastic(engine, load_dir, tag)
+    _, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                             load_lr_scheduler_states=True)
+    if client_state is None:
+        raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {load_dir}")
+    return client_state
 
 
 def client_optimizer(params, optimizer: dict):

@@ -33,12 +33,20 @@ def ray_train_env() -> dict[str, str]:
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(constants.HEALTH_CHECK_INTERVAL_S)}
 
 
-def worker_env_vars(base: dict[str, str] | None = None) -> dict[str, str]:
+def worker_env_vars(base: dict[str, str] | None = None, warm_imports: bool = False,
+                    job_runtime_env: dict | None = None) -> dict[str, str]:
     """Environment for the training workers: the job's own, plus this environment's JIT op cache folder
-    (DeepSpeed ops built by another virtual environment must not be loaded or rebuilt here)."""
+    (DeepSpeed ops built by another virtual environment must not be loaded or rebuilt here). With
+    `warm_imports` (spotfill runs), each worker process starts importing torch, DeepSpeed and Ray Train's
+    torch backend the moment it starts (spotfill.train.warm, as the processes' setup hook) -- unless the
+    job's runtime_env (`job_runtime_env`) or `base` already names one."""
     from spotfill.train.engine import jit_cache_dir
     env = dict(base or {})
     env.setdefault("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or jit_cache_dir())
+    if warm_imports:
+        from spotfill.ray_compat import worker_setup_hook_env
+        from spotfill.train.warm import HOOK
+        env = worker_setup_hook_env(HOOK, env, job_runtime_env)
     return env
 
 
@@ -117,7 +125,9 @@ class TrainingJob:
                 # planned exits (announced preemption, graceful grow) are not charged to it.
                 failure_config=FailureConfig(max_failures=-1),
                 worker_runtime_env={"env_vars": worker_env_vars({**constants.storage_endpoint_env(),  # no secrets
-                                                                 **self.runtime_env.get("env_vars", {})})},
+                                                                 **self.runtime_env.get("env_vars", {})},
+                                                                warm_imports=spotfill,
+                                                                job_runtime_env=_job_runtime_env())},
                 # every controller state change (failures it saw, sizes it chose) into events.jsonl
                 # and, on a cluster with fill-in, claim the GPUs first (a missing arbiter never blocks)
                 # and, on spotfill runs, a teardown that does not wait on workers of a dead node
@@ -224,6 +234,17 @@ class TrainingJob:
         if self.render_report:
             write_report(self.run_dir, events=events, report=report)
         return report
+
+
+def _job_runtime_env() -> dict:
+    """The connected job's runtime_env ({} when unknown)."""
+    import ray
+    if not ray.is_initialized():        # get_runtime_context() would start a local Ray
+        return {}
+    try:
+        return dict(ray.get_runtime_context().runtime_env or {})
+    except Exception:  # noqa: BLE001 -- not connected: nothing to keep
+        return {}
 
 
 def _as_dict(cfg) -> dict:

@@ -1,9 +1,12 @@
 """Restore: pick the newest intact checkpoint of the live lineage, bring it to every node at once, flatten it
-into DeepSpeed's layout, and load it through a universal checkpoint when the world size changed.
+into DeepSpeed's layout. ZeRO-1/2 checkpoints are saved in DeepSpeed's elastic layout (train.engine) and
+load at any world size as they are: nothing is converted. A ZeRO-3 checkpoint (or one saved before the
+elastic layout) loads through a universal checkpoint when the world size changed.
 
 Rank 0 decides the tag from the manifests and a listing (sizes; no download); then every node's leader
 downloads and verifies it in parallel. A tag any leader finds damaged is quarantined (event
-`checkpoint_quarantined`) and the next one of the lineage is tried. A universal checkpoint is converted
+`checkpoint_quarantined`) and the next one of the lineage is tried. Where one is needed, a universal
+checkpoint is converted
 once per checkpoint: the first converter (rank 0's node) uploads the converted copy next to the tag, and
 every other node -- and every later restore at another world size -- downloads it instead of converting.
 When committed checkpoints exist but none is intact: `training.on_no_intact_checkpoint: fail` raises
@@ -34,6 +37,7 @@ class RestorePlan:
     load_dir: str = ""
     load_tag: str = ""
     universal: bool = False
+    elastic: bool = False        # a ZeRO-1/2 checkpoint in DeepSpeed's elastic layout: loads at any size as is
     timings: dict = field(default_factory=dict)
     quarantined: list = field(default_factory=list)     # [(tag, reason)] found damaged by this restore
     fresh_start_cause: str | None = None                 # set when on_no_intact_checkpoint=restart fired
@@ -150,7 +154,8 @@ def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, leader
     has it, (None, reason, ...) when some leader found it damaged."""
     manifest = choice["manifest"]
     tag, saved_world = manifest["tag"], int(manifest["world_size"])
-    universal = saved_world != world and zero_stage > 0
+    elastic = zero_stage in (1, 2) and bool((manifest.get("meta") or {}).get("zero_elastic"))
+    universal = saved_world != world and zero_stage > 0 and not elastic
     load_tag = f"{tag}-universal" if universal else tag
     ds_root = os.path.join(node_dir, "ds")
     # phase 1: the raw checkpoint, where needed -- every node, or only rank 0's converter
@@ -189,7 +194,7 @@ def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, leader
             return None, error, []
     infos = _gather(comms, info, world)
     plan = RestorePlan(tag=tag, step=int(manifest["step"]), world_size=saved_world, load_dir=ds_root,
-                       load_tag=load_tag, universal=universal)
+                       load_tag=load_tag, universal=universal, elastic=elastic)
     return plan, None, infos
 
 
@@ -272,7 +277,8 @@ def restore_on_workers(store: CheckpointStore, comms, rank: int, world: int, nod
                 store.mark_resumed(plan.tag, plan.step)
                 if emit:
                     emit("checkpoint_restored", tag=plan.tag, step=plan.step, world_size=world,
-                         from_world_size=plan.world_size, universal=plan.universal, **plan.timings)
+                         from_world_size=plan.world_size, universal=plan.universal,
+                         zero_elastic=plan.elastic, **plan.timings)
             comms.barrier()
             return plan
         if rank == 0:

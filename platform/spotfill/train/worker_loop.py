@@ -26,7 +26,7 @@ from spotfill.storage.checkpoint_store import CheckpointStore
 from spotfill.train.batching import BatchShape, batch_shape, rank_positions
 from spotfill.train.checkpointing import Checkpointer
 from spotfill.train.data import Prefetcher, ShardReader, read_step
-from spotfill.train.engine import build_engine, ds_config, resolve_precision
+from spotfill.train.engine import build_engine, ds_config, load_checkpoint, resolve_precision
 from spotfill.train.restore import restore_on_workers
 from spotfill.train.sample_ledger import FeedRecorder, SampleLedger
 from spotfill.train.step_policy import CONTINUE, FINISH, StepDecision, StepFacts, StepPolicy
@@ -88,8 +88,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     node_id = ray.get_runtime_context().get_node_id()
-    comms = _Comms(world)
     t_start = time.time()
+    comms = _Comms(world)
 
     info = comms.bcast(ray.get(sink.begin_attempt.remote(world)) if rank == 0 else None)
     if info["give_up"]:
@@ -113,22 +113,26 @@ def train_loop_per_worker(loop_config: dict) -> None:
     precision = resolve_precision(t.precision, torch.cuda.is_available() and job.cluster.gpu_resource == "GPU")
     torch.manual_seed(t.seed)
     reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
+    t_restored = time.time()
     warm.join()
+    t_imported = time.time()
     engine, vocab, flops = _engine(job, reader, shape, precision, plan.universal)
+    t_engine = time.time()
     device = _device_info(engine, precision) if rank == 0 else {}
     start_step, ledger, load_s = 0, SampleLedger(), 0.0
     if plan.tag:
         t1 = time.perf_counter()
-        _, client_state = engine.load_checkpoint(os.path.join(node_dir, "ds"), tag=plan.load_tag,
-                                                 load_optimizer_states=True, load_lr_scheduler_states=True)
+        client_state = load_checkpoint(engine, plan.load_dir, plan.load_tag, plan.elastic)
         start_step, ledger = int(client_state["step"]), SampleLedger.from_state(client_state.get(LEDGER_KEY))
         load_s = time.perf_counter() - t1
     if rank == 0:
         sink.event.remote("resume" if plan.tag else "start", attempt=attempt, step=start_step,
                           world_size=world, micro_batch=shape.micro_batch, accum=shape.accum,
                           from_world_size=plan.world_size or None, universal=plan.universal,
+                          zero_elastic=plan.elastic,
                           restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
-                          startup_s=round(time.time() - t_start, 3), precision=precision, **flops, **device)
+                          startup_s=round(time.time() - t_start, 3), precision=precision, **flops, **device,
+                          **_start_marks(t_start, t_restored, t_imported, t_engine))
 
     def make(step: int):
         return read_step(reader, step, rank_positions(step, shape, rank), shape.accum, job.data.seed)
@@ -164,6 +168,30 @@ def train_loop_per_worker(loop_config: dict) -> None:
         prefetch.close()
         run.close()
     _finish(sink, rank, {"ok": True, "steps_completed": t.steps, "attempt": attempt})
+
+
+def _start_marks(entered: float, restored: float, imported: float, engine: float) -> dict:
+    """When (unix s) this worker process started, entered the training function, finished the restore,
+    had DeepSpeed imported and its engine built: the recovery breakdown splits worker start-up with them."""
+    marks = {"loop_entered_t": round(entered, 3), "restored_t": round(restored, 3),
+             "imported_t": round(imported, 3), "engine_t": round(engine, 3)}
+    started = _process_start_time()
+    if started is not None:
+        marks["process_started_t"] = round(started, 3)
+    from spotfill.train.warm import marks as warm_marks
+    return {**marks, **warm_marks}
+
+
+def _process_start_time() -> float | None:
+    """This process's creation time (unix s) from /proc; None where there is no /proc."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            booted = time.time() - float(f.read().split()[0])     # /proc/stat's btime is whole seconds
+        return booted + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _warm_imports():
