@@ -44,15 +44,15 @@ def _kill_step(run_dir: str, at: float) -> int | None:
     return max(steps) if steps else None
 
 
-def _run(serve: bool, quick: bool, say, kill_at: int | None = None) -> dict:
+def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: float = 2.0) -> dict:
     # with fill-in the runner's timeline waits until Serve answers: the kill fires then (or at kill_at, if
     # later); the side without fill-in kills at the step the first side's kill met
     steps, default_kill = (1000, 40) if quick else (2000, 600)
     kill_at = kill_at or default_kill
     name = "fillin-serve" if serve else "fillin-off"
     out = tempfile.mkdtemp(prefix=f"spotfill-bench-{name}-")
-    say(f"{name}: {steps} steps, node 0 killed at step {kill_at}")
-    report = run_scenario(parse_scenario(_scenario(serve, steps, kill_at, 2.0), name), out, quiet=True,
+    say(f"{name}: {steps} steps, node 0 killed at step {kill_at}" + (f", load {load_rps:g} rps" if serve else ""))
+    report = run_scenario(parse_scenario(_scenario(serve, steps, kill_at, load_rps), name), out, quiet=True,
                           wait_for_fillin=serve)
     tr = report["training"]
     fill = report.get("fillin") or {}

@@ -21,7 +21,8 @@ import time
 from dataclasses import replace
 
 from spotfill.fillin.policy import (DEFAULT_ORDER, Decision, DecisionLog, Lease, Node, Snapshot, TrainingJob,
-                                    decide_claim, decide_lend, ownership, rebuild_leases, reconcile)
+                                    decide_claim, decide_lend, ownership, rebuild_leases, reclaim_off_hosts,
+                                    reconcile, training_hosts)
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
 from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
 
@@ -30,19 +31,34 @@ ARBITER_NAME = "spotfill-arbiter"
 NAMESPACE = "spotfill"
 CLAIM_HOLD_S = 30.0        # freed GPUs stay reserved for the claiming job this long (its group takes them)
 START_PATIENCE_S = 30.0    # a replica asked for but not running after this long: stop asking for it
-RESOURCE_VIEW_LAG_S = 3.0  # a stopped replica's GPU shows as available within this (GCS resource view)
+PLACE_PATIENCE_S = 2.0     # autoscaled cluster, launch_nodes off: a replica not placed after this long is
+                           # taken back (a pending replica is demand the autoscaler would answer with a node)
+IDLE_RECLAIM_S = 10.0      # autoscaled cluster: leases on a node training left this long ago are reclaimed
+RESOURCE_VIEW_LAG_S = 8.0  # a stopped replica's GPU shows as available within this (GCS resource view; on
+                           # a loaded 2-core machine 3 s was measured too short: the claim came back short)
 RAYLET_PROBE_S = 0.5       # a live raylet answers a loopback/local-network connect in milliseconds
 
 
 class Arbiter:
     def __init__(self, gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,
-                 state_path: str | None = None, interval_s: float = 1.0):
+                 state_path: str | None = None, interval_s: float = 1.0, autoscaled: bool = False,
+                 launch_nodes: bool = False, idle_reclaim_s: float = IDLE_RECLAIM_S):
         logging.basicConfig(level=logging.INFO)
         self.gpu_resource, self.order, self.interval_s = gpu_resource, tuple(order), interval_s
+        # autoscaled cluster: lend only on nodes training uses, reclaim from nodes training left (so idle
+        # nodes scale down), and never leave a replica pending (demand the autoscaler would buy a node
+        # for) -- unless the user allowed fill-in to launch nodes (launch_nodes)
+        self.autoscaled, self.launch_nodes = bool(autoscaled), bool(launch_nodes)
+        self.idle_reclaim_s = float(idle_reclaim_s)
+        self.training_gpus = 0                                # GPUs in use that no lease holds (last tick)
+        self.training_seen: dict[str, float] = {}             # node id -> last time training held GPUs on it
+        self.lease_ended_on: dict[str, float] = {}            # node id -> last time a lease on it ended
         self.state_path = state_path or os.path.join(tempfile.gettempdir(), "spotfill-arbiter", "state.json")
         self.lock = threading.RLock()
         self.jobs: dict[str, TrainingJob] = {}
-        self.pending: dict[str, tuple[int, float]] = {}      # job -> (GPUs claimed, hold until)
+        # job -> (GPUs held for it, hold until, GPUs training held when the claim was answered): reclaimed
+        # and free GPUs stay reserved for the claiming job until its new group took them (or the hold ends)
+        self.pending: dict[str, tuple[int, float, int]] = {}
         self.tenants: dict[str, ServeTenant] = {}
         self.asked_at: dict[str, float] = {}                  # tenant -> when it was last scaled up
         self.leases: tuple[Lease, ...] = ()
@@ -165,11 +181,37 @@ class Arbiter:
         self.journal.add(events)
         self.leases = self._mark_reclaiming(leases)
         self.reclaiming = {le.lease_id: le.reclaiming_since for le in self.leases if le.reclaiming_since}
-        for job, (_, until) in list(self.pending.items()):
+        for job, (_, until, _) in list(self.pending.items()):
             if now > until:
                 del self.pending[job]
-        jobs = tuple(replace(j, pending_gpus=self.pending.get(j.job, (0, 0))[0]) for j in self.jobs.values())
-        return Snapshot(tuple(nodes), jobs, self.leases)
+        self.training_gpus = sum(row["training"] for row in ownership(Snapshot(
+            tuple(n for n in nodes if n.alive), (), self.leases)).values())
+        jobs = tuple(replace(j, pending_gpus=self._still_pending(j.job)) for j in self.jobs.values())
+        snap = Snapshot(tuple(nodes), jobs, self.leases)
+        if self.autoscaled and not self.launch_nodes:
+            snap = replace(snap, hosts=self._hosts(snap, before, now))
+        return snap
+
+    def _still_pending(self, job: str) -> int:
+        """GPUs held for `job`'s claim that its group has not taken yet (training's GPUs grew by the rest)."""
+        held, _, base = self.pending.get(job, (0, 0.0, 0))
+        return max(0, held - max(0, self.training_gpus - base))
+
+    def _hosts(self, snap: Snapshot, before: dict, now: float) -> frozenset[str]:
+        """Nodes training used within idle_reclaim_s (fill-in lends only there). GPUs in use that no lease
+        holds are training's -- except just after a lease on the node ended: Ray's resource view still
+        shows the stopped replica's GPU in use for a moment, which must not make the node look used."""
+        current = {le.lease_id for le in snap.leases}
+        for le in before.values():
+            if le.lease_id not in current:
+                self.lease_ended_on[le.node_id] = now
+        if self.jobs:
+            for node_id, row in ownership(snap).items():
+                if row["training"] > 0 and now - self.lease_ended_on.get(node_id, 0.0) > RESOURCE_VIEW_LAG_S:
+                    self.training_seen[node_id] = now
+        alive = {n.node_id for n in snap.nodes if n.alive}
+        self.training_seen = {k: v for k, v in self.training_seen.items() if k in alive}
+        return training_hosts(self.training_seen, now, self.idle_reclaim_s)
 
     @staticmethod
     def _holdings(tenant: ServeTenant):
@@ -206,6 +248,7 @@ class Arbiter:
             snap = self._snapshot(now)
             drains = [d for d in reconcile(snap, now) if d.action == "reclaim"]
             self._apply_reclaims(drains, now, cause="node_draining")
+            self._apply_reclaims(reclaim_off_hosts(snap, now, self.idle_reclaim_s), now, cause="node_idle")
             if not self.claims_in_flight:
                 for tenant in self.tenants.values():
                     self._grow(tenant, snap, now)
@@ -219,11 +262,15 @@ class Arbiter:
         if first:
             tenant.target = held
         if tenant.target > held:               # replicas still starting: wait for them, not twice
-            if now - self.asked_at.get(tenant.tenant, now) < START_PATIENCE_S:
+            patience = PLACE_PATIENCE_S if self.autoscaled and not self.launch_nodes else START_PATIENCE_S
+            if now - self.asked_at.get(tenant.tenant, now) < patience:
                 return
             self._record([Decision("refuse", tenant.tenant, (tenant.target - held) * spec.gpus_per_replica,
-                                   at=now, reason=f"replicas not placed within {START_PATIENCE_S:.0f}s; "
-                                                  f"asking for {held} instead of {tenant.target}")])
+                                   at=now, reason=f"replicas not placed within {patience:g}s; "
+                                                  f"asking for {held} instead of {tenant.target}"
+                                                  + (" (a pending replica would make the autoscaler launch "
+                                                     "a node; launch_nodes is off)" if patience ==
+                                                     PLACE_PATIENCE_S else ""))])
             tenant.set_replicas(held)
             return
         wanted = (spec.max_replicas - tenant.target) * spec.gpus_per_replica
@@ -233,6 +280,13 @@ class Arbiter:
             return
         lends = [d for d in decide_lend(snap, tenant.tenant, spec.kind, wanted, now, grace_s=spec.grace_s)
                  if d.action == "lend"]
+        if not lends and self.autoscaled and self.launch_nodes and \
+                now - self.asked_at.get(tenant.tenant, 0.0) >= START_PATIENCE_S:
+            # the user allowed fill-in to grow the cluster: one more replica, pending until the autoscaler
+            # launches a node for it (training still reclaims it first)
+            lends = [Decision("lend", tenant.tenant, spec.gpus_per_replica, at=now, reason=(
+                "launch_nodes: nothing lendable on the nodes up; a pending replica asks the autoscaler "
+                "for a node"))]
         replicas = sum(d.gpus for d in lends) // spec.gpus_per_replica
         if replicas and tenant.set_replicas(tenant.target + replicas):
             self.asked_at[tenant.tenant] = now
@@ -279,7 +333,7 @@ class Arbiter:
                     plan = decide_claim(self._snapshot(now), job, wanted, gpw, now, self.order)
                     new = [d for d in plan.reclaims if d.lease_id not in self.reclaiming]
                     self._apply_reclaims(new, now, job=job, requested_at=started)
-                    reclaimed += [d.lease_id for d in new]
+                    reclaimed += [(d.lease_id, d.gpus) for d in new]
                     pending = any(le.reclaiming_since for le in self.leases)
                 if plan.free_now >= wanted or time.monotonic() - t0 > deadline_s:
                     break
@@ -304,9 +358,18 @@ class Arbiter:
                 job, int(min_workers or (prev.min_workers if prev else 1)),
                 int(max_workers or (prev.max_workers if prev else max(1, gpus // gpw))),
                 current_workers=max(1, int(gpus) // gpw), gpus_per_worker=gpw)
-            held, until = self.pending.get(job, (0, 0.0))
-            # a later claim of the same start (Ray Train may ask again) never shrinks what is held for it
-            self.pending[job] = (max(min(wanted, plan.free_now), held if until > now else 0), now + CLAIM_HOLD_S)
+            held, until, base = self.pending.get(job, (0, 0.0, self.training_gpus))
+            # what is free and what the reclaimed leases give back stays held for this job until its group
+            # takes it: a claim that came back short (Ray's resource view lags a stopped replica) must not
+            # see the same GPUs lent again. A later claim of the same start (Ray Train may ask again) never
+            # shrinks what is held for it.
+            back = sum(gpus for _, gpus in reclaimed)
+            hold = min(wanted, plan.free_now + back)
+            if until > now and held > hold:
+                hold = held
+            else:
+                base = self.training_gpus
+            self.pending[job] = (hold, now + CLAIM_HOLD_S, base)
             why = (f"{plan.free_now} of {wanted} needed GPU(s) free after {waited:.2f}s"
                    + (f", {len(reclaimed)} lease(s) reclaimed" if reclaimed else "")
                    + ("" if ok else f"; short by {wanted - plan.free_now} (deadline or nothing left to reclaim)"))
@@ -317,7 +380,7 @@ class Arbiter:
                                        "gpus": wanted, "ok": ok, "at": now})
             self._save()
         return {"ok": ok, "job": job, "gpus": int(gpus), "needed": wanted, "free": plan.free_now,
-                "reclaimed": reclaimed, "waited_s": round(waited, 3), "reason": why}
+                "reclaimed": [lease_id for lease_id, _ in reclaimed], "waited_s": round(waited, 3), "reason": why}
 
     # -- reading ----------------------------------------------------------------------------------------
     def status(self, last: int = 20) -> dict:
@@ -367,8 +430,12 @@ class Arbiter:
 
 
 def ensure_arbiter(gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,
-                   state_path: str | None = None, runtime_env: dict | None = None):
-    """The arbiter actor: found by name, else started detached on the head node (0 CPUs)."""
+                   state_path: str | None = None, runtime_env: dict | None = None, autoscaled: bool = False,
+                   launch_nodes: bool = False, idle_reclaim_s: float = IDLE_RECLAIM_S):
+    """The arbiter actor: found by name, else started detached on the head node (0 CPUs). `autoscaled`:
+    the cluster is scaled by Ray's autoscaler -- fill-in lends only on nodes training uses, gives a node
+    back idle_reclaim_s after training left it, and never leaves a replica pending (autoscaler demand)
+    unless `launch_nodes` (the user allows fill-in to make the autoscaler launch nodes)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -380,7 +447,9 @@ def ensure_arbiter(gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFA
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
     if runtime_env:
         options["runtime_env"] = runtime_env
-    handle = ray.remote(Arbiter).options(**options).remote(gpu_resource, tuple(order), state_path)
+    handle = ray.remote(Arbiter).options(**options).remote(gpu_resource, tuple(order), state_path,
+                                                           autoscaled=autoscaled, launch_nodes=launch_nodes,
+                                                           idle_reclaim_s=idle_reclaim_s)
     ray.get(handle.ping.remote(), timeout=60)
     return handle
 

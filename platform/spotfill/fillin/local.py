@@ -28,10 +28,24 @@ def runtime_env() -> dict:
     return {"env_vars": env}
 
 
+# Serve places a replica on the node it fits best (the least room left: a lent fragment on a small node before
+# a node whose free GPUs training may still take as a whole group), not spread over the emptiest nodes
+SERVE_CONTROLLER_ENV = {"RAY_SERVE_USE_PACK_SCHEDULING_STRATEGY": "1"}
+
+
+def start_serve(port: int) -> None:
+    """Serve's controller and HTTP proxy (on the head, 127.0.0.1:`port`), packing replicas."""
+    from ray import serve
+    serve.start(http_options={"host": "127.0.0.1", "port": int(port), "location": "HeadOnly"},
+                controller_options={"runtime_env": {"env_vars": dict(SERVE_CONTROLLER_ENV)}})
+
+
 def deploy_serve(checkpoint: str, *, port: int, dashboard_url: str, gpu_resource: str = "GPU_SLOT",
                  max_replicas: int = 2, arbiter=None, **serve_args) -> dict:
-    """Deploy the generation app (1 Generator replica: Serve's minimum at deploy) on HTTP 127.0.0.1:`port` and register it with
-    the arbiter (started if absent), which then lends it GPUs. Returns {"url", "arbiter"}."""
+    """Deploy the generation app with 0 Generator replicas on HTTP 127.0.0.1:`port` and register it with
+    the arbiter (started if absent): only the arbiter's lends create replicas, so Serve never asks for a
+    GPU the arbiter did not lend (on an autoscaled cluster: no demand the autoscaler would buy a node for).
+    Returns {"url", "arbiter"}."""
     import sys
 
     import ray
@@ -43,8 +57,9 @@ def deploy_serve(checkpoint: str, *, port: int, dashboard_url: str, gpu_resource
     from serving.app import APP_NAME, GENERATOR, GRACEFUL, ServeArgs, build
     from spotfill.fillin.arbiter import ensure_arbiter
 
-    args = ServeArgs.parse({"checkpoint": checkpoint, "gpu_resource": gpu_resource, "replicas": 1, **serve_args})
-    serve.start(http_options={"host": "127.0.0.1", "port": int(port), "location": "HeadOnly"})
+    args = ServeArgs.parse({"checkpoint": checkpoint, "gpu_resource": gpu_resource, "replicas": 0,
+                            "max_replicas": max(1, int(max_replicas)), **serve_args})
+    start_serve(port)
     serve.run(build(args), name=APP_NAME, route_prefix="/", blocking=False, external_scaler_enabled=True)
     arbiter = arbiter or ensure_arbiter(gpu_resource, runtime_env=runtime_env())
     ray.get(arbiter.register_tenant.remote({
