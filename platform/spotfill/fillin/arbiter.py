@@ -31,8 +31,9 @@ ARBITER_NAME = "spotfill-arbiter"
 NAMESPACE = "spotfill"
 CLAIM_HOLD_S = 30.0        # freed GPUs stay reserved for the claiming job this long (its group takes them)
 START_PATIENCE_S = 30.0    # a replica asked for but not running after this long: stop asking for it
-PLACE_PATIENCE_S = 2.0     # autoscaled cluster, launch_nodes off: a replica not placed after this long is
-                           # taken back (a pending replica is demand the autoscaler would answer with a node)
+PLACE_PATIENCE_S = 10.0    # autoscaled cluster, launch_nodes off: a replica not placed after this long is
+                           # taken back; at once when the autoscaler reports it as demand (it would launch a
+                           # node for it) -- a replica whose worker process is still starting is not demand
 IDLE_RECLAIM_S = 10.0      # autoscaled cluster: leases on a node training left this long ago are reclaimed
 RESOURCE_VIEW_LAG_S = 8.0  # a stopped replica's GPU shows as available within this (GCS resource view; on
                            # a loaded 2-core machine 3 s was measured too short: the claim came back short)
@@ -56,9 +57,10 @@ class Arbiter:
         self.state_path = state_path or os.path.join(tempfile.gettempdir(), "spotfill-arbiter", "state.json")
         self.lock = threading.RLock()
         self.jobs: dict[str, TrainingJob] = {}
-        # job -> (GPUs held for it, hold until, GPUs training held when the claim was answered): reclaimed
-        # and free GPUs stay reserved for the claiming job until its new group took them (or the hold ends)
-        self.pending: dict[str, tuple[int, float, int]] = {}
+        # job -> (GPUs of its new group, hold until): free and reclaimed GPUs stay reserved for the claiming
+        # job until its new group holds them all (or the hold ends) -- a start, restart or grow places the
+        # whole group, so the hold is the group's size, not just what the claim had to free
+        self.pending: dict[str, tuple[int, float]] = {}
         self.tenants: dict[str, ServeTenant] = {}
         self.asked_at: dict[str, float] = {}                  # tenant -> when it was last scaled up
         self.leases: tuple[Lease, ...] = ()
@@ -181,7 +183,7 @@ class Arbiter:
         self.journal.add(events)
         self.leases = self._mark_reclaiming(leases)
         self.reclaiming = {le.lease_id: le.reclaiming_since for le in self.leases if le.reclaiming_since}
-        for job, (_, until, _) in list(self.pending.items()):
+        for job, (_, until) in list(self.pending.items()):
             if now > until:
                 del self.pending[job]
         self.training_gpus = sum(row["training"] for row in ownership(Snapshot(
@@ -193,9 +195,11 @@ class Arbiter:
         return snap
 
     def _still_pending(self, job: str) -> int:
-        """GPUs held for `job`'s claim that its group has not taken yet (training's GPUs grew by the rest)."""
-        held, _, base = self.pending.get(job, (0, 0.0, 0))
-        return max(0, held - max(0, self.training_gpus - base))
+        """GPUs held for `job`'s new group that it does not hold yet: the group's size minus the GPUs in use
+        that no lease holds, less what the other registered jobs run (with one job: all of training's)."""
+        held, _ = self.pending.get(job, (0, 0.0))
+        others = sum(j.running * j.gpus_per_worker for j in self.jobs.values() if j.job != job)
+        return max(0, held - max(0, self.training_gpus - others))
 
     def _hosts(self, snap: Snapshot, before: dict, now: float) -> frozenset[str]:
         """Nodes training used within idle_reclaim_s (fill-in lends only there). GPUs in use that no lease
@@ -262,15 +266,17 @@ class Arbiter:
         if first:
             tenant.target = held
         if tenant.target > held:               # replicas still starting: wait for them, not twice
-            patience = PLACE_PATIENCE_S if self.autoscaled and not self.launch_nodes else START_PATIENCE_S
-            if now - self.asked_at.get(tenant.tenant, now) < patience:
+            guard = self.autoscaled and not self.launch_nodes
+            patience = PLACE_PATIENCE_S if guard else START_PATIENCE_S
+            demand = guard and self._replica_is_demand(spec)
+            if not demand and now - self.asked_at.get(tenant.tenant, now) < patience:
                 return
             self._record([Decision("refuse", tenant.tenant, (tenant.target - held) * spec.gpus_per_replica,
-                                   at=now, reason=f"replicas not placed within {patience:g}s; "
-                                                  f"asking for {held} instead of {tenant.target}"
-                                                  + (" (a pending replica would make the autoscaler launch "
-                                                     "a node; launch_nodes is off)" if patience ==
-                                                     PLACE_PATIENCE_S else ""))])
+                                   at=now, reason=(
+                                       "a replica waits for a GPU: the autoscaler sees it as demand and would "
+                                       "launch a node (launch_nodes is off)" if demand else
+                                       f"replicas not placed within {patience:g}s")
+                                   + f"; asking for {held} instead of {tenant.target}")])
             tenant.set_replicas(held)
             return
         wanted = (spec.max_replicas - tenant.target) * spec.gpus_per_replica
@@ -293,6 +299,20 @@ class Arbiter:
             self._record(lends)
         elif first and not tenant.set_replicas(held):
             tenant.target = None               # Serve not reachable yet: take over on a later tick
+
+    def _replica_is_demand(self, spec) -> bool:
+        """Does the autoscaler see a replica-shaped request ({gpu_resource: N}, no CPU) waiting for
+        resources? (Training asks in CPU+GPU bundles; Serve's Generator replica asks for the GPU alone.)"""
+        import ray
+        from ray.autoscaler.v2.sdk import get_cluster_status
+        try:
+            status = get_cluster_status(ray.get_runtime_context().gcs_address)
+        except Exception as exc:  # noqa: BLE001 - no answer: the patience rule still applies
+            log.warning("fill-in: cannot read the autoscaler's demand: %s", exc)
+            return False
+        shape = {self.gpu_resource: float(spec.gpus_per_replica)}
+        return any(dict(b.bundle) == shape for d in status.resource_demands.ray_task_actor_demand
+                   for b in d.bundles_by_count)
 
     def _apply_reclaims(self, reclaims, now: float, cause: str = "training_claim", job: str | None = None,
                         requested_at: float | None = None) -> None:
@@ -324,7 +344,7 @@ class Arbiter:
             own = min(sum(row["training"] for row in ownership(snap).values()),
                       prev.running * prev.gpus_per_worker if prev else 0)
             wanted = max(0, int(gpus) - own)
-        reclaimed: list[str] = []
+        reclaimed: list[tuple[str, int]] = []     # (lease id, GPUs)
         settled_at = None          # when no reclaimed lease was left: Ray's resource view may lag the stop
         try:
             while True:
@@ -358,18 +378,12 @@ class Arbiter:
                 job, int(min_workers or (prev.min_workers if prev else 1)),
                 int(max_workers or (prev.max_workers if prev else max(1, gpus // gpw))),
                 current_workers=max(1, int(gpus) // gpw), gpus_per_worker=gpw)
-            held, until, base = self.pending.get(job, (0, 0.0, self.training_gpus))
-            # what is free and what the reclaimed leases give back stays held for this job until its group
-            # takes it: a claim that came back short (Ray's resource view lags a stopped replica) must not
-            # see the same GPUs lent again. A later claim of the same start (Ray Train may ask again) never
-            # shrinks what is held for it.
-            back = sum(gpus for _, gpus in reclaimed)
-            hold = min(wanted, plan.free_now + back)
-            if until > now and held > hold:
-                hold = held
-            else:
-                base = self.training_gpus
-            self.pending[job] = (hold, now + CLAIM_HOLD_S, base)
+            held, until = self.pending.get(job, (0, 0.0))
+            # the whole new group stays held until it holds its GPUs: a claim that came back short (Ray's
+            # resource view lags a stopped replica) must not see the reclaimed GPUs lent again, nor a grow
+            # see the old group's GPUs lent while the group restarts larger. A later claim of the same start
+            # (Ray Train may ask again) never shrinks what is held for it.
+            self.pending[job] = (max(int(gpus), held if until > now else 0), now + CLAIM_HOLD_S)
             why = (f"{plan.free_now} of {wanted} needed GPU(s) free after {waited:.2f}s"
                    + (f", {len(reclaimed)} lease(s) reclaimed" if reclaimed else "")
                    + ("" if ok else f"; short by {wanted - plan.free_now} (deadline or nothing left to reclaim)"))
