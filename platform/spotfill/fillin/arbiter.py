@@ -35,6 +35,7 @@ PLACE_PATIENCE_S = 10.0    # autoscaled cluster, launch_nodes off: a replica not
                            # taken back; at once when the autoscaler reports it as demand (it would launch a
                            # node for it) -- a replica whose worker process is still starting is not demand
 IDLE_RECLAIM_S = 10.0      # autoscaled cluster: leases on a node training left this long ago are reclaimed
+RESTART_GRACE_S = 120.0    # ... not while a registered job restarts (no training anywhere) for up to this
 RESOURCE_VIEW_LAG_S = 8.0  # a stopped replica's GPU shows as available within this (GCS resource view; on
                            # a loaded 2-core machine 3 s was measured too short: the claim came back short)
 RAYLET_PROBE_S = 0.5       # a live raylet answers a loopback/local-network connect in milliseconds
@@ -52,7 +53,8 @@ class Arbiter:
         self.autoscaled, self.launch_nodes = bool(autoscaled), bool(launch_nodes)
         self.idle_reclaim_s = float(idle_reclaim_s)
         self.training_gpus = 0                                # GPUs in use that no lease holds (last tick)
-        self.training_seen: dict[str, float] = {}             # node id -> last time training held GPUs on it
+        self.training_seen: dict[str, float] = {}
+        self.training_anywhere = 0.0                          # last time training held GPUs on any node             # node id -> last time training held GPUs on it
         self.lease_ended_on: dict[str, float] = {}            # node id -> last time a lease on it ended
         self.state_path = state_path or os.path.join(tempfile.gettempdir(), "spotfill-arbiter", "state.json")
         self.lock = threading.RLock()
@@ -209,11 +211,20 @@ class Arbiter:
         for le in before.values():
             if le.lease_id not in current:
                 self.lease_ended_on[le.node_id] = now
+        alive = {n.node_id for n in snap.nodes if n.alive}
         if self.jobs:
             for node_id, row in ownership(snap).items():
                 if row["training"] > 0 and now - self.lease_ended_on.get(node_id, 0.0) > RESOURCE_VIEW_LAG_S:
                     self.training_seen[node_id] = now
-        alive = {n.node_id for n in snap.nodes if n.alive}
+                    self.training_anywhere = now
+            # a registered job whose group is down or being placed (a restart, a grow) has not left its
+            # nodes: their leases wait for its claim (a hand-back), not for the idle rule -- for at most
+            # RESTART_GRACE_S without training anywhere (a job that ended unreleased lets go then)
+            between = self.training_gpus == 0 or any(self._still_pending(j) for j in self.jobs)
+            if between and now - self.training_anywhere <= RESTART_GRACE_S:
+                for node_id in self.training_seen:
+                    if node_id in alive:
+                        self.training_seen[node_id] = now
         self.training_seen = {k: v for k, v in self.training_seen.items() if k in alive}
         return training_hosts(self.training_seen, now, self.idle_reclaim_s)
 

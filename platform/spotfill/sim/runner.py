@@ -244,7 +244,7 @@ class ServeFillin:
     def _prestart_run(self) -> None:
         import ray
 
-        from spotfill.fillin.arbiter import ensure_arbiter
+        from spotfill.fillin.arbiter import IDLE_RECLAIM_S, ensure_arbiter
         from spotfill.fillin.local import start_serve
         t = self.scenario.training
         try:
@@ -253,7 +253,7 @@ class ServeFillin:
                                           state_path=os.path.join(self.out_dir, "arbiter", "state.json"),
                                           autoscaled=bool(autoscaler),
                                           launch_nodes=bool(self.scenario.fillin.serve.get("launch_nodes")),
-                                          idle_reclaim_s=float((autoscaler or {}).get("idle_timeout_s", 10)))
+                                          idle_reclaim_s=IDLE_RECLAIM_S)
             ray.get(self.arbiter.register_job.remote(self.name, t.min_workers, t.max_workers, 1), timeout=30)
             start_serve(self.port)
         except Exception as exc:  # noqa: BLE001 - reported, and the run is not ok
