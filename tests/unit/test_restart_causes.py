@@ -60,3 +60,27 @@ def test_a_run_torn_down_under_its_live_controller_is_named_so():
     f = classify_failure(f"{PLACEMENT_GROUP_REMOVED}\n{NODE_LOST}")
     assert f.kind == "placement group removed (cleaner teardown)" and "ActorDiedError" in f.detail
     assert attempt_cause(False, None, f)["cause"] == "unplanned: placement group removed (cleaner teardown)"
+
+
+def test_controller_callback_reports_changes_not_repeats():
+    """The controller calls back on every poll; a state that did not change (RUNNING while it runs,
+    INITIALIZING while it waits for nodes) is not an event -- unless it carries a failure."""
+    from types import SimpleNamespace
+
+    from spotfill.train.sink import RestartCauseCallback
+
+    def state(name, **extra):
+        return SimpleNamespace(_state_type=SimpleNamespace(state_name=name), **extra)
+
+    sent = []
+    cb = RestartCauseCallback("sink", "ns")
+    cb._sink = SimpleNamespace(controller_state=SimpleNamespace(
+        remote=lambda st, prev, t, **fields: sent.append((prev, st, fields))))
+    cb.after_controller_state_update(state("INITIALIZING"), state("INITIALIZING"))
+    cb.after_controller_state_update(state("INITIALIZING"), state("INITIALIZING"))
+    cb.after_controller_state_update(state("INITIALIZING"), state("SCHEDULING",
+                                     scaling_decision=SimpleNamespace(num_workers=4)))
+    cb.after_controller_state_update(state("RUNNING"), state("RUNNING"))
+    cb.after_controller_state_update(state("RUNNING"), state("RUNNING", training_failed_error="boom"))
+    assert [(p, s) for p, s, _ in sent] == [("INITIALIZING", "SCHEDULING"), ("RUNNING", "RUNNING")]
+    assert sent[0][2] == {"num_workers": 4} and sent[1][2] == {"error": "boom"}

@@ -24,6 +24,7 @@ from spotfill.fillin.policy import (DEFAULT_ORDER, Decision, DecisionLog, Lease,
                                     decide_claim, decide_lend, ownership, rebuild_leases, reclaim_off_hosts,
                                     reconcile, training_hosts)
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
+from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
 from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
 
 log = logging.getLogger("spotfill.fillin.arbiter")
@@ -39,22 +40,26 @@ RESTART_GRACE_S = 120.0    # ... not while a registered job restarts (no trainin
 RESOURCE_VIEW_LAG_S = 8.0  # a stopped replica's GPU shows as available within this (GCS resource view; on
                            # a loaded 2-core machine 3 s was measured too short: the claim came back short)
 RAYLET_PROBE_S = 0.5       # a live raylet answers a loopback/local-network connect in milliseconds
+FORCE_MARGIN_S = 1.0       # a job tenant still holding a reclaimed unit this long after its grace: forced
+TENANT_TYPES = {"serve": (ServeTenant, ServeTenantSpec), "job": (JobTenant, JobTenantSpec)}
 
 
 class Arbiter:
     def __init__(self, gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,
-                 state_path: str | None = None, interval_s: float = 1.0, autoscaled: bool = False,
-                 launch_nodes: bool = False, idle_reclaim_s: float = IDLE_RECLAIM_S):
+                 state_path: str | None = None, interval_s: float = 1.0, dashboard_url: str | None = None,
+                 autoscaled: bool = False, launch_nodes: bool = False, idle_reclaim_s: float = IDLE_RECLAIM_S):
         logging.basicConfig(level=logging.INFO)
         self.gpu_resource, self.order, self.interval_s = gpu_resource, tuple(order), interval_s
+        self.dashboard_url = dashboard_url                    # to stop a job tenant that does not yield
+        self.forced: dict[str, float] = {}                    # job tenant -> when it was last forced
         # autoscaled cluster: lend only on nodes training uses, reclaim from nodes training left (so idle
         # nodes scale down), and never leave a replica pending (demand the autoscaler would buy a node
         # for) -- unless the user allowed fill-in to launch nodes (launch_nodes)
         self.autoscaled, self.launch_nodes = bool(autoscaled), bool(launch_nodes)
         self.idle_reclaim_s = float(idle_reclaim_s)
         self.training_gpus = 0                                # GPUs in use that no lease holds (last tick)
-        self.training_seen: dict[str, float] = {}
-        self.training_anywhere = 0.0                          # last time training held GPUs on any node             # node id -> last time training held GPUs on it
+        self.training_seen: dict[str, float] = {}             # node id -> last time training held GPUs on it
+        self.training_anywhere = 0.0                          # last time training held GPUs on any node
         self.lease_ended_on: dict[str, float] = {}            # node id -> last time a lease on it ended
         self.state_path = state_path or os.path.join(tempfile.gettempdir(), "spotfill-arbiter", "state.json")
         self.lock = threading.RLock()
@@ -63,7 +68,7 @@ class Arbiter:
         # job until its new group holds them all (or the hold ends) -- a start, restart or grow places the
         # whole group, so the hold is the group's size, not just what the claim had to free
         self.pending: dict[str, tuple[int, float]] = {}
-        self.tenants: dict[str, ServeTenant] = {}
+        self.tenants: dict[str, ServeTenant | JobTenant] = {}
         self.asked_at: dict[str, float] = {}                  # tenant -> when it was last scaled up
         self.leases: tuple[Lease, ...] = ()
         self.reclaiming: dict[str, float] = {}                # lease id -> since
@@ -87,7 +92,8 @@ class Arbiter:
             return False
         self.jobs = {j["job"]: TrainingJob(**j) for j in state.get("jobs", [])}
         for spec in state.get("tenants", []):
-            tenant = ServeTenant(ServeTenantSpec(**spec["spec"]))
+            cls, spec_cls = TENANT_TYPES[spec.get("type", "serve")]
+            tenant = cls(spec_cls(**spec["spec"]))
             tenant.target = spec.get("target")
             self.tenants[tenant.tenant] = tenant
         self.leases = tuple(Lease(**le) for le in state.get("leases", []))
@@ -105,7 +111,8 @@ class Arbiter:
 
     def _save(self) -> None:
         state = {"jobs": [j.__dict__ for j in self.jobs.values()],
-                 "tenants": [{"spec": t.spec.as_dict(), "target": t.target} for t in self.tenants.values()],
+                 "tenants": [{"type": t.type, "spec": t.spec.as_dict(), "target": t.target}
+                             for t in self.tenants.values()],
                  "leases": [le.__dict__ for le in self.leases], "reclaiming": self.reclaiming,
                  "decisions": [d.as_dict() for d in self.decisions.items[-50:]],
                  "handbacks": self.handbacks[-200:], "journal_seq": self.journal.seq,
@@ -132,6 +139,39 @@ class Arbiter:
             self.tenants[tenant.tenant] = tenant
             self.tick()                         # adopt what it already holds, lend what is spare
             return {"tenant": tenant.tenant, "scale_url": tenant.scale_url, "target": tenant.target}
+
+    def register_job_tenant(self, spec: dict) -> dict:
+        """A batch or sweep driver (fillin/grant.py) asks for lent GPUs; it reads its target with
+        `tenant_target` and yields to it within `grace_s`."""
+        with self.lock:
+            tenant = JobTenant(JobTenantSpec(**{"gpu_resource": self.gpu_resource, **spec}))
+            old = self.tenants.get(tenant.tenant)
+            tenant.target = old.target if isinstance(old, JobTenant) and old.spec.job_id == tenant.spec.job_id \
+                else None
+            self.tenants[tenant.tenant] = tenant
+            self.tick()
+            return {"tenant": tenant.tenant, "target": tenant.target or 0}
+
+    def tenant_target(self, tenant: str, demand: int | None = None) -> dict:
+        """What a job tenant may hold now ({"target": units, "known": bool}); `demand` updates how many
+        units it could use (fewer as its work runs out). An unknown tenant (the arbiter lost its state,
+        or the tenant was unregistered) gets target 0 and known False: it must register again."""
+        with self.lock:
+            t = self.tenants.get(tenant)
+            if not isinstance(t, JobTenant):
+                return {"target": 0, "known": False}
+            if demand is not None and demand != t.spec.demand:
+                t.spec = replace(t.spec, demand=max(0, int(demand)))
+                if t.target is not None and t.target > t.wanted_units:
+                    t.target = max(t.wanted_units, sum(1 for le in self.leases if le.tenant == tenant))
+            return {"target": t.target or 0, "known": True}
+
+    def unregister_tenant(self, tenant: str) -> None:
+        """The tenant is done: its leases end as it lets go of them (release events)."""
+        with self.lock:
+            if self.tenants.pop(tenant, None) is not None:
+                self._record([Decision("drop", tenant, 0, at=time.time(), reason="tenant unregistered")])
+                self._save()
 
     def register_job(self, job: str, min_workers: int, max_workers: int, gpus_per_worker: int = 1,
                      current_workers: int = 0, restarting: bool = False) -> None:
@@ -264,6 +304,7 @@ class Arbiter:
             drains = [d for d in reconcile(snap, now) if d.action == "reclaim"]
             self._apply_reclaims(drains, now, cause="node_draining")
             self._apply_reclaims(reclaim_off_hosts(snap, now, self.idle_reclaim_s), now, cause="node_idle")
+            self._force_overdue(snap, now)
             if not self.claims_in_flight:
                 for tenant in self.tenants.values():
                     self._grow(tenant, snap, now)
@@ -290,7 +331,7 @@ class Arbiter:
                                    + f"; asking for {held} instead of {tenant.target}")])
             tenant.set_replicas(held)
             return
-        wanted = (spec.max_replicas - tenant.target) * spec.gpus_per_replica
+        wanted = (tenant.wanted_units - tenant.target) * spec.gpus_per_replica
         if wanted <= 0:
             if first and not tenant.set_replicas(held):
                 tenant.target = None
@@ -324,6 +365,25 @@ class Arbiter:
         shape = {self.gpu_resource: float(spec.gpus_per_replica)}
         return any(dict(b.bundle) == shape for d in status.resource_demands.ray_task_actor_demand
                    for b in d.bundles_by_count)
+
+    def _force_overdue(self, snap: Snapshot, now: float) -> None:
+        """A job tenant still holding a reclaimed unit past its grace is stopped (once per grace)."""
+        for name, tenant in self.tenants.items():
+            if not isinstance(tenant, JobTenant):
+                continue
+            late = [le for le in snap.leases if le.tenant == name and le.reclaiming_since is not None
+                    and now > le.reclaiming_since + le.grace_s + FORCE_MARGIN_S]
+            if not late or now - self.forced.get(name, 0.0) < tenant.spec.grace_s + FORCE_MARGIN_S:
+                continue
+            self.forced[name] = now
+            try:
+                how = tenant.force_release(self.dashboard_url)
+            except Exception as exc:  # noqa: BLE001 - the next tick tries again
+                how = f"could not stop it: {type(exc).__name__}: {exc}"
+            self._record([Decision("reclaim", name, sum(le.gpus for le in late), at=now, node_id=late[0].node_id,
+                                   lease_id=late[0].lease_id, reason=f"forced: {len(late)} unit(s) still held "
+                                   f"{now - late[0].reclaiming_since:.1f}s after the reclaim (grace "
+                                   f"{late[0].grace_s:g}s); {how}")])
 
     def _apply_reclaims(self, reclaims, now: float, cause: str = "training_claim", job: str | None = None,
                         requested_at: float | None = None) -> None:
@@ -455,8 +515,8 @@ class Arbiter:
 
 
 def ensure_arbiter(gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,
-                   state_path: str | None = None, runtime_env: dict | None = None, autoscaled: bool = False,
-                   launch_nodes: bool = False, idle_reclaim_s: float = IDLE_RECLAIM_S):
+                   state_path: str | None = None, runtime_env: dict | None = None, dashboard_url: str | None = None,
+                   autoscaled: bool = False, launch_nodes: bool = False, idle_reclaim_s: float = IDLE_RECLAIM_S):
     """The arbiter actor: found by name, else started detached on the head node (0 CPUs). `autoscaled`:
     the cluster is scaled by Ray's autoscaler -- fill-in lends only on nodes training uses, gives a node
     back idle_reclaim_s after training left it, and never leaves a replica pending (autoscaler demand)
@@ -473,8 +533,8 @@ def ensure_arbiter(gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFA
     if runtime_env:
         options["runtime_env"] = runtime_env
     handle = ray.remote(Arbiter).options(**options).remote(gpu_resource, tuple(order), state_path,
-                                                           autoscaled=autoscaled, launch_nodes=launch_nodes,
-                                                           idle_reclaim_s=idle_reclaim_s)
+                                                           dashboard_url=dashboard_url, autoscaled=autoscaled,
+                                                           launch_nodes=launch_nodes, idle_reclaim_s=idle_reclaim_s)
     ray.get(handle.ping.remote(), timeout=60)
     return handle
 

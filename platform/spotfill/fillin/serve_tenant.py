@@ -41,6 +41,8 @@ class ServeTenantSpec:
 
 
 class ServeTenant:
+    type = "serve"
+
     def __init__(self, spec: ServeTenantSpec):
         self.spec = spec
         url = spec.dashboard_url if "://" in spec.dashboard_url else f"http://{spec.dashboard_url}"
@@ -51,6 +53,10 @@ class ServeTenant:
     @property
     def tenant(self) -> str:
         return self.spec.tenant
+
+    @property
+    def wanted_units(self) -> int:
+        return self.spec.max_replicas
 
     def holdings(self) -> list[Holding]:
         """Replicas of the deployment that hold a GPU (alive, or starting on a node), one Holding each (its

@@ -16,21 +16,14 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import tempfile
 import time
 
 from spotfill.sim.autoscaler_config import MARKET_LABEL, NodeTypeSpec, fake_cluster_config
-from spotfill.sim.cluster import FAST_FAILURE_DETECTION, HEAD_DASHBOARD, LOOPBACK, LOOPBACK_NODE
+from spotfill.sim.cluster import FAST_FAILURE_DETECTION, HEAD_DASHBOARD, LOOPBACK, LOOPBACK_NODE, free_port
 
 log = logging.getLogger(__name__)
 PROVIDER_MODULE = "spotfill.testing.fake_market.MarketFakeProvider"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -68,7 +61,7 @@ class AutoscalingCluster:
         for path in (self.market_file, self.log_file):
             if os.path.exists(path):
                 os.unlink(path)
-        port = _free_port()
+        port = free_port()
         self.gcs_address = f"{LOOPBACK}:{port}"
         config = fake_cluster_config(node_types, gpu_resource, head_cpus, idle_timeout_s=idle_timeout_s,
                                      max_workers=max_workers, provider={
@@ -89,7 +82,7 @@ class AutoscalingCluster:
                   PYTHONPATH=worker_env()["PYTHONPATH"]):
             self.cluster = Cluster(initialize_head=True, head_node_args={
                 **LOOPBACK_NODE, **HEAD_DASHBOARD, "num_cpus": head_cpus, "gcs_server_port": port,
-                "dashboard_port": _free_port(),
+                "dashboard_port": free_port(),
                 "autoscaling_config": self.config_file,
                 "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID},
                 "labels": {MARKET_LABEL: "on-demand", "spotfill.io/role": "head"},

@@ -29,6 +29,11 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_
 def dashboard_port(preferred: int = 8265) -> int:
     """Ray's usual dashboard port when it is free on 127.0.0.1, else any free one: Ray refuses to start a
     head whose dashboard port is taken (another local cluster, a dashboard left behind)."""
+    return free_port(preferred)
+
+
+def free_port(preferred: int = 0) -> int:
+    """`preferred` when it is free on 127.0.0.1, else a free port the system picks."""
     import socket
     for port in (preferred, 0):
         with socket.socket() as s:

@@ -147,10 +147,10 @@ class RestartCauseCallback(ControllerCallback, WorkerGroupCallback):
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         state, previous = _state_name(current_state), _state_name(previous_state)
-        if state == previous == "RUNNING":
-            return     # one per health-check poll: not a change
-        fields: dict = {}
         error = getattr(current_state, "training_failed_error", None)
+        if state == previous and error is None:
+            return     # one per health-check poll (RUNNING) or per wait for nodes (INITIALIZING): not a change
+        fields: dict = {}
         if error is not None:
             fields["error"] = str(error)
             if self._placement_group_removed():

@@ -1,0 +1,159 @@
+"""The job tenant adapter: a Ray job (a Ray Data batch job, a Ray Tune sweep) that runs on lent GPUs.
+
+Serve is scaled from outside (serve_tenant.py). A batch or sweep driver instead *pulls* its grant: it
+registers with the arbiter (fillin/grant.py, `ArbiterGrant`), states how many units it could use
+(`demand`), and polls `tenant_target` -- the number of units it may hold now. When training claims GPUs the
+arbiter lowers that target; the driver yields within its grace (Data: stops reading and lets its actor pool
+go; Tune: pauses trials with a checkpoint). A driver that has not let go when the grace is over is forced:
+the arbiter kills the holders it marked (`force_release`), and the reclaim is recorded as forced.
+
+What a job tenant holds is read from Ray's public state API, so it survives an arbiter restart like Serve's
+leases do: every GPU bundle of a placement group the job created (Tune's trial groups), and every live actor
+of the job that asked for the GPU resource outside a placement group (Ray Data's actor pool). One Holding
+per unit; its key (lease id) is the actor id, or `<placement group id>:<bundle index>`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+from spotfill.fillin.policy import Holding
+
+log = logging.getLogger(__name__)
+LIVE_ACTOR = ("ALIVE", "PENDING_CREATION", "RESTARTING")
+KINDS = ("batch", "sweep")
+
+
+@dataclass(frozen=True)
+class JobTenantSpec:
+    name: str                          # e.g. "eval-ckpt-300"
+    kind: str                          # "batch" | "sweep" (the reclaim order)
+    job_id: str                        # the driver's Ray job id (hex), whose actors / groups it holds
+    max_replicas: int = 4              # units it may ever hold
+    gpus_per_replica: int = 1          # GPUs one unit (an actor, a trial) holds
+    grace_s: float = 5.0               # how long it has to let go of a reclaimed unit
+    gpu_resource: str = "GPU_SLOT"
+    demand: int | None = None          # units it could use now (None: max_replicas)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"job tenant kind {self.kind!r}: accepted {', '.join(KINDS)}")
+
+    @property
+    def tenant(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class JobTenant:
+    """The arbiter's handle on a job tenant: what it holds, the target it reads, forcing it to let go."""
+
+    type = "job"
+    scale_url = None
+
+    def __init__(self, spec: JobTenantSpec):
+        self.spec = spec
+        self.target: int | None = None      # units the driver may hold now (None: not decided yet)
+
+    @property
+    def tenant(self) -> str:
+        return self.spec.tenant
+
+    @property
+    def wanted_units(self) -> int:
+        demand = self.spec.max_replicas if self.spec.demand is None else self.spec.demand
+        return max(0, min(int(demand), self.spec.max_replicas))
+
+    def holdings(self) -> list[Holding]:
+        from ray.util.state import list_actors, list_placement_groups
+
+        res = self.spec.gpu_resource
+        out: list[Holding] = []
+        groups = list_placement_groups(filters=[("creator_job_id", "=", self.spec.job_id)], detail=True,
+                                       limit=1000, raise_on_missing_output=False)
+        for pg in groups:
+            if pg.state != "CREATED":
+                continue
+            for i, bundle in enumerate(pg.bundles or []):
+                gpus = int((bundle.get("unit_resources") or {}).get(res, 0) + 1e-9)
+                if gpus and bundle.get("node_id"):
+                    out.append(self._holding(bundle["node_id"], gpus, f"{pg.placement_group_id}:{i}"))
+        actors = list_actors(filters=[("job_id", "=", self.spec.job_id)], detail=True, limit=10000,
+                             raise_on_missing_output=False)
+        for a in actors:
+            if a.state not in LIVE_ACTOR or not a.node_id or a.placement_group_id:
+                continue
+            gpus = int((a.required_resources or {}).get(res, 0) + 1e-9)
+            if gpus:
+                out.append(self._holding(a.node_id, gpus, a.actor_id))
+        return out
+
+    def _holding(self, node_id: str, gpus: int, key: str) -> Holding:
+        return Holding(self.tenant, self.spec.kind, node_id, gpus, key=key, reclaim_method="job_yield",
+                       grace_s=self.spec.grace_s)
+
+    def set_replicas(self, n: int) -> bool:
+        """The driver reads this target (`tenant_target`) and grows or yields to it."""
+        self.target = max(0, min(int(n), self.spec.max_replicas))
+        return True
+
+    def force_release(self, dashboard_url: str | None = None) -> str:
+        """The driver did not let go within its grace: stop its Ray job. Ray then ends every actor and
+        placement group the job holds; what the job committed stays (exactly-once outputs), and a rerun
+        resumes. A job submitted through the Jobs API is stopped there (its driver gets SIGTERM, then
+        SIGKILL); a driver started by hand is killed by pid on its node. Returns how it was stopped."""
+        import ray
+        from ray.util.state import list_jobs
+
+        job = next((j for j in list_jobs(filters=[("job_id", "=", self.spec.job_id)], limit=10,
+                                         raise_on_missing_output=False)), None)
+        if job is None or str(job.status) not in ("RUNNING", "JobStatus.RUNNING", "PENDING", "JobStatus.PENDING"):
+            return "job already ended"
+        if job.submission_id and dashboard_url:
+            from ray.job_submission import JobSubmissionClient
+            url = dashboard_url if "://" in dashboard_url else f"http://{dashboard_url}"
+            JobSubmissionClient(url).stop_job(job.submission_id)
+            return f"stopped job {job.submission_id} through the Jobs API"
+        info = job.driver_info
+        if info is None:
+            raise LookupError(f"job {self.spec.job_id} has no driver to stop")
+        node = next((n["NodeID"] for n in ray.nodes() if n.get("Alive")
+                     and n.get("NodeManagerAddress") == info.node_ip_address), None)
+        if node is None:
+            raise LookupError(f"driver node {info.node_ip_address} of job {self.spec.job_id} not found")
+        ray.get(_kill_pid_task().options(scheduling_strategy=_on_node(node)).remote(int(info.pid)), timeout=30)
+        return f"killed driver pid {info.pid} on {info.node_ip_address}"
+
+
+def _on_node(node_id: str):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+def _kill_pid_fn(pid: int) -> bool:
+    import os
+    import signal
+    import time
+    try:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(30):
+            time.sleep(0.1)
+            os.kill(pid, 0)
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+_KILL_TASK = None
+
+
+def _kill_pid_task():
+    """`_kill_pid_fn` as a Ray task (made on first use: no Ray import at module import)."""
+    global _KILL_TASK
+    if _KILL_TASK is None:
+        import ray
+        _KILL_TASK = ray.remote(num_cpus=0, max_retries=0)(_kill_pid_fn)
+    return _KILL_TASK
