@@ -28,16 +28,25 @@ def runtime_env() -> dict:
     return {"env_vars": env}
 
 
-# Serve places a replica on the node it fits best (the least room left: a lent fragment on a small node before
+# Serve places a replica on the node it fits best (the fewest GPUs left: a lent fragment on a small node before
 # a node whose free GPUs training may still take as a whole group), not spread over the emptiest nodes
 SERVE_CONTROLLER_ENV = {"RAY_SERVE_USE_PACK_SCHEDULING_STRATEGY": "1"}
 
 
-def start_serve(port: int) -> None:
+def serve_controller_env(gpu_resource: str = "GPU") -> dict:
+    """The Serve controller's environment for fill-in: pack replicas, best fit by GPUs first (a custom GPU
+    resource such as GPU_SLOT is ranked first too; Serve ranks GPU, CPU, memory, then custom ones)."""
+    env = dict(SERVE_CONTROLLER_ENV)
+    if gpu_resource != "GPU":
+        env["RAY_SERVE_HIGH_PRIORITY_CUSTOM_RESOURCES"] = gpu_resource
+    return env
+
+
+def start_serve(port: int, gpu_resource: str = "GPU") -> None:
     """Serve's controller and HTTP proxy (on the head, 127.0.0.1:`port`), packing replicas."""
     from ray import serve
     serve.start(http_options={"host": "127.0.0.1", "port": int(port), "location": "HeadOnly"},
-                controller_options={"runtime_env": {"env_vars": dict(SERVE_CONTROLLER_ENV)}})
+                controller_options={"runtime_env": {"env_vars": serve_controller_env(gpu_resource)}})
 
 
 def deploy_serve(checkpoint: str, *, port: int, dashboard_url: str, gpu_resource: str = "GPU_SLOT",
@@ -59,7 +68,7 @@ def deploy_serve(checkpoint: str, *, port: int, dashboard_url: str, gpu_resource
 
     args = ServeArgs.parse({"checkpoint": checkpoint, "gpu_resource": gpu_resource, "replicas": 0,
                             "max_replicas": max(1, int(max_replicas)), **serve_args})
-    start_serve(port)
+    start_serve(port, gpu_resource)
     serve.run(build(args), name=APP_NAME, route_prefix="/", blocking=False, external_scaler_enabled=True)
     arbiter = arbiter or ensure_arbiter(gpu_resource, runtime_env=runtime_env())
     ray.get(arbiter.register_tenant.remote({

@@ -255,7 +255,7 @@ class ServeFillin:
                                           launch_nodes=bool(self.scenario.fillin.serve.get("launch_nodes")),
                                           idle_reclaim_s=IDLE_RECLAIM_S)
             ray.get(self.arbiter.register_job.remote(self.name, t.min_workers, t.max_workers, 1), timeout=30)
-            start_serve(self.port)
+            start_serve(self.port, self.scenario.cluster.gpu_resource)
         except Exception as exc:  # noqa: BLE001 - reported, and the run is not ok
             self.error = f"serve fill-in did not start: {type(exc).__name__}: {exc}"
             log.exception("serve fill-in prestart failed")
