@@ -154,6 +154,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         scale_down = None
         try:
             report = _drive(cluster, scenario, job, s3, say, view.feed if view is not None else None,
+                            on_first_step=fillin.start if fillin else None,
                             gate=fillin.serving if fillin and wait_for_fillin else None)
             if scenario.cluster.autoscaler:
                 # with Serve fill-in still deployed and under load: what it holds must not keep a node alive
@@ -216,11 +217,11 @@ def run_storage_uri(storage: str, name: str) -> str:
 
 
 class ServeFillin:
-    """Serve fill-in for a scenario, from the scenario's start: the capacity arbiter (told about the training
-    job before training starts: GPUs training may grow into are never lent), the Serve generation app
-    (reading this run's checkpoints) deployed with 0 replicas -- only the arbiter's lends create replicas,
-    so the GPUs training leaves spare are harvested while the data is prepared and training starts -- and a
-    steady HTTP load on it until training ends (on an autoscaled cluster: until the scale-down is over)."""
+    """Serve fill-in for a scenario: the capacity arbiter (told about the training job before training
+    starts: GPUs training may grow into are never lent), the Serve generation app (reading this run's
+    checkpoints) deployed with 0 replicas -- only the arbiter's lends create replicas -- at the scenario's
+    start on an autoscaled cluster, else on training's first step, and a steady HTTP load on it until
+    training ends (on an autoscaled cluster: until the scale-down is over)."""
 
     def __init__(self, cluster, scenario: Scenario, storage: str, name: str, out_dir: str, env: dict, say):
         import socket
@@ -239,7 +240,11 @@ class ServeFillin:
         # small machine they take tens of seconds)
         self._prestart = threading.Thread(target=self._prestart_run, name="serve-fillin-prestart", daemon=True)
         self._prestart.start()
-        self.start()
+        # on an autoscaled cluster the app is deployed at once (no GPU node exists before training's request
+        # launches them); on fixed nodes on training's first step, so that training's first group is placed
+        # before Serve's replicas take the spare GPUs (a run that deployed at once here hung, not diagnosed)
+        if scenario.cluster.autoscaler:
+            self.start()
 
     def _prestart_run(self) -> None:
         import ray
