@@ -53,7 +53,11 @@ def _process_class(p, me: int) -> str | None:
         if m.group(1).startswith("ServeReplica"):
             return "serve_replica:" + ("Generator" if "Generator" in cmd else "Ingress")
         return m.group(1)
-    for key in ("gcs_server", "raylet", "dashboard", "monitor.py", "log_monitor", "runtime_env"):
+    if "default_worker.py" in cmd:
+        return "worker (starting)"             # renamed ray::<Class> once it runs an actor or a task
+    if os.path.basename(cmd.split(" ", 1)[0]) in ("gcs_server", "raylet"):
+        return os.path.basename(cmd.split(" ", 1)[0])
+    for key in ("log_monitor.py", "monitor.py", "dashboard", "runtime_env"):   # Python processes by script
         if key in cmd:
             return key
     return "bench driver (training driver, HTTP load)" if p.pid == me else "other"
@@ -75,7 +79,7 @@ class CpuSampler:
         while not self._stop.wait(1.0):
             for p in [me] + me.children(recursive=True):
                 try:
-                    c = self.cls.get(p.pid) or _process_class(p, me.pid)
+                    c = _process_class(p, me.pid)    # again each time: a worker is renamed when it starts
                     if c is None:
                         continue
                     t = p.cpu_times()
