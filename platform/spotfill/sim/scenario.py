@@ -330,9 +330,10 @@ def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 
 # launches 2 nodes (6 slots), and the 2 slots beyond training's max on the nodes training uses are lent to
 # Serve (fill-in never makes the autoscaler launch a node, nor keeps one from scaling down). Training starts
 # on 3 workers on node 0 and grows onto node 1, where Serve gets the other 2 slots. A spot notice takes
-# node 0: training restarts at 3 on node 1, on the slots it takes back from Serve (a hand-back), and the
-# autoscaler replaces node 0 (Serve fills the new node's spare slots); later a hard loss takes node 1 and
-# the same happens on the replacement. No node is added by the scenario.
+# node 1: Serve's replicas there are reclaimed at once, training restarts, and the autoscaler replaces the
+# node (Serve fills the new node's spare slots); later a hard loss takes node 0. The fake autoscaler's
+# replacement is up before training restarts, so training restarts on it, not on slots taken back from
+# Serve. No node is added by the scenario.
 AUTOSCALING_SCENARIO = {
     **DEFAULT_SCENARIO,
     "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
@@ -340,7 +341,7 @@ AUTOSCALING_SCENARIO = {
             "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},
             "gpu_ondemand": {"gpus": 3, "market": "on-demand", "max_workers": 1, "priority": 0}}}},
     "events": [
-        {"at_step": 30, "min_world": 4, "action": "drain_node", "node": 0, "deadline_s": 10},
-        {"at_step": 100, "min_world": 4, "action": "kill_node", "node": 1},
+        {"at_step": 30, "min_world": 4, "action": "drain_node", "node": 1, "deadline_s": 10},
+        {"at_step": 100, "min_world": 4, "action": "kill_node", "node": 0},
     ],
 }
