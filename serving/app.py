@@ -36,6 +36,9 @@ log = logging.getLogger("spotfill.serving")
 APP_NAME = "spotfill-serve"
 GENERATOR = "Generator"
 GRACEFUL = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 3.0}
+# autoscaling metrics from the replicas, not the Ingress's handle: with 0 replicas no queued-request metric
+# exists, so Serve's cold start never adds a replica the arbiter did not lend
+NO_HANDLE_METRICS = {"RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE": "0"}
 
 
 @dataclass(frozen=True)
@@ -240,12 +243,18 @@ def build(args: ServeArgs):
         generator = Generator.options(num_replicas=args.replicas, ray_actor_options=actor)
     else:
         # Serve refuses num_replicas=0 (Ray 2.60: .options() and the config schema want > 0); an autoscaling
-        # config may start at 0. Its policy keeps the count the external scaler (the arbiter) set.
+        # config may start at 0. Its policy keeps the count the external scaler (the arbiter) set. Serve's
+        # cold-start rule would still add a replica when requests wait at a handle while none runs: the
+        # handles report no such metric here (collected on the replicas), so none is added by Serve.
+        actor = {**actor, "runtime_env": {"env_vars": dict(NO_HANDLE_METRICS)}}
         generator = Generator.options(ray_actor_options=actor, autoscaling_config={
             "min_replicas": 0, "initial_replicas": 0, "max_replicas": args.max_replicas,
             "policy": {"policy_function": keep_external_target}})
     generator = generator.bind(args)
-    ingress = Ingress.options(ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}})
+    ingress_actor = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+    if args.replicas == 0:
+        ingress_actor["runtime_env"] = {"env_vars": dict(NO_HANDLE_METRICS)}
+    ingress = Ingress.options(ray_actor_options=ingress_actor)
     return ingress.bind(generator, args)
 
 

@@ -64,7 +64,7 @@ def env(tmp_path_factory):
         os.makedirs(tmp / "run", exist_ok=True)
         t0 = time.time()
         out = deploy_serve(f"file://{tmp / 'run'}", port=free_port(), dashboard_url=cluster.cluster.webui_url,
-                           max_replicas=2, arbiter=arbiter, max_tokens=8)
+                           max_replicas=2, arbiter=arbiter, max_tokens=8, replicas=0)
         yield {"cluster": cluster, "arbiter": arbiter, "deployed_at": t0, "url": out["url"], "tmp": tmp}
     finally:
         try:

@@ -331,6 +331,13 @@ class Arbiter:
                                    + f"; asking for {held} instead of {tenant.target}")])
             tenant.set_replicas(held)
             return
+        if held > tenant.target and isinstance(tenant, ServeTenant) and now - self.asked_at.get(
+                tenant.tenant, 0.0) >= START_PATIENCE_S and not any(
+                le.reclaiming_since and now - le.reclaiming_since < le.grace_s + 1.0 for le in snap.leases
+                if le.tenant == tenant.tenant):
+            # Serve runs more replicas than the arbiter set (its own autoscaling added one): ask again
+            tenant.set_replicas(tenant.target)
+            self.asked_at[tenant.tenant] = now
         wanted = (tenant.wanted_units - tenant.target) * spec.gpus_per_replica
         if wanted <= 0:
             if first and not tenant.set_replicas(held):

@@ -50,11 +50,11 @@ def start_serve(port: int, gpu_resource: str = "GPU") -> None:
 
 
 def deploy_serve(checkpoint: str, *, port: int, dashboard_url: str, gpu_resource: str = "GPU_SLOT",
-                 max_replicas: int = 2, arbiter=None, **serve_args) -> dict:
-    """Deploy the generation app with 0 Generator replicas on HTTP 127.0.0.1:`port` and register it with
-    the arbiter (started if absent): only the arbiter's lends create replicas, so Serve never asks for a
-    GPU the arbiter did not lend (on an autoscaled cluster: no demand the autoscaler would buy a node for).
-    Returns {"url", "arbiter"}."""
+                 max_replicas: int = 2, arbiter=None, replicas: int = 1, **serve_args) -> dict:
+    """Deploy the generation app on HTTP 127.0.0.1:`port` and register it with the arbiter (started if
+    absent), which adopts the `replicas` Serve deployed and lends GPUs. `replicas=0` (an autoscaled
+    cluster): only the arbiter's lends create replicas, so Serve never asks for a GPU the arbiter did not
+    lend -- no demand the autoscaler would buy a node for. Returns {"url", "arbiter"}."""
     import sys
 
     import ray
@@ -66,7 +66,7 @@ def deploy_serve(checkpoint: str, *, port: int, dashboard_url: str, gpu_resource
     from serving.app import APP_NAME, GENERATOR, GRACEFUL, ServeArgs, build
     from spotfill.fillin.arbiter import ensure_arbiter
 
-    args = ServeArgs.parse({"checkpoint": checkpoint, "gpu_resource": gpu_resource, "replicas": 0,
+    args = ServeArgs.parse({"checkpoint": checkpoint, "gpu_resource": gpu_resource, "replicas": int(replicas),
                             "max_replicas": max(1, int(max_replicas)), **serve_args})
     start_serve(port, gpu_resource)
     serve.run(build(args), name=APP_NAME, route_prefix="/", blocking=False, external_scaler_enabled=True)

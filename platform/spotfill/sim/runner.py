@@ -287,7 +287,8 @@ class ServeFillin:
         try:
             out = deploy_serve(self.uri, port=self.port, dashboard_url=self.cluster.cluster.webui_url,
                                gpu_resource=self.scenario.cluster.gpu_resource,
-                               max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16)
+                               max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16,
+                               replicas=0 if self.scenario.cluster.autoscaler else 1)
             self.serving_since = time.time()
             self.load = ServeLoad(out["url"], spec["load_rps"]).start()
             self.say(f"serve fill-in: generation app on {out['url']} (replicas only on GPUs training leaves "
