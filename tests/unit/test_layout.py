@@ -18,7 +18,7 @@ PURE = [
     "spotfill.telemetry.nvml", "spotfill.train.summary", "spotfill.cli.status",
     "spotfill.storage.lineage", "spotfill.train.preflight", "spotfill.train.step_policy",
     "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.train.opcache",
-    "spotfill.fillin.policy", "spotfill.fillin.journal", "spotfill.sim.nodes", "spotfill.sim.autoscaler_config",
+    "spotfill.fillin.policy", "spotfill.fillin.journal", "spotfill.fillin.batch_plan", "spotfill.sim.fillin_spec", "spotfill.sim.nodes", "spotfill.sim.autoscaler_config",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 

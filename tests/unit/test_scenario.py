@@ -33,14 +33,39 @@ def test_unknown_top_level_key():
         parse_scenario({"clusterr": {}})
 
 
-def test_serve_fillin_parses_with_defaults_and_batch_is_not_built():
+def test_serve_fillin_parses_with_defaults():
     s = parse_scenario({"fillin": {"serve": {"enabled": True}}})
     assert s.fillin.serve_enabled and s.fillin.serve == {"enabled": True, "load_rps": 2.0, "max_replicas": None,
                                                                 "launch_nodes": False}
     assert not parse_scenario({}).fillin.serve_enabled
     assert parse_scenario(DEFAULT_SCENARIO).fillin.serve["load_rps"] == 2
-    with pytest.raises(ConfigError, match="^fillin.batch.enabled"):
-        parse_scenario({"fillin": {"batch": {"enabled": True}}})
+
+
+def test_batch_fillin_and_reclaim_order_parse_with_defaults():
+    s = parse_scenario({"fillin": {"batch": {"enabled": True, "rows": 64}}})
+    assert s.fillin.batch_enabled and s.fillin.batch == {"enabled": True, "rows": 64, "prompts": 16,
+                                                         "max_units": None}
+    assert s.fillin.reclaim_order == ["sweep", "batch", "serve"]
+    assert not parse_scenario({}).fillin.batch_enabled
+    s = parse_scenario({"fillin": {"reclaim_order": ["batch", "sweep", "serve"]}})
+    assert s.fillin.reclaim_order == ["batch", "sweep", "serve"]
+
+
+@pytest.mark.parametrize("fillin, field", [
+    ({"batch": {"enabled": True, "rows": -1}}, "fillin.batch.rows"),
+    ({"batch": {"enabled": True, "rows": 0, "prompts": 0}}, "fillin.batch.rows"),
+    ({"batch": {"enabled": "yes"}}, "fillin.batch.enabled"),
+    ({"batch": {"enabled": True, "row": 5}}, "fillin.batch.row"),
+    ({"batch": {"enabled": True, "max_units": 0}}, "fillin.batch.max_units"),
+    ({"batch": []}, "fillin.batch"),
+    ({"reclaim_order": ["serve", "batch"]}, "fillin.reclaim_order"),
+    ({"reclaim_order": ["serve", "batch", "batch"]}, "fillin.reclaim_order"),
+    ({"reclaim_order": "serve,batch,sweep"}, "fillin.reclaim_order"),
+])
+def test_bad_batch_fillin_or_reclaim_order_names_the_field(fillin, field):
+    with pytest.raises(ConfigError) as err:
+        parse_scenario({"fillin": fillin})
+    assert str(err.value).startswith(field + ":") and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("serve, field", [

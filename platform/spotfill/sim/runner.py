@@ -16,6 +16,7 @@ import time
 
 from spotfill.config.job import JobConfig, PrepareConfig, from_mapping
 from spotfill.config.errors import ConfigError
+from spotfill.sim import fillin_batch
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
 from spotfill.sim.scenario import Event, Scenario
 
@@ -152,15 +153,20 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         if fillin:
             fillin.ready()
         scale_down = None
+        batch = fillin_batch.start(cluster, scenario, run_storage_uri(storage, name), name, out_dir, env, say,
+                                   data_dir, corpus) if scenario.fillin.batch_enabled else None
+        firsts = [f.start for f in (fillin, batch) if f]
         try:
             report = _drive(cluster, scenario, job, s3, say, view.feed if view is not None else None,
-                            on_first_step=fillin.start if fillin else None,
+                            on_first_step=(lambda: [f() for f in firsts]) if firsts else None,
                             gate=fillin.serving if fillin and wait_for_fillin else None)
             if scenario.cluster.autoscaler:
                 # with Serve fill-in still deployed and under load: what it holds must not keep a node alive
                 scale_down = _await_scale_down(cluster, scenario, say)
         finally:
             serve_report = fillin.stop() if fillin else None
+            batch_report = batch.stop() if batch else None
+        fillin_batch.merge(report, batch_report)
         if serve_report is not None:
             report.setdefault("fillin", {})["serve"] = serve_report
             failed = serve_report["requests_failed"]
@@ -255,6 +261,7 @@ class ServeFillin:
         try:
             autoscaler = self.scenario.cluster.autoscaler
             self.arbiter = ensure_arbiter(self.scenario.cluster.gpu_resource, runtime_env={"env_vars": self.env},
+                                          order=tuple(self.scenario.fillin.reclaim_order),
                                           state_path=os.path.join(self.out_dir, "arbiter", "state.json"),
                                           autoscaled=bool(autoscaler),
                                           launch_nodes=bool(self.scenario.fillin.serve.get("launch_nodes")),

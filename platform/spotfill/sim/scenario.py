@@ -3,6 +3,7 @@
     cluster:  {gpu_resource: GPU_SLOT, nodes: [{gpus: 2}, {gpus: 2}]}
     training: {model: tiny, workers: [1, 4], steps: 200, global_batch: 16, checkpoint_every: 20, ...}
     fillin:   {serve: {enabled: true, load_rps: 2}}          # Serve on the GPUs training leaves spare
+              # also batch: {enabled, rows, prompts} and reclaim_order: [sweep, batch, serve] (sim/fillin_spec.py)
     events:   [{at_step: 30, action: drain_node, node: 1, deadline_s: 20}, ...]
 
 Actions: drain_node, remove_node, kill_node, add_node, storage_outage and corrupt_checkpoint (flip bytes in
@@ -113,9 +114,10 @@ class FillinSpec:
     `load_rps` requests per second for the whole scenario (0: Serve deployed, no load; `max_replicas`:
     default every GPU slot). `launch_nodes` (autoscaled clusters only, default false): let fill-in make the
     autoscaler launch nodes for Serve; by default it never does (docs/cluster-lifecycle.md).
-    `fillin.batch`: not built yet (fill-in part 2)."""
+    `fillin.batch` and `fillin.reclaim_order`: sim/fillin_spec.py."""
     serve: dict = field(default_factory=dict)
     batch: dict = field(default_factory=dict)
+    reclaim_order: list | None = None
 
     def validate(self, path: str) -> None:
         if not isinstance(self.serve, dict):
@@ -136,15 +138,17 @@ class FillinSpec:
         if not isinstance(serve["launch_nodes"], bool):
             raise ConfigError(f"{path}.serve.launch_nodes", serve["launch_nodes"], accepted="true or false")
         self.serve = serve
-        if not isinstance(self.batch, dict):
-            raise ConfigError(f"{path}.batch", self.batch, accepted="a mapping")
-        if self.batch.get("enabled"):
-            raise ConfigError(f"{path}.batch.enabled", True,
-                              reason="batch fill-in is not built yet (fill-in part 2)", accepted="false")
+        from spotfill.sim.fillin_spec import batch_spec, reclaim_order
+        self.batch = batch_spec(self.batch, f"{path}.batch")
+        self.reclaim_order = reclaim_order(self.reclaim_order, f"{path}.reclaim_order")
 
     @property
     def serve_enabled(self) -> bool:
         return bool(self.serve.get("enabled"))
+
+    @property
+    def batch_enabled(self) -> bool:
+        return bool(self.batch.get("enabled"))
 
 
 @dataclass

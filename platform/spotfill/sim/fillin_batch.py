@@ -1,0 +1,196 @@
+"""Batch fill-in in a scenario (`fillin.batch`): jobs/batch_infer.py as its own Ray job on lent GPUs while
+training runs, and report.json's `fillin.batch` read back from its output.
+
+The driver is a subprocess (its own Ray job, as `ray job submit` would run it), so the arbiter sees its Data
+actors as the tenant `batch:<run>-batch` and can stop that driver, never the runner. It starts at training's
+first step and waits for training's first committed checkpoint (the one it evaluates), evaluates `rows` rows of the scenario's prepared shards
+and generates for `prompts` prompts (lines of the corpus files). After training ends the runner waits
+up to FINISH_S for it (the GPUs training gave back are lent to it); a driver still running then is stopped
+and the report says how far it got (a rerun with the same output would resume).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+FINISH_S = 180.0          # after training: how long the runner waits for the batch job to finish
+CHECKPOINT_WAIT_S = 600.0
+
+
+def last_json(text: str) -> dict:
+    """The driver's summary: the last stdout line that is a JSON object (Ray may print lines of its own)."""
+    for line in reversed((text or "").strip().splitlines()):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return obj
+    return {}
+
+
+def corpus_prompts(corpus: str, n: int, per_file: int = 4) -> list[dict]:
+    """`n` prompts: non-empty lines (<= 60 chars), up to `per_file` from each of the corpus's .py files in
+    sorted order."""
+    from spotfill.train.data import iter_corpus_files
+    out: list[dict] = []
+    for path in iter_corpus_files(corpus, (".py",)):
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = [ln.strip()[:60] for ln in f if ln.strip()][:per_file]
+        except OSError:
+            continue
+        for line in lines[: n - len(out)]:
+            out.append({"id": f"p{len(out):04d}", "prompt": line})
+        if len(out) >= n:
+            break
+    return out
+
+
+class BatchFillin:
+    def __init__(self, cluster, scenario, checkpoint_uri: str, name: str, out_dir: str, env: dict, say,
+                 data_dir: str, corpus: str):
+        self.cluster, self.scenario, self.checkpoint = cluster, scenario, checkpoint_uri
+        self.name, self.out_dir, self.env, self.say = f"{name}-batch", out_dir, dict(env), say
+        self.data_dir, self.corpus = data_dir, corpus
+        self.dir = os.path.join(out_dir, "batch")
+        self.output = os.path.join(self.dir, "output")
+        self.proc: subprocess.Popen | None = None
+        self.error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.arbiter = None
+
+    def _config(self) -> str:
+        import yaml
+        spec = self.scenario.fillin.batch
+        gpus = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes) or 1
+        cfg = {"name": self.name, "checkpoint": self.checkpoint, "output": self.output,
+               "checkpoint_wait_s": CHECKPOINT_WAIT_S,
+               "cluster": {"gpu_resource": self.scenario.cluster.gpu_resource,
+                           "max_units": spec["max_units"] or gpus, "grace_s": 5.0}}
+        if spec["rows"]:
+            cfg["eval"] = {"data": self.data_dir, "rows": spec["rows"], "rows_per_unit": 16, "batch_size": 8}
+        if spec["prompts"]:
+            prompts = os.path.join(self.dir, "prompts.jsonl")
+            with open(prompts, "w") as f:
+                f.writelines(json.dumps(p) + "\n" for p in corpus_prompts(self.corpus, spec["prompts"]))
+            cfg["generate"] = {"prompts": prompts, "max_tokens": 16, "rows_per_unit": 2}
+        path = os.path.join(self.dir, "batch.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        return path
+
+    def start(self) -> None:
+        """Training steps: start the driver (it waits for training's first committed checkpoint)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._start, name="batch-fillin", daemon=True)
+            self._thread.start()
+
+    def _start(self) -> None:
+        from spotfill.sim.cluster import LOOPBACK_CLIENT_ENV
+        from spotfill.storage.base import open_storage
+        from spotfill.storage.checkpoint_store import CheckpointStore
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+            script = os.path.join(repo, "jobs", "batch_infer.py")
+            env = {**os.environ, **self.env, **LOOPBACK_CLIENT_ENV, "RAY_ADDRESS": self.cluster.address}
+            self.log_path = os.path.join(self.dir, "driver.log")
+            self.proc = subprocess.Popen([sys.executable, script, "--config", self._config()],
+                                         stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True,
+                                         env=env, cwd=repo)
+            self.say(f"batch fill-in: evaluation + generation job started on lent GPUs (output {self.output})")
+        except Exception as exc:  # noqa: BLE001 - reported in fillin.batch, never breaks the scenario
+            self.error = f"batch fill-in did not start: {type(exc).__name__}: {exc}"
+            log.exception("batch fill-in did not start")
+
+    def stop(self, timeout_s: float = FINISH_S) -> dict:
+        """After training: wait for the driver (bounded), then fillin.batch read back from the output."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        summary: dict = {}
+        if self.proc is not None:
+            try:
+                out, _ = self.proc.communicate(timeout=timeout_s)
+                with open(os.path.join(self.dir, "driver.out"), "w") as f:
+                    f.write(out or "")
+                summary = last_json(out)
+                if self.proc.returncode != 0:
+                    self.error = f"batch driver exited {self.proc.returncode} (see {self.log_path})"
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate()
+                self.error = f"batch job not finished {timeout_s:.0f}s after training; stopped (a rerun resumes)"
+        return self.report(summary, self.arbiter)
+
+    def report(self, summary: dict, arbiter=None) -> dict:
+        from spotfill.fillin.batch import read_back, tenant_reclaims
+        from spotfill.fillin.batch_plan import PLAN_KEY
+        from spotfill.storage.base import open_storage
+        rep: dict = {"enabled": True}
+        try:
+            out = open_storage(self.output)
+            if out.exists(PLAN_KEY):
+                rep.update(read_back(out))          # from the output itself, not the driver's counters
+        except Exception as exc:  # noqa: BLE001
+            self.error = self.error or f"batch output not readable: {exc}"
+        for key in ("waves", "stops", "resumed", "wall_s"):
+            if key in summary:
+                rep[key] = summary[key]
+        if arbiter is not None:
+            try:
+                rec = tenant_reclaims(arbiter, f"batch:{self.name}")
+                rep["reclaims"] = len(rec)
+                rep["handback_seconds"] = [r.get("reclaim_s") for r in rec]
+            except Exception as exc:  # noqa: BLE001
+                log.warning("batch fill-in: reclaims not read from the arbiter: %s", exc)
+        if self.error:
+            rep["error"] = self.error
+        return rep
+
+
+def invariant(rep: dict) -> dict:
+    """report.json invariants.batch_exactly_once."""
+    if "rows_target" not in rep:
+        return {"ok": False, "detail": rep.get("error") or "the batch job wrote no output"}
+    ok = rep["duplicates"] == 0 and rep["missing"] == 0 and "error" not in rep
+    return {"ok": ok, "detail": rep.get("error") or f"{rep['rows_written']} of {rep['rows_target']} rows "
+            f"written, {rep['duplicates']} duplicate(s), {rep['missing']} missing, read back from {rep['output']}"}
+
+
+def start(cluster, scenario, checkpoint_uri: str, name: str, out_dir: str, env: dict, say, data_dir: str,
+          corpus: str) -> "BatchFillin":
+    """The runner's hook before training starts: the arbiter up (training claims through it), the batch
+    fill-in ready to start at training's first step."""
+    batch = BatchFillin(cluster, scenario, checkpoint_uri, name, out_dir, env, say, data_dir, corpus)
+    batch.arbiter = ensure_arbiter(scenario, name, out_dir, env)
+    return batch
+
+
+def merge(report: dict, rep: dict | None) -> None:
+    """fillin.batch and invariants.batch_exactly_once into the scenario's report."""
+    if rep is None:
+        return
+    report.setdefault("fillin", {})["batch"] = rep
+    inv = report.setdefault("invariants", {})["batch_exactly_once"] = invariant(rep)
+    report["ok"] = bool(report.get("ok")) and inv["ok"]
+
+
+def ensure_arbiter(scenario, name: str, out_dir: str, env: dict):
+    """The arbiter with the scenario's reclaim order, told about the training job (as Serve fill-in does)."""
+    import ray
+
+    from spotfill.fillin.arbiter import ensure_arbiter as ensure
+    t = scenario.training
+    arbiter = ensure(scenario.cluster.gpu_resource, order=tuple(scenario.fillin.reclaim_order),
+                     runtime_env={"env_vars": env}, state_path=os.path.join(out_dir, "arbiter", "state.json"))
+    ray.get(arbiter.register_job.remote(name, t.min_workers, t.max_workers, 1), timeout=30)
+    return arbiter

@@ -1,0 +1,50 @@
+"""Scenario keys for batch fill-in and the reclaim order (pure; used by sim/scenario.py's FillinSpec).
+
+    fillin:
+      batch: {enabled: true, rows: 256, prompts: 16, max_units: null}
+      reclaim_order: [sweep, batch, serve]        # the default: sweeps first, serving (user-facing) last
+
+`batch.rows`: held-out rows the batch job evaluates (the loss and perplexity of the run's checkpoint over the
+scenario's prepared token shards, capped by what the data holds); `batch.prompts`: prompts it generates for
+(taken from the same corpus); report.json's fillin.batch.rows_target is their sum. `max_units`: most GPUs
+it holds at once (default: every GPU slot).
+"""
+from __future__ import annotations
+
+from spotfill.config.errors import ConfigError
+from spotfill.fillin.policy import DEFAULT_ORDER
+
+BATCH_KEYS = {"enabled": False, "rows": 256, "prompts": 16, "max_units": None}
+TENANT_KINDS = ("sweep", "batch", "serve")
+
+
+def batch_spec(spec, path: str) -> dict:
+    if not isinstance(spec, dict):
+        raise ConfigError(path, spec, accepted="a mapping {enabled, rows, prompts, max_units}")
+    for key in spec:
+        if key not in BATCH_KEYS:
+            raise ConfigError(f"{path}.{key}", spec[key], reason="unknown key", accepted=sorted(BATCH_KEYS))
+    out = {**BATCH_KEYS, **spec}
+    if not isinstance(out["enabled"], bool):
+        raise ConfigError(f"{path}.enabled", out["enabled"], accepted="true or false")
+    for key, low in (("rows", 0), ("prompts", 0)):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ConfigError(f"{path}.{key}", v, accepted=f"an integer >= {low}")
+    if out["enabled"] and out["rows"] + out["prompts"] == 0:
+        raise ConfigError(f"{path}.rows", out["rows"], reason="nothing to do with rows: 0 and prompts: 0",
+                          accepted="rows and/or prompts > 0")
+    mu = out["max_units"]
+    if mu is not None and (isinstance(mu, bool) or not isinstance(mu, int) or mu < 1):
+        raise ConfigError(f"{path}.max_units", mu, accepted="an integer >= 1")
+    return out
+
+
+def reclaim_order(order, path: str) -> list[str]:
+    """The order training's claims reclaim fill-in tenants in: a permutation of sweep, batch, serve."""
+    if order is None:
+        return list(DEFAULT_ORDER)
+    if not isinstance(order, list) or sorted(order) != sorted(TENANT_KINDS):
+        raise ConfigError(path, order, accepted=f"a list ordering each of {', '.join(TENANT_KINDS)} once "
+                          f"(default {list(DEFAULT_ORDER)})")
+    return list(order)
