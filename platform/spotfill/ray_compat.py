@@ -35,6 +35,10 @@ from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.execution.worker_group import worker as _wg_worker
 from ray.train.v2._internal.execution.worker_group import worker_group as _wg
 from ray.util.state.exception import RayStateApiException
+from ray.tune.execution.tune_controller import TuneController as _TuneController
+from ray.tune.experiment import Trial as _TuneTrial
+from ray.tune.schedulers import TrialScheduler as _TrialScheduler
+from ray.tune.search import Searcher as _TuneSearcher
 import torch.utils.cpp_extension as _cpp_ext
 from torch.utils.file_baton import FileBaton as _FileBaton
 
@@ -109,6 +113,21 @@ HOOKS = [
      ("node_config", "tags", "count", "resources", "labels")),
     (_fake_multinode.FakeMultiNodeProvider, "terminate_node", ("node_id",)),
     (_fake_multinode.FakeMultiNodeProvider, "_terminate_node", ("node",)),
+    # Tune's scheduler/searcher extension points (DeveloperAPI) the grant-driven sweep uses (fillin/sweep.py)
+    (_TrialScheduler, "choose_trial_to_run", ("tune_controller",)),
+    (_TrialScheduler, "on_trial_result", ("tune_controller", "trial", "result")),
+    (_TrialScheduler, "on_trial_add", ("tune_controller", "trial")),
+    (_TrialScheduler, "on_trial_error", ("tune_controller", "trial")),
+    (_TrialScheduler, "on_trial_complete", ("tune_controller", "trial", "result")),
+    (_TrialScheduler, "on_trial_remove", ("tune_controller", "trial")),
+    (_TrialScheduler, "PAUSE", None),
+    (_TuneController, "pause_trial", ("trial", "should_checkpoint")),
+    (_TuneController, "get_trials", ()),
+    (_TuneSearcher, "suggest", ("trial_id",)),
+    (_TuneSearcher, "FINISHED", None),
+    (_TuneTrial, "PAUSED", None),
+    (_TuneTrial, "should_recover", ()),
+    (_TuneController, "_unstage_trial_with_resources", ("trial",)),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
@@ -409,3 +428,20 @@ def guard_jit_op_builds(retries: int = 3) -> None:
     load._spotfill_guarded = True
     _cpp_ext.FileBaton = OwnedFileBaton
     _cpp_ext.load = load
+
+
+def tune_unstage_trial(controller, trial) -> bool:
+    """Forget that Tune staged `trial` (placement group requested, actor not started yet) after the sweep's
+    scheduler paused it (fillin/sweep.py: a claim arrived while the trial was starting). Ray 2.60's
+    TuneController only unstages a trial when its actor starts; a paused trial left in its staged set is
+    only ever started with a cached actor, i.e. never with reuse_actors off. `controller` is what Tune hands
+    a TrialScheduler (a TrialRunnerWrapper around the controller) or the controller itself."""
+    ctrl = getattr(controller, "_tune_controller", controller)
+    staged = getattr(ctrl, "_staged_trials", None)
+    if staged is None:
+        raise RayCompatError(f"spotfill needs TuneController._staged_trials (checked against ray "
+                             f"{RAY_VERSION_CHECKED}); installed ray {ray.__version__} does not have it")
+    if trial in staged:
+        ctrl._unstage_trial_with_resources(trial)
+        return True
+    return False

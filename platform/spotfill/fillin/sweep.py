@@ -1,0 +1,393 @@
+"""A Ray Tune sweep that runs only on lent GPUs (jobs/sweep.py; the decisions are in sweep_policy.py).
+
+Tune's pieces, as Ray 2.60 runs them (tune/execution/tune_controller.py):
+- New trials come from the searcher, and a PENDING trial is started without asking the scheduler, so
+  admission is the searcher's: `GrantSearcher.suggest` returns None while the plan admits nothing (grant 0,
+  every lent unit in use, or a paused trial waiting to be resumed first).
+- The scheduler's `choose_trial_to_run` is called on every controller step (each event, or 0.1 s idle).
+  `GrantScheduler` re-plans there: trials beyond the grant are paused with `pause_trial` (a running trial:
+  save -- queued behind its current `train()` call, which lasts `steps_per_report` steps -- then its actor
+  is stopped and its placement group removed; a trial still starting: stopped without a save, it keeps its
+  previous checkpoint), and a paused trial is handed back to Tune to restart from its checkpoint when a
+  unit is free.
+- `reuse_actors=False` (a paused trial's actor would otherwise keep its GPU in Tune's actor cache) and
+  TUNE_FORCE_TRIAL_CLEANUP_S (a stopped actor is killed after this many seconds, default 600) keep the
+  hand-back inside the grace.
+- A trial whose actor dies is restarted by Tune from its last checkpoint (`max_failures`).
+
+The trainable is a class `tune.Trainable`: `save_checkpoint` writes the model, optimizer, step and the
+list of steps applied to these weights (`history`), so a pause checkpoint is exact and the history proves
+that a resumed trial continued rather than restarted, and that no step was applied twice.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from spotfill.fillin import sweep_policy as sp
+
+log = logging.getLogger("spotfill.fillin.sweep")
+
+METRIC, MODE = "eval_loss", "min"
+CLEANUP_S = "2"      # TUNE_FORCE_TRIAL_CLEANUP_S: a stopping trial actor is killed after this long
+
+
+def lr_at(step: int, lr: float, warmup_steps: int, total: int, min_ratio: float = 0.1) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `min_ratio * lr` at `total` (step counts from 0)."""
+    if warmup_steps and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, total - warmup_steps)
+    frac = min(1.0, (step - warmup_steps) / span)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _trainable_class():
+    from ray import tune
+
+    class SweepTrainable(tune.Trainable):
+        """One trial: the tiny GPT trained `steps` steps on the prepared shards with this trial's config."""
+
+        def setup(self, config: dict, job: dict | None = None):
+            import numpy as np
+            import torch
+
+            from spotfill.storage.base import open_storage
+            from spotfill.train.data import ShardReader
+            from spotfill.train.model import GPT
+            from spotfill.train.presets import preset
+
+            torch.set_num_threads(1)
+            self.job = dict(job or {})
+            self.cfg = dict(config)
+            self.reader = ShardReader(open_storage(self.job["data"]),
+                                      os.path.join(tempfile.gettempdir(), "spotfill-sweep-data"))
+            model_cfg = preset(self.job["model"], seq_len=self.reader.seq_len,
+                               vocab_size=self.reader.manifest.get("vocab_size"))
+            torch.manual_seed(int(self.job["seed"]))
+            self.model = GPT(model_cfg)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=float(self.cfg["lr"]),
+                                         weight_decay=float(self.cfg.get("weight_decay", 0.0)))
+            self.step_n, self.history, self.restored_from = 0, [], None
+            self.incarnation = uuid.uuid4().hex[:8]
+            n = self.reader.num_samples
+            self.eval_rows = np.arange(max(0, n - int(self.job["eval_rows"])), n)
+            self.train_rows = max(1, n - len(self.eval_rows))
+            self.first_step = None
+
+        def _batch(self, step: int):
+            import numpy as np
+            import torch
+            rng = np.random.default_rng([int(self.job["seed"]), step])
+            rows = rng.integers(0, self.train_rows, int(self.cfg.get("batch", self.job["batch"])))
+            t = torch.from_numpy(self.reader.rows(np.sort(rows)).astype("int64"))
+            return t[:, :-1], t[:, 1:]
+
+        def _loss(self, x, y):
+            import torch.nn.functional as F
+            logits = self.model(x)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+        def step(self):
+            import torch
+            total = int(self.job["steps"])
+            if self.first_step is None:
+                self.first_step = self.step_n + 1
+            losses = []
+            for _ in range(int(self.job["steps_per_report"])):
+                if self.step_n >= total:
+                    break
+                for g in self.opt.param_groups:
+                    g["lr"] = lr_at(self.step_n, float(self.cfg["lr"]), int(self.cfg.get("warmup_steps", 0)), total)
+                x, y = self._batch(self.step_n)
+                loss = self._loss(x, y)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                self.opt.step()
+                self.step_n += 1
+                self.history.append(self.step_n)
+                losses.append(float(loss))
+            if self.job.get("step_sleep_s"):
+                time.sleep(float(self.job["step_sleep_s"]))      # tests: a trial long enough to reclaim
+            out = {"step": self.step_n, "loss": sum(losses) / max(1, len(losses)),
+                   "restored_from": self.restored_from, "first_step": self.first_step,
+                   "incarnation": self.incarnation, "pid": os.getpid()}
+            if self.step_n >= total:
+                with torch.no_grad():
+                    rows = self.reader.rows(self.eval_rows)
+                    t = torch.from_numpy(rows.astype("int64"))
+                    out[METRIC] = float(self._loss(t[:, :-1], t[:, 1:]))
+                out["history_len"] = len(self.history)
+                out["history_unique"] = len(set(self.history))
+                out["history_ok"] = self.history == list(range(1, total + 1))
+                out["done"] = True
+            return out
+
+        def save_checkpoint(self, checkpoint_dir: str):
+            import torch
+            torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step_n,
+                        "history": list(self.history), "incarnation": self.incarnation},
+                       os.path.join(checkpoint_dir, "state.pt"))
+            return None
+
+        def load_checkpoint(self, checkpoint_dir: str):
+            import torch
+            state = torch.load(os.path.join(checkpoint_dir, "state.pt"), weights_only=False)
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["opt"])
+            self.step_n, self.history = int(state["step"]), list(state["history"])
+            self.restored_from = self.step_n
+            self.first_step = None
+
+    return SweepTrainable
+
+
+class SweepControl:
+    """What the searcher and the scheduler share: the grant, the trial book, the tally and the event sink."""
+
+    def __init__(self, grant, configs: list[dict], clock: Callable[[], float] = time.monotonic,
+                 emit: Callable[..., Any] | None = None):
+        self.grant, self.configs, self.clock = grant, list(configs), clock
+        self.book = sp.TrialBook(clock)
+        self.tally = sp.SweepTally(trials=len(configs), mode=MODE)
+        self.handed_out = 0                      # configurations the searcher has suggested
+        self.config_of: dict[str, dict] = {}     # trial id -> its search config
+        self.emit = emit or (lambda kind, **f: None)
+        self.lock = threading.RLock()
+        self.paused_with_checkpoint: set[str] = set()   # paused while running, not resumed yet
+        self.started: set[str] = set()
+        self.last_result: dict[str, dict] = {}
+
+    def __getstate__(self) -> dict:
+        # Tune pickles its config (searcher, scheduler) into the experiment folder; the grant, the lock and
+        # the event sink are live objects of this driver: a restored copy has none (and grants nothing).
+        return {k: v for k, v in self.__dict__.items() if k not in ("grant", "lock", "emit", "clock")}
+
+    def __setstate__(self, state: dict) -> None:
+        from spotfill.fillin.grant import FixedGrant
+        self.__dict__.update(state)
+        self.grant, self.lock, self.emit, self.clock = FixedGrant(0), threading.RLock(), (lambda kind, **f: None), time.monotonic
+
+    @property
+    def unstarted(self) -> int:
+        return len(self.configs) - self.handed_out
+
+    def plan(self) -> sp.Plan:
+        with self.lock:
+            views = self.book.views()
+            self.grant.demand(sp.demand(views, self.unstarted))
+            return sp.plan(self.grant.allowed(), views, self.unstarted)
+
+
+def _searcher_class():
+    from spotfill import ray_compat  # noqa: F401 - checks the Tune extension points used here
+    from ray.tune.search import Searcher
+
+    class GrantSearcher(Searcher):
+        """Hands out the sweep's configurations one by one, and only while the plan admits a new trial."""
+
+        def __init__(self, control: SweepControl):
+            super().__init__()       # no metric: eval_loss comes with a trial's last result only
+            self.control = control
+
+        def suggest(self, trial_id: str):
+            c = self.control
+            with c.lock:
+                if c.handed_out >= len(c.configs):
+                    return Searcher.FINISHED
+                if c.plan().admit <= 0:
+                    return None
+                config = dict(c.configs[c.handed_out])
+                c.handed_out += 1
+                c.config_of[trial_id] = config
+                c.book.observe(trial_id, sp.STARTING)
+                return config
+
+        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+            pass
+
+    return GrantSearcher
+
+
+def _scheduler_class():
+    from spotfill import ray_compat
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import FIFOScheduler, TrialScheduler
+
+    class GrantScheduler(FIFOScheduler):
+        """Pauses trials beyond the grant and resumes paused trials when units are lent again."""
+
+        def __init__(self, control: SweepControl):
+            super().__init__()
+            self.control = control
+            self.pausing: set[str] = set()       # pause requested, Tune has not stopped it yet
+            self.errored: set[str] = set()
+
+        def set_search_properties(self, metric, mode, **spec):
+            return True
+
+        def _sync(self, tc) -> dict:
+            c, by_id = self.control, {}
+            for trial in tc.get_trials():
+                by_id[trial.trial_id] = trial
+                status = trial.status
+                if trial.trial_id in self.pausing:
+                    if status in (Trial.PAUSED, Trial.TERMINATED, Trial.ERROR):
+                        self.pausing.discard(trial.trial_id)
+                    else:
+                        continue                 # leaving: counted as paused already
+                state = {Trial.PENDING: sp.STARTING, Trial.RUNNING: sp.RUNNING, Trial.PAUSED: sp.PAUSED,
+                         Trial.TERMINATED: sp.DONE, Trial.ERROR: sp.DONE}.get(status)
+                if state and c.book.state(trial.trial_id) != sp.DONE:
+                    c.book.observe(trial.trial_id, state)
+            return by_id
+
+        def _apply(self, tc) -> Trial | None:
+            c = self.control
+            with c.lock:
+                by_id = self._sync(tc)
+                plan = c.plan()
+                for tid in plan.pause:
+                    trial = by_id.get(tid)
+                    if trial is None or trial.status not in (Trial.RUNNING, Trial.PENDING):
+                        continue
+                    step = (c.last_result.get(tid) or {}).get("step")
+                    if trial.status == Trial.RUNNING:
+                        # save (behind the current train() call), then stop: Tune sets PAUSED afterwards
+                        self.pausing.add(tid)
+                        c.book.observe(tid, sp.PAUSED)
+                        c.tally.on_pause(tid, time.time(), step)
+                        c.paused_with_checkpoint.add(tid)
+                        c.emit("sweep_trial", action="paused", trial=tid, last_reported_step=step,
+                               cause="grant_below_running", allowed=c.grant.allowed())
+                        tc.pause_trial(trial, should_checkpoint=True)
+                        continue
+                    # starting (its group requested or placed, no actor running yet): stop it without a save;
+                    # it keeps the checkpoint it had (none for a new trial). A no-op while Tune has not staged
+                    # it yet: then it stays `starting` and the next step tries again.
+                    tc.pause_trial(trial, should_checkpoint=False)
+                    if trial.status == Trial.PAUSED:
+                        ray_compat.tune_unstage_trial(tc, trial)
+                        c.book.observe(tid, sp.PAUSED)
+                        c.emit("sweep_trial", action="deferred", trial=tid, cause="grant_below_running",
+                               allowed=c.grant.allowed())
+                for tid in plan.resume:
+                    trial = by_id.get(tid)
+                    if trial is not None and trial.status == Trial.PAUSED:
+                        c.book.observe(tid, sp.STARTING)
+                        return trial             # Tune starts one per call; the next call resumes the next
+            return None
+
+        def choose_trial_to_run(self, tune_controller):
+            return self._apply(tune_controller)
+
+        def on_trial_add(self, tune_controller, trial):
+            # also called when Tune requeues a trial whose actor died (after on_trial_error)
+            with self.control.lock:
+                if self.control.book.state(trial.trial_id) in (None, sp.DONE):
+                    self.control.book.observe(trial.trial_id, sp.STARTING)
+                self.errored.discard(trial.trial_id)
+
+        def on_trial_result(self, tune_controller, trial, result):
+            c = self.control
+            with c.lock:
+                tid = trial.trial_id
+                first = tid not in c.last_result or c.last_result[tid].get("incarnation") != result.get("incarnation")
+                c.last_result[tid] = dict(result)
+                if first:
+                    if tid not in c.started:
+                        c.started.add(tid)
+                        c.tally.started += 1
+                        c.emit("sweep_trial", action="started", trial=tid, config=c.config_of.get(tid, trial.config))
+                    elif result.get("restored_from") is not None:
+                        if tid in c.paused_with_checkpoint:
+                            c.paused_with_checkpoint.discard(tid)
+                            c.tally.resumed += 1
+                            c.emit("sweep_trial", action="resumed", trial=tid, step=result["restored_from"],
+                                   cause="grant_rose")
+                        else:
+                            c.tally.recovered += 1
+                            c.emit("sweep_trial", action="recovered", trial=tid, step=result["restored_from"],
+                                   cause="trial_actor_died")
+                if tid in self.pausing:
+                    return TrialScheduler.PAUSE
+            return TrialScheduler.CONTINUE
+
+        def on_trial_complete(self, tune_controller, trial, result):
+            c = self.control
+            with c.lock:
+                c.book.observe(trial.trial_id, sp.DONE)
+                self.pausing.discard(trial.trial_id)
+                c.tally.on_complete(trial.trial_id, c.config_of.get(trial.trial_id, trial.config), METRIC,
+                                    (result or {}).get(METRIC))
+                c.emit("sweep_trial", action="completed", trial=trial.trial_id, step=(result or {}).get("step"),
+                       **{METRIC: (result or {}).get(METRIC)})
+
+        def on_trial_error(self, tune_controller, trial):
+            c = self.control
+            with c.lock:
+                c.book.observe(trial.trial_id, sp.DONE)
+                self.pausing.discard(trial.trial_id)
+                self.errored.add(trial.trial_id)     # failed for good unless Tune requeues it (on_trial_add)
+                c.emit("sweep_trial", action="error", trial=trial.trial_id, cause="trial_error",
+                       retry=trial.should_recover())
+
+        def on_trial_remove(self, tune_controller, trial):
+            with self.control.lock:
+                self.control.book.observe(trial.trial_id, sp.DONE)
+
+    return GrantScheduler
+
+
+def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: list | None = None,
+              clock: Callable[[], float] = time.monotonic, step_sleep_s: float = 0.0) -> dict:
+    """Run the sweep of `cfg` (spotfill.config.sweep.SweepJobConfig) on what `grant` lends; returns
+    report.json's `fillin.sweep` section plus `results` (one entry per trial). Ray must be initialized."""
+    os.environ.setdefault("TUNE_FORCE_TRIAL_CLEANUP_S", CLEANUP_S)
+    os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "0")
+    from ray import tune
+    from ray.tune import CheckpointConfig, FailureConfig, RunConfig
+
+    s = cfg.sweep
+    configs = s.grid()
+    control = SweepControl(grant, configs, clock=clock, emit=emit)
+    job = {"data": cfg.data.path, "model": s.model, "steps": s.steps, "batch": s.batch,
+           "steps_per_report": s.steps_per_report, "eval_rows": s.eval_rows, "seed": s.seed,
+           "step_sleep_s": step_sleep_s}
+    resources = tune.PlacementGroupFactory([{"CPU": float(cfg.cluster.cpus_per_trial),
+                                             cfg.cluster.gpu_resource: 1.0}])
+    trainable = tune.with_resources(tune.with_parameters(_trainable_class(), job=job), resources)
+    every = max(1, math.ceil(s.checkpoint_every / s.steps_per_report))
+    tuner = tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(search_alg=_searcher_class()(control), scheduler=_scheduler_class()(control),
+                                    num_samples=len(configs), reuse_actors=False),
+        run_config=RunConfig(name=cfg.name, storage_path=cfg.storage, verbose=0, callbacks=callbacks or [],
+                             failure_config=FailureConfig(max_failures=s.max_failures),
+                             checkpoint_config=CheckpointConfig(checkpoint_frequency=every, checkpoint_at_end=True,
+                                                                num_to_keep=2)),
+    )
+    t0 = time.time()
+    try:
+        grid = tuner.fit()
+    finally:
+        grant.close()
+    results = []
+    for r in grid:
+        m = r.metrics or {}
+        results.append({"trial": m.get("trial_id"), "config": {k: r.config.get(k) for k in configs[0]} if configs else {},
+                        "step": m.get("step"), METRIC: m.get(METRIC), "history_ok": m.get("history_ok"),
+                        "history_len": m.get("history_len"), "history_unique": m.get("history_unique"),
+                        "error": None if r.error is None else f"{type(r.error).__name__}: {r.error}"[:300],
+                        "path": r.path})
+    control.tally.failed = sum(1 for r in results if r["error"])
+    out = control.tally.as_report()
+    out.update({"steps_per_trial": s.steps, "seconds": round(time.time() - t0, 2), "storage": cfg.storage,
+                "results": results})
+    return out

@@ -1,0 +1,288 @@
+"""Sweeps on lent GPUs (jobs/sweep.py, fillin/sweep.py) on a local multi-node cluster (2 nodes x 1 GPU
+slot, one cluster for the module): no trial starts while nothing is lent; a grant drop pauses the running
+trials with a checkpoint and a rise resumes them from it (their own reported steps continue); a trial whose
+actor is killed mid-run is restarted from its checkpoint and no step is applied twice; a real training
+claim on the arbiter takes the sweep's GPUs back within the grace and the sweep still finishes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+pytestmark = pytest.mark.timeout(400)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEQ_LEN = 32
+STEPS, PER_REPORT, CKPT_EVERY, SLEEP_S = 80, 4, 8, 0.3     # ~7 s per trial: both run at once
+
+
+def wait_for(check, timeout: float, what: str, every: float = 0.1):
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        got = check()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    import ray
+
+    from spotfill.fillin.arbiter import ensure_arbiter
+    from spotfill.fillin.local import runtime_env
+    from spotfill.sim.cluster import EmbeddedCluster
+    from spotfill.storage.base import open_storage
+    from spotfill.train.data import BYTE_VOCAB, ShardWriter
+
+    root = tmp_path_factory.mktemp("sweep")
+    data = str(root / "data")
+    writer = ShardWriter(open_storage(data), SEQ_LEN, BYTE_VOCAB, "bytes", rows_per_shard=256)
+    writer.add(np.random.default_rng(0).integers(0, 256, size=(512, SEQ_LEN + 1)))
+    writer.close()
+    cluster = EmbeddedCluster()
+    for _ in range(2):
+        cluster.add_node(1)
+    ray.init(address=cluster.address, runtime_env=runtime_env(), logging_level="WARNING")
+    arbiter = ensure_arbiter("GPU_SLOT", runtime_env=runtime_env(), state_path=str(root / "arbiter.json"))
+    try:
+        yield {"cluster": cluster, "arbiter": arbiter, "data": data, "root": root}
+    finally:
+        try:
+            ray.kill(arbiter, no_restart=True)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def sweep_config(env, name: str, grant: str = "fixed", trials: int = 2) -> dict:
+    return {"name": name, "run_dir": str(env["root"] / name / "run"), "storage": str(env["root"] / name / "tune"),
+            "data": {"path": env["data"]},
+            "sweep": {"model": "tiny", "steps": STEPS, "batch": 4, "steps_per_report": PER_REPORT,
+                      "checkpoint_every": CKPT_EVERY, "eval_rows": 32, "trials": trials,
+                      "search": {"lr": [0.001, 0.003], "warmup_steps": [0, 4]}, "max_failures": 2},
+            "fillin": {"grant": grant, "max_units": 2, "grace_s": 5.0},
+            "cluster": {"gpu_resource": "GPU_SLOT", "cpus_per_trial": 1}}
+
+
+def make_cfg(cfg_dict):
+    from spotfill.config.job import from_mapping
+    from spotfill.config.sweep import SweepJobConfig
+    return from_mapping(SweepJobConfig, cfg_dict)
+
+
+def recorder():
+    from ray import tune
+
+    class Recorder(tune.Callback):
+        def __init__(self):
+            self.results: list[dict] = []
+            self.lock = threading.Lock()
+            self.on_result = None
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            row = {"t": time.monotonic(), "trial": trial.trial_id, **{k: result.get(k) for k in (
+                "step", "restored_from", "first_step", "incarnation", "pid", "history_ok", "done")}}
+            with self.lock:
+                self.results.append(row)
+            if self.on_result:
+                self.on_result(row)
+
+        def __getstate__(self):          # Tune pickles its run config; the copy records nothing
+            return {"results": [], "on_result": None}
+
+        def __setstate__(self, state):
+            self.__dict__.update(state)
+            self.lock = threading.Lock()
+
+        def of(self, trial_id):
+            with self.lock:
+                return [r for r in self.results if r["trial"] == trial_id]
+
+        def trials(self):
+            with self.lock:
+                return sorted({r["trial"] for r in self.results})
+
+    return Recorder()
+
+
+def job_pgs(job_id: str) -> list[dict]:
+    from ray.util.state import list_placement_groups
+    return [pg for pg in list_placement_groups(detail=True, limit=1000)
+            if pg.get("creator_job_id") == job_id and pg.get("state") != "REMOVED"]
+
+
+def incarnations(rows: list[dict]) -> list[list[dict]]:
+    """The trial's results split by actor incarnation, in order."""
+    out: list[list[dict]] = []
+    for r in rows:
+        if not out or out[-1][-1]["incarnation"] != r["incarnation"]:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_their_checkpoint(env):
+    import ray
+
+    from spotfill.fillin.grant import FixedGrant
+    from spotfill.fillin.sweep import run_sweep
+
+    cfg = make_cfg(sweep_config(env, "pause-resume"))
+    grant = FixedGrant(0, grace_s=5.0)
+    rec = recorder()
+    job_id = ray.get_runtime_context().get_job_id()
+    seen: dict = {}
+
+    def drive():
+        try:
+            time.sleep(4.0)                       # the sweep is up, nothing is lent
+            seen["results_at_zero"] = len(rec.results)
+            seen["pgs_at_zero"] = len(job_pgs(job_id))
+            grant.set(2)
+            wait_for(lambda: len(rec.trials()) == 2 and all(
+                not rec.of(t)[-1]["done"] for t in rec.trials()), 90, "both trials running at once")
+            seen["steps_before_drop"] = {t: max(r["step"] for r in rec.of(t)) for t in rec.trials()}
+            t_drop = time.monotonic()
+            grant.set(0)
+            wait_for(lambda: not job_pgs(job_id), 30, "the trials' placement groups removed", every=0.05)
+            seen["handback_s"] = time.monotonic() - t_drop
+            n = len(rec.results)
+            time.sleep(2.0)
+            seen["results_while_zero"] = len(rec.results) - n
+            seen["pgs_while_zero"] = len(job_pgs(job_id))
+            grant.set(2)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            seen["error"] = exc
+            grant.set(2)
+
+    t = threading.Thread(target=drive, daemon=True)
+    t.start()
+    events: list = []
+    out = run_sweep(cfg, grant, callbacks=[rec], step_sleep_s=SLEEP_S,
+                    emit=lambda kind, **f: events.append({"t": time.monotonic(), "kind": kind, **f}))
+    t.join(30)
+    print("\nsweep events:", [(e.get("action"), e.get("trial")) for e in events])
+    assert "error" not in seen, seen.get("error")
+    assert seen["results_at_zero"] == 0 and seen["pgs_at_zero"] == 0, seen    # nothing started at grant 0
+    assert seen["results_while_zero"] == 0 and seen["pgs_while_zero"] == 0, seen
+    assert out["completed"] == 2 and out["failed"] == 0, out
+    assert out["paused"] >= 2 and out["resumed"] >= 2, out
+    for tid in rec.trials():
+        runs = incarnations(rec.of(tid))
+        assert len(runs) >= 2, f"trial {tid} was never restarted: {runs}"
+        first, second = runs[0], runs[1]
+        assert first[0]["restored_from"] is None and first[0]["first_step"] == 1
+        paused_at = first[-1]["step"]
+        assert paused_at < STEPS, f"trial {tid} finished before the drop"
+        # resumed from the pause checkpoint: the step count continues where the trial stopped
+        assert second[0]["restored_from"] == paused_at, (first[-1], second[0])
+        assert second[0]["first_step"] == paused_at + 1
+        assert all(r["step"] > paused_at for r in second)
+        assert runs[-1][-1]["step"] == STEPS and runs[-1][-1]["history_ok"] is True
+    assert all(r["history_ok"] for r in out["results"]) and len(out["results"]) == 2
+    print(f"\nFixedGrant drop -> placement groups removed: {seen['handback_s']:.2f}s")
+
+
+def test_a_trial_whose_actor_is_killed_resumes_from_its_checkpoint_without_repeating_steps(env):
+    from spotfill.fillin.grant import FixedGrant
+    from spotfill.fillin.sweep import run_sweep
+
+    cfg = make_cfg(sweep_config(env, "kill-trial", trials=1))
+    grant = FixedGrant(2)
+    rec = recorder()
+    killed: dict = {}
+
+    def kill_once(row):
+        # past the first periodic checkpoint (step CKPT_EVERY) and before the next one
+        if not killed and row["step"] == CKPT_EVERY + PER_REPORT:
+            killed.update(row)
+            os.kill(row["pid"], signal.SIGKILL)
+
+    rec.on_result = kill_once
+    out = run_sweep(cfg, grant, callbacks=[rec], step_sleep_s=SLEEP_S)
+    assert killed, "the trial never reached the kill point"
+    assert out["completed"] == 1 and out["failed"] == 0 and out["recovered"] >= 1, out
+    runs = incarnations(rec.of(killed["trial"]))
+    assert len(runs) == 2, runs
+    # restarted from its last checkpoint (step CKPT_EVERY), not from 0 and not from the lost step
+    assert runs[1][0]["restored_from"] == CKPT_EVERY and runs[1][0]["first_step"] == CKPT_EVERY + 1
+    assert runs[1][0]["pid"] != killed["pid"]
+    # the final weights saw every step exactly once (their own history), one output per trial
+    (res,) = out["results"]
+    assert res["history_ok"] is True and res["history_len"] == res["history_unique"] == STEPS, res
+    assert res["step"] == STEPS and res["eval_loss"] is not None
+
+
+def test_a_training_claim_takes_the_sweeps_gpus_back_within_its_grace_and_the_sweep_finishes(env, tmp_path):
+    import ray
+
+    name = "claimed"
+    cfg = sweep_config(env, name, grant="arbiter")
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    tenant = f"sweep:{name}"
+
+    def leases():
+        st = ray.get(env["arbiter"].status.remote(last=50), timeout=30)
+        return [le for le in st["leases"] if le["tenant"] == tenant]
+
+    # longer trials than above (~16 s each), so that both hold a GPU at once when training claims
+    errlog = open(tmp_path / "sweep.stderr", "w+")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "jobs", "sweep.py"), "--config", str(path),
+                             "--steps", "120", "--step-sleep-s", "0.5"], stdout=subprocess.PIPE, stderr=errlog,
+                            text=True, env={**os.environ, "RAY_ADDRESS": env["cluster"].address,
+                                            "PYTHONPATH": os.path.join(ROOT, "platform")})
+
+    def stderr_tail() -> str:
+        errlog.flush()
+        return (tmp_path / "sweep.stderr").read_text()[-3000:]
+
+    try:
+        try:
+            wait_for(lambda: len(leases()) == 2 or proc.poll() is not None, 120, "both trials on lent GPUs",
+                     every=0.3)
+        except AssertionError:
+            raise AssertionError(f"never 2 leases: {leases()}; sweep: {stderr_tail()}") from None
+        assert proc.poll() is None, f"the sweep ended before the claim: {stderr_tail()}"
+        events = os.path.join(cfg["run_dir"], "events.jsonl")
+
+        def started() -> int:       # a placed group is a lease before its trial runs: wait for both to report
+            return sum(1 for line in open(events) if '"action":"started"' in line) if os.path.exists(events) else 0
+        wait_for(lambda: started() == 2, 60, "both trials reporting")
+        answer = ray.get(env["arbiter"].claim.remote("train-sweep", 2, 20.0, 1, 1, 2), timeout=60)
+        assert answer["ok"], answer
+        assert len(answer["reclaimed"]) == 2, answer
+        handback = answer["waited_s"]
+        wait_for(lambda: not leases(), 10, "the arbiter to see the sweep's leases end")
+        # nothing is lent while training holds the GPUs: no trial starts or resumes
+        for _ in range(10):
+            assert not leases()
+            time.sleep(0.3)
+        st = ray.get(env["arbiter"].status.remote(last=100), timeout=30)
+        forced = [d for d in st["decisions"] if d["tenant"] == tenant and d["reason"].startswith("forced")]
+        assert not forced, forced
+        ray.get(env["arbiter"].release_job.remote("train-sweep"), timeout=30)
+        stdout, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr_tail()
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    report = json.loads(open(summary["report"]).read())
+    s = report["fillin"]["sweep"]
+    assert s["trials"] == 2 and s["completed"] == 2 and s["paused"] >= 2 and s["resumed"] >= 2, s
+    assert s["best"]["config"] in ({"lr": 0.001, "warmup_steps": 0}, {"lr": 0.001, "warmup_steps": 4}), s
+    assert len(s["handback_seconds"]) == 2 and max(s["handback_seconds"]) <= handback + 1.0, s
+    assert handback < cfg["fillin"]["grace_s"], f"the sweep did not yield within its grace: {handback}s"
+    kinds = [json.loads(line) for line in open(os.path.join(cfg["run_dir"], "events.jsonl"))]
+    assert sum(1 for e in kinds if e["kind"] == "sweep_trial" and e["action"] == "paused") >= 2
+    print(f"\nsweep hand-back (claim -> GPUs free): {handback:.2f}s; per lease {s['handback_seconds']}")
