@@ -14,6 +14,11 @@ training restarts at full size (2) on the slots it takes back from Serve -- the 
   (report.json training.tokens_per_s, compute time of the kept steps). On this machine Serve's replicas
   and training share the same CPU cores (the GPU slots are logical), so the slowdown measured here is
   CPU contention an accelerator node would not have.
+- training_tokens_ratio_no_load: the same with Serve fill-in deployed and lent GPUs but no request sent
+  (load_rps 0, a third run): what Serve's processes and the arbiter cost training, apart from the load.
+- cpu_seconds: CPU seconds per process class over each run (psutil, sampled every second: Serve's
+  controller, proxy and replicas, the arbiter, training workers, Ray's own processes, the bench driver
+  with the HTTP load generator) -- where the machine's two cores went.
 """
 from __future__ import annotations
 
@@ -37,6 +42,66 @@ def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float) -> dict:
     }
 
 
+def _process_class(p, me: int) -> str | None:
+    import re
+    try:
+        cmd = " ".join(p.cmdline())
+    except Exception:  # noqa: BLE001 - it exited
+        return None
+    m = re.match(r"ray::([A-Za-z_]+)", cmd)
+    if m:
+        if m.group(1).startswith("ServeReplica"):
+            return "serve_replica:" + ("Generator" if "Generator" in cmd else "Ingress")
+        return m.group(1)
+    if "default_worker.py" in cmd:
+        return "worker (starting)"             # renamed ray::<Class> once it runs an actor or a task
+    if os.path.basename(cmd.split(" ", 1)[0]) in ("gcs_server", "raylet"):
+        return os.path.basename(cmd.split(" ", 1)[0])
+    for key in ("log_monitor.py", "monitor.py", "dashboard", "runtime_env"):   # Python processes by script
+        if key in cmd:
+            return key
+    return "bench driver (training driver, HTTP load)" if p.pid == me else "other"
+
+
+class CpuSampler:
+    """CPU seconds per process class of this process and everything it started, sampled every second."""
+
+    def __init__(self):
+        import threading
+        self.cpu: dict[int, float] = {}
+        self.cls: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="bench-cpu-sampler")
+
+    def _run(self) -> None:
+        import psutil
+        me = psutil.Process()
+        while not self._stop.wait(1.0):
+            for p in [me] + me.children(recursive=True):
+                try:
+                    c = _process_class(p, me.pid)    # again each time: a worker is renamed when it starts
+                    if c is None:
+                        continue
+                    t = p.cpu_times()
+                    self.cls[p.pid], self.cpu[p.pid] = c, t.user + t.system
+                except Exception:  # noqa: BLE001 - it exited between the listing and the read
+                    pass
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        out: dict[str, float] = {}
+        for pid, sec in self.cpu.items():
+            out[self.cls[pid]] = out.get(self.cls[pid], 0.0) + sec
+        return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
 def _kill_step(run_dir: str, at: float) -> int | None:
     """The step training had reached when the kill fired."""
     from spotfill.telemetry.events import read_events
@@ -44,16 +109,17 @@ def _kill_step(run_dir: str, at: float) -> int | None:
     return max(steps) if steps else None
 
 
-def _run(serve: bool, quick: bool, say, kill_at: int | None = None) -> dict:
+def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: float = 2.0) -> dict:
     # with fill-in the runner's timeline waits until Serve answers: the kill fires then (or at kill_at, if
     # later); the side without fill-in kills at the step the first side's kill met
     steps, default_kill = (1000, 40) if quick else (2000, 600)
     kill_at = kill_at or default_kill
     name = "fillin-serve" if serve else "fillin-off"
     out = tempfile.mkdtemp(prefix=f"spotfill-bench-{name}-")
-    say(f"{name}: {steps} steps, node 0 killed at step {kill_at}")
-    report = run_scenario(parse_scenario(_scenario(serve, steps, kill_at, 2.0), name), out, quiet=True,
-                          wait_for_fillin=serve)
+    say(f"{name}: {steps} steps, node 0 killed at step {kill_at}" + (f", load {load_rps:g} rps" if serve else ""))
+    with CpuSampler() as cpu:
+        report = run_scenario(parse_scenario(_scenario(serve, steps, kill_at, load_rps), name), out, quiet=True,
+                              wait_for_fillin=serve)
     tr = report["training"]
     fill = report.get("fillin") or {}
     return {"ok": report["ok"], "tokens_per_s": tr.get("tokens_per_s"), "steps": tr.get("steps_completed"),
@@ -62,7 +128,8 @@ def _run(serve: bool, quick: bool, say, kill_at: int | None = None) -> dict:
             "handback_seconds": fill.get("handback_seconds") or [], "leases": len(fill.get("leases") or []),
             "serve": fill.get("serve"), "seconds": report.get("seconds"), "run_dir": out,
             "kill_step": next((_kill_step(out, p["at"]) for p in report.get("preemptions") or []), None),
-            "invariants": {k: v["ok"] for k, v in (report.get("invariants") or {}).items()}}
+            "invariants": {k: v["ok"] for k, v in (report.get("invariants") or {}).items()},
+            "cpu_seconds": cpu.summary()}
 
 
 def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None) -> dict:
@@ -72,19 +139,25 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None) -> 
         f"{with_fill['tokens_per_s']} tokens/s")
     without = _run(False, quick, say, kill_at=with_fill["kill_step"])
     say(f"without fill-in: {without['tokens_per_s']} tokens/s")
-    a, b = with_fill["tokens_per_s"], without["tokens_per_s"]
+    no_load = _run(True, quick, say, kill_at=with_fill["kill_step"], load_rps=0.0)
+    say(f"with fill-in, no load: {no_load['tokens_per_s']} tokens/s")
+    a, b, c = with_fill["tokens_per_s"], without["tokens_per_s"], no_load["tokens_per_s"]
     hb = with_fill["handback_seconds"]
     return {"handback_s_max": max(hb) if hb else None, "handback_seconds": hb,
             "harvest_ratio": with_fill["harvest_ratio"],
             "training_tokens_s_with_fillin": a, "training_tokens_s_without": b,
             "training_tokens_ratio": round(a / b, 4) if a and b else None,
             "training_slowdown": round(1 - a / b, 4) if a and b else None,
+            "training_tokens_s_with_fillin_no_load": c,
+            "training_tokens_ratio_no_load": round(c / b, 4) if c and b else None,
+            "cpu_seconds": {"with_fillin": with_fill["cpu_seconds"], "without": without["cpu_seconds"],
+                            "with_fillin_no_load": no_load["cpu_seconds"]},
             "serve": with_fill["serve"], "leases": with_fill["leases"],
             "gpu_seconds_fillin": (with_fill["gpu_seconds"] or {}).get("fillin"),
             "world_size_timeline": {"with_fillin": with_fill["world_size_timeline"],
                                     "without": without["world_size_timeline"]},
-            "invariants_ok": with_fill["ok"] and without["ok"],
-            "runs": {"with_fillin": with_fill, "without": without},
+            "invariants_ok": with_fill["ok"] and without["ok"] and no_load["ok"],
+            "runs": {"with_fillin": with_fill, "without": without, "with_fillin_no_load": no_load},
             "notes": ["GPU slots are logical here: Serve's replicas and training share this machine's CPU "
                       "cores, so training_slowdown includes CPU contention a GPU node would not have"]}
 

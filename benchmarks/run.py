@@ -200,7 +200,8 @@ def summary(result: dict) -> str:
                   f"{mark('fillin.harvest_ratio')}",
                   f"  training {f['training_tokens_s_with_fillin']} tokens/s with fill-in vs "
                   f"{f['training_tokens_s_without']} without -> {f['training_tokens_ratio']} "
-                  f"{mark('fillin.training_tokens_ratio')} (Serve shares this machine's CPU cores)",
+                  f"{mark('fillin.training_tokens_ratio')} (Serve shares this machine's CPU cores); "
+                  f"{f.get('training_tokens_ratio_no_load')} with Serve deployed and no load",
                   f"  serve: {sv.get('requests_ok')} ok, {sv.get('requests_rejected_503')} x 503, "
                   f"{sv.get('requests_failed')} failed; p50 {sv.get('p50_ms')} ms, p99 {sv.get('p99_ms')} ms"]
     u = result.get("upload")

@@ -36,6 +36,9 @@ log = logging.getLogger("spotfill.serving")
 APP_NAME = "spotfill-serve"
 GENERATOR = "Generator"
 GRACEFUL = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 3.0}
+# autoscaling metrics from the replicas, not the Ingress's handle: with 0 replicas no queued-request metric
+# exists, so Serve's cold start never adds a replica the arbiter did not lend
+NO_HANDLE_METRICS = {"RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE": "0"}
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,10 @@ class ServeArgs:
     checkpoint: str = ""                 # a run's storage URI (file://, s3://); checkpoints/ inside
     model: str = "auto"                  # preset name, or auto (from the weights' shape)
     gpu_resource: str = "GPU_SLOT"       # "GPU" on a real cluster
-    replicas: int = 1                    # Generator replicas at deploy (>= 1, Serve's rule); the arbiter
-                                         # sets the count from then on
+    replicas: int = 1                    # Generator replicas at deploy: 1 for `serve run` alone; 0 under
+                                         # the fill-in arbiter, which sets the count (only its lends
+                                         # create replicas: no GPU request it did not grant)
+    max_replicas: int = 64               # with replicas 0: the most the arbiter may ask Serve for
     max_tokens: int = 64                 # cap on tokens per request
     max_generation_s: float = 1.5        # cap on seconds per request: below the 3 s shutdown grace
     reload_s: float = 2.0                # how often to look for a newer checkpoint
@@ -69,9 +74,11 @@ class ServeArgs:
         if not parsed.checkpoint:
             raise ConfigError("serving.app args checkpoint", reason="required",
                               accepted="a run's storage URI, e.g. file:///runs/demo or s3://bucket/run")
-        if parsed.replicas < 1:
+        if parsed.replicas < 0:
             raise ConfigError("serving.app args replicas", parsed.replicas,
-                              accepted="an integer >= 1 (Serve deploys at least one; the arbiter may scale to 0)")
+                              accepted="an integer >= 0 (0 under the fill-in arbiter, which sets the count)")
+        if parsed.max_replicas < 1:
+            raise ConfigError("serving.app args max_replicas", parsed.max_replicas, accepted="an integer >= 1")
         if parsed.max_generation_s >= GRACEFUL["graceful_shutdown_timeout_s"]:
             raise ConfigError("serving.app args max_generation_s", parsed.max_generation_s,
                               accepted=f"< graceful_shutdown_timeout_s={GRACEFUL['graceful_shutdown_timeout_s']}")
@@ -221,12 +228,33 @@ class Ingress:
         return {"replicas": self.live, "checkpoint": info}
 
 
+def keep_external_target(ctx):
+    """Serve autoscaling policy of the fill-in Generator: no decision of its own -- the replica count stays
+    what the arbiter set through the external scaler (Serve still scales a deployment with 0 running
+    replicas to 1 when requests wait for it; the Ingress answers 503 instead of forwarding then)."""
+    return ctx.target_num_replicas, {}
+
+
 def build(args: ServeArgs):
     """The application graph for these arguments."""
     actor = {"num_cpus": 0}
     actor.update({"num_gpus": 1} if args.gpu_resource == "GPU" else {"resources": {args.gpu_resource: 1}})
-    generator = Generator.options(num_replicas=args.replicas, ray_actor_options=actor).bind(args)
-    ingress = Ingress.options(ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}})
+    if args.replicas > 0:
+        generator = Generator.options(num_replicas=args.replicas, ray_actor_options=actor)
+    else:
+        # Serve refuses num_replicas=0 (Ray 2.60: .options() and the config schema want > 0); an autoscaling
+        # config may start at 0. Its policy keeps the count the external scaler (the arbiter) set. Serve's
+        # cold-start rule would still add a replica when requests wait at a handle while none runs: the
+        # handles report no such metric here (collected on the replicas), so none is added by Serve.
+        actor = {**actor, "runtime_env": {"env_vars": dict(NO_HANDLE_METRICS)}}
+        generator = Generator.options(ray_actor_options=actor, autoscaling_config={
+            "min_replicas": 0, "initial_replicas": 0, "max_replicas": args.max_replicas,
+            "policy": {"policy_function": keep_external_target}})
+    generator = generator.bind(args)
+    ingress_actor = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+    if args.replicas == 0:
+        ingress_actor["runtime_env"] = {"env_vars": dict(NO_HANDLE_METRICS)}
+    ingress = Ingress.options(ray_actor_options=ingress_actor)
     return ingress.bind(generator, args)
 
 

@@ -179,3 +179,8 @@ def test_builtin_autoscaling_demo_scenario_parses():
     assert sc.cluster.nodes == [] and {t.name for t in sc.cluster.node_types()} == {"gpu_spot", "gpu_ondemand"}
     assert not any(e.action == "add_node" for e in sc.events)        # the autoscaler brings the capacity
     assert AUTOSCALING_SCENARIO["training"] == DEFAULT_SCENARIO["training"]
+    # Serve fill-in runs on the story: node types of 3 slots leave 2 beyond training's max of 4 on 2 nodes
+    assert sc.fillin.serve_enabled and not sc.fillin.serve["launch_nodes"]
+    assert sc.cluster.autoscaler["max_workers"] * min(t.gpus for t in sc.cluster.node_types()) > sc.training.max_workers
+    # the quick demo (140 steps) fires every story event
+    assert all(e.at_step is not None and e.at_step < 140 for e in sc.events)

@@ -3,7 +3,8 @@ drains, rebuild after an arbiter restart. Time is a fake clock (plain floats).""
 import pytest
 
 from spotfill.fillin.policy import (Holding, Lease, Node, Snapshot, TrainingJob, decide_claim, decide_lend,
-                                    lendable, ownership, rebuild_leases, reconcile)
+                                    lendable, ownership, rebuild_leases, reclaim_off_hosts, reconcile,
+                                    training_hosts)
 
 T0 = 1000.0
 
@@ -130,3 +131,31 @@ def test_training_waiting_below_min_lends_then_claims_back_when_capacity_returns
 def test_ownership_splits_each_node():
     snap = Snapshot((Node("a", 4, 1),), (), (lease("s1", "serve", "a"), lease("s2", "serve", "a", reclaiming=1.0)))
     assert ownership(snap) == {"a": {"total": 4, "idle": 1, "training": 1, "serve": 1, "reclaiming": 1}}
+
+
+# -- an autoscaled cluster: fill-in lends only on nodes training uses, and gives the others back ----------
+def test_training_hosts_follow_where_training_ran_within_the_idle_time():
+    seen = {"a": T0 - 1.0, "b": T0 - 4.0, "c": T0 - 11.0}
+    assert training_hosts(seen, T0, idle_s=5.0) == frozenset({"a", "b"})
+    assert training_hosts(seen, T0 + 20.0, idle_s=5.0) == frozenset()      # training ended: no host left
+    assert training_hosts({}, T0, idle_s=5.0) == frozenset()
+
+
+def test_autoscaled_cluster_lends_only_on_training_hosts_and_says_why():
+    nodes = (Node("a", 3, 1), Node("b", 3, 3))          # training runs 2 on a (its max); b is free, unused
+    job = TrainingJob("j", 1, 2, current_workers=2)
+    assert lendable(Snapshot(nodes, (job,))) == {"a": 1, "b": 3}                  # a static cluster: both
+    assert lendable(Snapshot(nodes, (job,), hosts=frozenset({"a"}))) == {"a": 1}
+    (refused,) = decide_lend(Snapshot(nodes, (job,), hosts=frozenset()), "serve:x", "serve", 1, T0)
+    assert refused.action == "refuse" and "nodes training does not use" in refused.reason
+
+
+def test_leases_on_nodes_training_left_are_reclaimed_for_scale_down():
+    nodes = (Node("a", 2, 0), Node("b", 2, 1), Node("c", 2, 1, draining=True), Node("d", 2, 1, alive=False))
+    leases = (lease("l1", "serve", "a"), lease("l2", "serve", "b"), lease("l3", "serve", "b", reclaiming=T0 - 1),
+              lease("l4", "serve", "c"), lease("l5", "serve", "d"))
+    got = reclaim_off_hosts(Snapshot(nodes, (), leases, hosts=frozenset({"a"})), T0, idle_s=5.0)
+    # b: the open lease (l3 is already going); c is draining and d is dead: reconcile() handles those
+    assert [(d.action, d.lease_id, d.deadline) for d in got] == [("reclaim", "l2", T0 + 3.0)]
+    assert "no training on the node for 5s" in got[0].reason
+    assert reclaim_off_hosts(Snapshot(nodes, (), leases), T0, idle_s=5.0) == ()   # static cluster: nothing

@@ -35,7 +35,8 @@ def test_unknown_top_level_key():
 
 def test_serve_fillin_parses_with_defaults():
     s = parse_scenario({"fillin": {"serve": {"enabled": True}}})
-    assert s.fillin.serve_enabled and s.fillin.serve == {"enabled": True, "load_rps": 2.0, "max_replicas": None}
+    assert s.fillin.serve_enabled and s.fillin.serve == {"enabled": True, "load_rps": 2.0, "max_replicas": None,
+                                                                "launch_nodes": False}
     assert not parse_scenario({}).fillin.serve_enabled
     assert parse_scenario(DEFAULT_SCENARIO).fillin.serve["load_rps"] == 2
 
@@ -68,7 +69,8 @@ def test_bad_batch_fillin_or_reclaim_order_names_the_field(fillin, field):
 
 
 @pytest.mark.parametrize("serve, field", [
-    ({"enabled": True, "load_rps": 0}, "fillin.serve.load_rps"),
+    ({"enabled": True, "load_rps": -1}, "fillin.serve.load_rps"),
+    ({"enabled": True, "launch_nodes": "yes"}, "fillin.serve.launch_nodes"),
     ({"enabled": True, "load_rps": "fast"}, "fillin.serve.load_rps"),
     ({"enabled": "yes"}, "fillin.serve.enabled"),
     ({"enabled": True, "max_replicas": 0}, "fillin.serve.max_replicas"),

@@ -21,7 +21,8 @@ import time
 from dataclasses import replace
 
 from spotfill.fillin.policy import (DEFAULT_ORDER, Decision, DecisionLog, Lease, Node, Snapshot, TrainingJob,
-                                    decide_claim, decide_lend, ownership, rebuild_leases, reconcile)
+                                    decide_claim, decide_lend, ownership, rebuild_leases, reclaim_off_hosts,
+                                    reconcile, training_hosts)
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
 from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
 from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
@@ -31,7 +32,13 @@ ARBITER_NAME = "spotfill-arbiter"
 NAMESPACE = "spotfill"
 CLAIM_HOLD_S = 30.0        # freed GPUs stay reserved for the claiming job this long (its group takes them)
 START_PATIENCE_S = 30.0    # a replica asked for but not running after this long: stop asking for it
-RESOURCE_VIEW_LAG_S = 3.0  # a stopped replica's GPU shows as available within this (GCS resource view)
+PLACE_PATIENCE_S = 10.0    # autoscaled cluster, launch_nodes off: a replica not placed after this long is
+                           # taken back; at once when the autoscaler reports it as demand (it would launch a
+                           # node for it) -- a replica whose worker process is still starting is not demand
+IDLE_RECLAIM_S = 10.0      # autoscaled cluster: leases on a node training left this long ago are reclaimed
+RESTART_GRACE_S = 120.0    # ... not while a registered job restarts (no training anywhere) for up to this
+RESOURCE_VIEW_LAG_S = 8.0  # a stopped replica's GPU shows as available within this (GCS resource view; on
+                           # a loaded 2-core machine 3 s was measured too short: the claim came back short)
 RAYLET_PROBE_S = 0.5       # a live raylet answers a loopback/local-network connect in milliseconds
 FORCE_MARGIN_S = 1.0       # a job tenant still holding a reclaimed unit this long after its grace: forced
 TENANT_TYPES = {"serve": (ServeTenant, ServeTenantSpec), "job": (JobTenant, JobTenantSpec)}
@@ -39,15 +46,28 @@ TENANT_TYPES = {"serve": (ServeTenant, ServeTenantSpec), "job": (JobTenant, JobT
 
 class Arbiter:
     def __init__(self, gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,
-                 state_path: str | None = None, interval_s: float = 1.0, dashboard_url: str | None = None):
+                 state_path: str | None = None, interval_s: float = 1.0, dashboard_url: str | None = None,
+                 autoscaled: bool = False, launch_nodes: bool = False, idle_reclaim_s: float = IDLE_RECLAIM_S):
         logging.basicConfig(level=logging.INFO)
         self.gpu_resource, self.order, self.interval_s = gpu_resource, tuple(order), interval_s
         self.dashboard_url = dashboard_url                    # to stop a job tenant that does not yield
         self.forced: dict[str, float] = {}                    # job tenant -> when it was last forced
+        # autoscaled cluster: lend only on nodes training uses, reclaim from nodes training left (so idle
+        # nodes scale down), and never leave a replica pending (demand the autoscaler would buy a node
+        # for) -- unless the user allowed fill-in to launch nodes (launch_nodes)
+        self.autoscaled, self.launch_nodes = bool(autoscaled), bool(launch_nodes)
+        self.idle_reclaim_s = float(idle_reclaim_s)
+        self.training_gpus = 0                                # GPUs in use that no lease holds (last tick)
+        self.training_seen: dict[str, float] = {}             # node id -> last time training held GPUs on it
+        self.training_anywhere = 0.0                          # last time training held GPUs on any node
+        self.lease_ended_on: dict[str, float] = {}            # node id -> last time a lease on it ended
         self.state_path = state_path or os.path.join(tempfile.gettempdir(), "spotfill-arbiter", "state.json")
         self.lock = threading.RLock()
         self.jobs: dict[str, TrainingJob] = {}
-        self.pending: dict[str, tuple[int, float]] = {}      # job -> (GPUs claimed, hold until)
+        # job -> (GPUs of its new group, hold until): free and reclaimed GPUs stay reserved for the claiming
+        # job until its new group holds them all (or the hold ends) -- a start, restart or grow places the
+        # whole group, so the hold is the group's size, not just what the claim had to free
+        self.pending: dict[str, tuple[int, float]] = {}
         self.tenants: dict[str, ServeTenant | JobTenant] = {}
         self.asked_at: dict[str, float] = {}                  # tenant -> when it was last scaled up
         self.leases: tuple[Lease, ...] = ()
@@ -208,8 +228,45 @@ class Arbiter:
         for job, (_, until) in list(self.pending.items()):
             if now > until:
                 del self.pending[job]
-        jobs = tuple(replace(j, pending_gpus=self.pending.get(j.job, (0, 0))[0]) for j in self.jobs.values())
-        return Snapshot(tuple(nodes), jobs, self.leases)
+        self.training_gpus = sum(row["training"] for row in ownership(Snapshot(
+            tuple(n for n in nodes if n.alive), (), self.leases)).values())
+        jobs = tuple(replace(j, pending_gpus=self._still_pending(j.job)) for j in self.jobs.values())
+        snap = Snapshot(tuple(nodes), jobs, self.leases)
+        if self.autoscaled and not self.launch_nodes:
+            snap = replace(snap, hosts=self._hosts(snap, before, now))
+        return snap
+
+    def _still_pending(self, job: str) -> int:
+        """GPUs held for `job`'s new group that it does not hold yet: the group's size minus the GPUs in use
+        that no lease holds, less what the other registered jobs run (with one job: all of training's)."""
+        held, _ = self.pending.get(job, (0, 0.0))
+        others = sum(j.running * j.gpus_per_worker for j in self.jobs.values() if j.job != job)
+        return max(0, held - max(0, self.training_gpus - others))
+
+    def _hosts(self, snap: Snapshot, before: dict, now: float) -> frozenset[str]:
+        """Nodes training used within idle_reclaim_s (fill-in lends only there). GPUs in use that no lease
+        holds are training's -- except just after a lease on the node ended: Ray's resource view still
+        shows the stopped replica's GPU in use for a moment, which must not make the node look used."""
+        current = {le.lease_id for le in snap.leases}
+        for le in before.values():
+            if le.lease_id not in current:
+                self.lease_ended_on[le.node_id] = now
+        alive = {n.node_id for n in snap.nodes if n.alive}
+        if self.jobs:
+            for node_id, row in ownership(snap).items():
+                if row["training"] > 0 and now - self.lease_ended_on.get(node_id, 0.0) > RESOURCE_VIEW_LAG_S:
+                    self.training_seen[node_id] = now
+                    self.training_anywhere = now
+            # a registered job whose group is down or being placed (a restart, a grow) has not left its
+            # nodes: their leases wait for its claim (a hand-back), not for the idle rule -- for at most
+            # RESTART_GRACE_S without training anywhere (a job that ended unreleased lets go then)
+            between = self.training_gpus == 0 or any(self._still_pending(j) for j in self.jobs)
+            if between and now - self.training_anywhere <= RESTART_GRACE_S:
+                for node_id in self.training_seen:
+                    if node_id in alive:
+                        self.training_seen[node_id] = now
+        self.training_seen = {k: v for k, v in self.training_seen.items() if k in alive}
+        return training_hosts(self.training_seen, now, self.idle_reclaim_s)
 
     @staticmethod
     def _holdings(tenant: ServeTenant):
@@ -246,6 +303,7 @@ class Arbiter:
             snap = self._snapshot(now)
             drains = [d for d in reconcile(snap, now) if d.action == "reclaim"]
             self._apply_reclaims(drains, now, cause="node_draining")
+            self._apply_reclaims(reclaim_off_hosts(snap, now, self.idle_reclaim_s), now, cause="node_idle")
             self._force_overdue(snap, now)
             if not self.claims_in_flight:
                 for tenant in self.tenants.values():
@@ -260,13 +318,26 @@ class Arbiter:
         if first:
             tenant.target = held
         if tenant.target > held:               # replicas still starting: wait for them, not twice
-            if now - self.asked_at.get(tenant.tenant, now) < START_PATIENCE_S:
+            guard = self.autoscaled and not self.launch_nodes
+            patience = PLACE_PATIENCE_S if guard else START_PATIENCE_S
+            demand = guard and self._replica_is_demand(spec)
+            if not demand and now - self.asked_at.get(tenant.tenant, now) < patience:
                 return
             self._record([Decision("refuse", tenant.tenant, (tenant.target - held) * spec.gpus_per_replica,
-                                   at=now, reason=f"replicas not placed within {START_PATIENCE_S:.0f}s; "
-                                                  f"asking for {held} instead of {tenant.target}")])
+                                   at=now, reason=(
+                                       "a replica waits for a GPU: the autoscaler sees it as demand and would "
+                                       "launch a node (launch_nodes is off)" if demand else
+                                       f"replicas not placed within {patience:g}s")
+                                   + f"; asking for {held} instead of {tenant.target}")])
             tenant.set_replicas(held)
             return
+        if held > tenant.target and isinstance(tenant, ServeTenant) and now - self.asked_at.get(
+                tenant.tenant, 0.0) >= START_PATIENCE_S and not any(
+                le.reclaiming_since and now - le.reclaiming_since < le.grace_s + 1.0 for le in snap.leases
+                if le.tenant == tenant.tenant):
+            # Serve runs more replicas than the arbiter set (its own autoscaling added one): ask again
+            tenant.set_replicas(tenant.target)
+            self.asked_at[tenant.tenant] = now
         wanted = (tenant.wanted_units - tenant.target) * spec.gpus_per_replica
         if wanted <= 0:
             if first and not tenant.set_replicas(held):
@@ -274,12 +345,33 @@ class Arbiter:
             return
         lends = [d for d in decide_lend(snap, tenant.tenant, spec.kind, wanted, now, grace_s=spec.grace_s)
                  if d.action == "lend"]
+        if not lends and self.autoscaled and self.launch_nodes and \
+                now - self.asked_at.get(tenant.tenant, 0.0) >= START_PATIENCE_S:
+            # the user allowed fill-in to grow the cluster: one more replica, pending until the autoscaler
+            # launches a node for it (training still reclaims it first)
+            lends = [Decision("lend", tenant.tenant, spec.gpus_per_replica, at=now, reason=(
+                "launch_nodes: nothing lendable on the nodes up; a pending replica asks the autoscaler "
+                "for a node"))]
         replicas = sum(d.gpus for d in lends) // spec.gpus_per_replica
         if replicas and tenant.set_replicas(tenant.target + replicas):
             self.asked_at[tenant.tenant] = now
             self._record(lends)
         elif first and not tenant.set_replicas(held):
             tenant.target = None               # Serve not reachable yet: take over on a later tick
+
+    def _replica_is_demand(self, spec) -> bool:
+        """Does the autoscaler see a replica-shaped request ({gpu_resource: N}, no CPU) waiting for
+        resources? (Training asks in CPU+GPU bundles; Serve's Generator replica asks for the GPU alone.)"""
+        import ray
+        from ray.autoscaler.v2.sdk import get_cluster_status
+        try:
+            status = get_cluster_status(ray.get_runtime_context().gcs_address)
+        except Exception as exc:  # noqa: BLE001 - no answer: the patience rule still applies
+            log.warning("fill-in: cannot read the autoscaler's demand: %s", exc)
+            return False
+        shape = {self.gpu_resource: float(spec.gpus_per_replica)}
+        return any(dict(b.bundle) == shape for d in status.resource_demands.ray_task_actor_demand
+                   for b in d.bundles_by_count)
 
     def _force_overdue(self, snap: Snapshot, now: float) -> None:
         """A job tenant still holding a reclaimed unit past its grace is stopped (once per grace)."""
@@ -330,7 +422,7 @@ class Arbiter:
             own = min(sum(row["training"] for row in ownership(snap).values()),
                       prev.running * prev.gpus_per_worker if prev else 0)
             wanted = max(0, int(gpus) - own)
-        reclaimed: list[str] = []
+        reclaimed: list[tuple[str, int]] = []     # (lease id, GPUs)
         settled_at = None          # when no reclaimed lease was left: Ray's resource view may lag the stop
         try:
             while True:
@@ -339,7 +431,7 @@ class Arbiter:
                     plan = decide_claim(self._snapshot(now), job, wanted, gpw, now, self.order)
                     new = [d for d in plan.reclaims if d.lease_id not in self.reclaiming]
                     self._apply_reclaims(new, now, job=job, requested_at=started)
-                    reclaimed += [d.lease_id for d in new]
+                    reclaimed += [(d.lease_id, d.gpus) for d in new]
                     pending = any(le.reclaiming_since for le in self.leases)
                 if plan.free_now >= wanted or time.monotonic() - t0 > deadline_s:
                     break
@@ -365,8 +457,11 @@ class Arbiter:
                 int(max_workers or (prev.max_workers if prev else max(1, gpus // gpw))),
                 current_workers=max(1, int(gpus) // gpw), gpus_per_worker=gpw)
             held, until = self.pending.get(job, (0, 0.0))
-            # a later claim of the same start (Ray Train may ask again) never shrinks what is held for it
-            self.pending[job] = (max(min(wanted, plan.free_now), held if until > now else 0), now + CLAIM_HOLD_S)
+            # the whole new group stays held until it holds its GPUs: a claim that came back short (Ray's
+            # resource view lags a stopped replica) must not see the reclaimed GPUs lent again, nor a grow
+            # see the old group's GPUs lent while the group restarts larger. A later claim of the same start
+            # (Ray Train may ask again) never shrinks what is held for it.
+            self.pending[job] = (max(int(gpus), held if until > now else 0), now + CLAIM_HOLD_S)
             why = (f"{plan.free_now} of {wanted} needed GPU(s) free after {waited:.2f}s"
                    + (f", {len(reclaimed)} lease(s) reclaimed" if reclaimed else "")
                    + ("" if ok else f"; short by {wanted - plan.free_now} (deadline or nothing left to reclaim)"))
@@ -377,7 +472,7 @@ class Arbiter:
                                        "gpus": wanted, "ok": ok, "at": now})
             self._save()
         return {"ok": ok, "job": job, "gpus": int(gpus), "needed": wanted, "free": plan.free_now,
-                "reclaimed": reclaimed, "waited_s": round(waited, 3), "reason": why}
+                "reclaimed": [lease_id for lease_id, _ in reclaimed], "waited_s": round(waited, 3), "reason": why}
 
     # -- reading ----------------------------------------------------------------------------------------
     def status(self, last: int = 20) -> dict:
@@ -427,8 +522,12 @@ class Arbiter:
 
 
 def ensure_arbiter(gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,
-                   state_path: str | None = None, runtime_env: dict | None = None, dashboard_url: str | None = None):
-    """The arbiter actor: found by name, else started detached on the head node (0 CPUs)."""
+                   state_path: str | None = None, runtime_env: dict | None = None, dashboard_url: str | None = None,
+                   autoscaled: bool = False, launch_nodes: bool = False, idle_reclaim_s: float = IDLE_RECLAIM_S):
+    """The arbiter actor: found by name, else started detached on the head node (0 CPUs). `autoscaled`:
+    the cluster is scaled by Ray's autoscaler -- fill-in lends only on nodes training uses, gives a node
+    back idle_reclaim_s after training left it, and never leaves a replica pending (autoscaler demand)
+    unless `launch_nodes` (the user allows fill-in to make the autoscaler launch nodes)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -441,7 +540,8 @@ def ensure_arbiter(gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFA
     if runtime_env:
         options["runtime_env"] = runtime_env
     handle = ray.remote(Arbiter).options(**options).remote(gpu_resource, tuple(order), state_path,
-                                                                dashboard_url=dashboard_url)
+                                                           dashboard_url=dashboard_url, autoscaled=autoscaled,
+                                                           launch_nodes=launch_nodes, idle_reclaim_s=idle_reclaim_s)
     ray.get(handle.ping.remote(), timeout=60)
     return handle
 

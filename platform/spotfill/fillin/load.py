@@ -66,6 +66,8 @@ class ServeLoad:
         return self
 
     def _run(self) -> None:
+        if self.rps <= 0:          # load_rps 0: Serve deployed and lent GPUs, no request sent
+            return
         period, n, t0 = 1.0 / self.rps, 0, time.monotonic()
         while not self._stop.is_set():
             if self._slots.acquire(blocking=False):

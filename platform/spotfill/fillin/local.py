@@ -28,10 +28,33 @@ def runtime_env() -> dict:
     return {"env_vars": env}
 
 
+# Serve places a replica on the node it fits best (the fewest GPUs left: a lent fragment on a small node before
+# a node whose free GPUs training may still take as a whole group), not spread over the emptiest nodes
+SERVE_CONTROLLER_ENV = {"RAY_SERVE_USE_PACK_SCHEDULING_STRATEGY": "1"}
+
+
+def serve_controller_env(gpu_resource: str = "GPU") -> dict:
+    """The Serve controller's environment for fill-in: pack replicas, best fit by GPUs first (a custom GPU
+    resource such as GPU_SLOT is ranked first too; Serve ranks GPU, CPU, memory, then custom ones)."""
+    env = dict(SERVE_CONTROLLER_ENV)
+    if gpu_resource != "GPU":
+        env["RAY_SERVE_HIGH_PRIORITY_CUSTOM_RESOURCES"] = gpu_resource
+    return env
+
+
+def start_serve(port: int, gpu_resource: str = "GPU") -> None:
+    """Serve's controller and HTTP proxy (on the head, 127.0.0.1:`port`), packing replicas."""
+    from ray import serve
+    serve.start(http_options={"host": "127.0.0.1", "port": int(port), "location": "HeadOnly"},
+                controller_options={"runtime_env": {"env_vars": serve_controller_env(gpu_resource)}})
+
+
 def deploy_serve(checkpoint: str, *, port: int, dashboard_url: str, gpu_resource: str = "GPU_SLOT",
-                 max_replicas: int = 2, arbiter=None, **serve_args) -> dict:
-    """Deploy the generation app (1 Generator replica: Serve's minimum at deploy) on HTTP 127.0.0.1:`port` and register it with
-    the arbiter (started if absent), which then lends it GPUs. Returns {"url", "arbiter"}."""
+                 max_replicas: int = 2, arbiter=None, replicas: int = 1, **serve_args) -> dict:
+    """Deploy the generation app on HTTP 127.0.0.1:`port` and register it with the arbiter (started if
+    absent), which adopts the `replicas` Serve deployed and lends GPUs. `replicas=0` (an autoscaled
+    cluster): only the arbiter's lends create replicas, so Serve never asks for a GPU the arbiter did not
+    lend -- no demand the autoscaler would buy a node for. Returns {"url", "arbiter"}."""
     import sys
 
     import ray
@@ -43,8 +66,9 @@ def deploy_serve(checkpoint: str, *, port: int, dashboard_url: str, gpu_resource
     from serving.app import APP_NAME, GENERATOR, GRACEFUL, ServeArgs, build
     from spotfill.fillin.arbiter import ensure_arbiter
 
-    args = ServeArgs.parse({"checkpoint": checkpoint, "gpu_resource": gpu_resource, "replicas": 1, **serve_args})
-    serve.start(http_options={"host": "127.0.0.1", "port": int(port), "location": "HeadOnly"})
+    args = ServeArgs.parse({"checkpoint": checkpoint, "gpu_resource": gpu_resource, "replicas": int(replicas),
+                            "max_replicas": max(1, int(max_replicas)), **serve_args})
+    start_serve(port, gpu_resource)
     serve.run(build(args), name=APP_NAME, route_prefix="/", blocking=False, external_scaler_enabled=True)
     arbiter = arbiter or ensure_arbiter(gpu_resource, runtime_env=runtime_env())
     ray.get(arbiter.register_tenant.remote({

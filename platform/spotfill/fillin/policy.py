@@ -62,6 +62,9 @@ class Snapshot:
     nodes: tuple[Node, ...] = ()
     jobs: tuple[TrainingJob, ...] = ()
     leases: tuple[Lease, ...] = ()
+    # nodes fill-in may lend on (None: every node). On an autoscaled cluster only nodes training uses
+    # (training_hosts): a lease on a node with no training would keep it from scaling down
+    hosts: frozenset[str] | None = None
 
     def node(self, node_id: str) -> Node | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
@@ -152,10 +155,31 @@ def reserved_for_training(snap: Snapshot) -> tuple[dict[str, int], list[str]]:
 
 
 def lendable(snap: Snapshot) -> dict[str, int]:
-    """Free GPUs per node that training cannot use now."""
+    """Free GPUs per node that training cannot use now (on the snapshot's hosts only)."""
     reserved, _ = reserved_for_training(snap)
     return {n.node_id: n.free_gpus - reserved.get(n.node_id, 0) for n in _usable_nodes(snap)
-            if n.free_gpus - reserved.get(n.node_id, 0) > 0}
+            if n.free_gpus - reserved.get(n.node_id, 0) > 0 and (snap.hosts is None or n.node_id in snap.hosts)}
+
+
+def training_hosts(training_seen: dict[str, float], now: float, idle_s: float) -> frozenset[str]:
+    """Nodes fill-in may lend on when the cluster autoscales: those where training held GPUs within the
+    last `idle_s` seconds (`training_seen`: node -> last time it did). A restart's gap shorter than
+    `idle_s` keeps a node a host; a node training left for longer is given back to the autoscaler."""
+    return frozenset(node for node, t in training_seen.items() if now - t <= idle_s)
+
+
+def reclaim_off_hosts(snap: Snapshot, now: float, idle_s: float) -> tuple[Decision, ...]:
+    """On an autoscaled cluster, leases on nodes that are no longer hosts (no training there for `idle_s`,
+    e.g. training ended) are reclaimed, so the node goes idle and the autoscaler can remove it."""
+    if snap.hosts is None:
+        return ()
+    return tuple(
+        Decision("reclaim", le.tenant, le.gpus, at=now, node_id=le.node_id, lease_id=le.lease_id,
+                 deadline=now + le.grace_s,
+                 reason=f"no training on the node for {idle_s:g}s: given back so the autoscaler can "
+                        f"scale the idle node down")
+        for le in snap.leases if le.reclaiming_since is None and le.node_id not in snap.hosts
+        and (node := snap.node(le.node_id)) is not None and node.alive and not node.draining)
 
 
 def ownership(snap: Snapshot) -> dict[str, dict[str, int]]:
@@ -190,6 +214,11 @@ def decide_lend(snap: Snapshot, tenant: str, kind: str, wanted: int, now: float,
                                          f"use now; {method} reclaim, grace {grace_s:g}s"))
     if not decisions:
         _, why = reserved_for_training(snap)
+        if snap.hosts is not None:
+            off = sum(n.free_gpus for n in _usable_nodes(snap) if n.node_id not in snap.hosts)
+            if off:
+                why.append(f"{off} free GPU(s) on nodes training does not use (autoscaled cluster: fill-in "
+                           f"neither keeps a node from scaling down nor makes the autoscaler launch one)")
         decisions.append(Decision("refuse", tenant, 0, at=now, reason="nothing lendable: " + (
             "; ".join(why) if why and any(n.free_gpus for n in snap.nodes) else "no free GPUs")))
     return tuple(decisions)

@@ -191,6 +191,8 @@ def ensure_arbiter(scenario, name: str, out_dir: str, env: dict):
     from spotfill.fillin.arbiter import ensure_arbiter as ensure
     t = scenario.training
     arbiter = ensure(scenario.cluster.gpu_resource, order=tuple(scenario.fillin.reclaim_order),
-                     runtime_env={"env_vars": env}, state_path=os.path.join(out_dir, "arbiter", "state.json"))
+                     runtime_env={"env_vars": env}, state_path=os.path.join(out_dir, "arbiter", "state.json"),
+                     autoscaled=bool(scenario.cluster.autoscaler),       # same arbiter as Serve fill-in's
+                     launch_nodes=bool(scenario.fillin.serve.get("launch_nodes")))
     ray.get(arbiter.register_job.remote(name, t.min_workers, t.max_workers, 1), timeout=30)
     return arbiter

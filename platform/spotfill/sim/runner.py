@@ -152,6 +152,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         job.render_report = False          # rendered once below, with the scenario's sections
         if fillin:
             fillin.ready()
+        scale_down = None
         batch = fillin_batch.start(cluster, scenario, run_storage_uri(storage, name), name, out_dir, env, say,
                                    data_dir, corpus) if scenario.fillin.batch_enabled else None
         sweep = fillin_sweep.start(cluster, scenario, name, out_dir, env, say, data_dir) \
@@ -161,6 +162,9 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
             report = _drive(cluster, scenario, job, s3, say, view.feed if view is not None else None,
                             on_first_step=(lambda: [f() for f in firsts]) if firsts else None,
                             gate=fillin.serving if fillin and wait_for_fillin else None)
+            if scenario.cluster.autoscaler:
+                # with Serve fill-in still deployed and under load: what it holds must not keep a node alive
+                scale_down = _await_scale_down(cluster, scenario, say)
         finally:
             serve_report = fillin.stop() if fillin else None
             batch_report = batch.stop() if batch else None
@@ -176,8 +180,8 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
                 f"{serve_report['requests_ok']} ok, {serve_report['requests_rejected_503']} rejected at once "
                 f"with 503, {failed} failed"}
             report["ok"] = report["ok"] and ok
-        if scenario.cluster.autoscaler:
-            report["autoscaler"]["scale_down"] = _await_scale_down(cluster, scenario, say)
+        if scale_down is not None:
+            report["autoscaler"]["scale_down"] = scale_down
         report["cluster"] = cluster.node_report()
         if scenario.cluster.autoscaler:
             from spotfill.sim.nodes import autoscaler_invariants
@@ -223,10 +227,11 @@ def run_storage_uri(storage: str, name: str) -> str:
 
 
 class ServeFillin:
-    """Serve fill-in for a scenario: the capacity arbiter (started and told about the training job before
-    training starts: GPUs training may grow into are never lent), then -- once training's first worker group
-    is placed, so the scenario's node events meet training where the timeline says -- the Serve generation
-    app (reading this run's checkpoints) and a steady HTTP load on it until training ends."""
+    """Serve fill-in for a scenario: the capacity arbiter (told about the training job before training
+    starts: GPUs training may grow into are never lent), the Serve generation app (reading this run's
+    checkpoints) deployed with 0 replicas -- only the arbiter's lends create replicas -- at the scenario's
+    start on an autoscaled cluster, else on training's first step, and a steady HTTP load on it until
+    training ends (on an autoscaled cluster: until the scale-down is over)."""
 
     def __init__(self, cluster, scenario: Scenario, storage: str, name: str, out_dir: str, env: dict, say):
         import socket
@@ -241,23 +246,32 @@ class ServeFillin:
         self.load = None
         self.error: str | None = None
         self._thread: threading.Thread | None = None
-        # the arbiter and Serve's controller and proxy come up while the data is prepared (on a small
-        # machine they take tens of seconds); the app itself is deployed on training's first step
+        # the arbiter, Serve's controller and proxy, and the app come up while the data is prepared (on a
+        # small machine they take tens of seconds)
         self._prestart = threading.Thread(target=self._prestart_run, name="serve-fillin-prestart", daemon=True)
         self._prestart.start()
+        # on an autoscaled cluster the app is deployed at once (no GPU node exists before training's request
+        # launches them); on fixed nodes on training's first step, so that training's first group is placed
+        # before Serve's replicas take the spare GPUs (a run that deployed at once here hung, not diagnosed)
+        if scenario.cluster.autoscaler:
+            self.start()
 
     def _prestart_run(self) -> None:
         import ray
-        from ray import serve
 
-        from spotfill.fillin.arbiter import ensure_arbiter
+        from spotfill.fillin.arbiter import IDLE_RECLAIM_S, ensure_arbiter
+        from spotfill.fillin.local import start_serve
         t = self.scenario.training
         try:
+            autoscaler = self.scenario.cluster.autoscaler
             self.arbiter = ensure_arbiter(self.scenario.cluster.gpu_resource, runtime_env={"env_vars": self.env},
                                           order=tuple(self.scenario.fillin.reclaim_order),
-                                          state_path=os.path.join(self.out_dir, "arbiter", "state.json"))
+                                          state_path=os.path.join(self.out_dir, "arbiter", "state.json"),
+                                          autoscaled=bool(autoscaler),
+                                          launch_nodes=bool(self.scenario.fillin.serve.get("launch_nodes")),
+                                          idle_reclaim_s=IDLE_RECLAIM_S)
             ray.get(self.arbiter.register_job.remote(self.name, t.min_workers, t.max_workers, 1), timeout=30)
-            serve.start(http_options={"host": "127.0.0.1", "port": self.port, "location": "HeadOnly"})
+            start_serve(self.port, self.scenario.cluster.gpu_resource)
         except Exception as exc:  # noqa: BLE001 - reported, and the run is not ok
             self.error = f"serve fill-in did not start: {type(exc).__name__}: {exc}"
             log.exception("serve fill-in prestart failed")
@@ -276,14 +290,16 @@ class ServeFillin:
         from spotfill.fillin.load import ServeLoad
         from spotfill.fillin.local import deploy_serve
         spec = self.scenario.fillin.serve
-        total = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes)
+        total = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes) + sum(   # + what may be launched
+            t.gpus * t.max_workers for t in self.scenario.cluster.node_types())
         self.ready()
         if self.error:
             return
         try:
             out = deploy_serve(self.uri, port=self.port, dashboard_url=self.cluster.cluster.webui_url,
                                gpu_resource=self.scenario.cluster.gpu_resource,
-                               max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16)
+                               max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16,
+                               replicas=0 if self.scenario.cluster.autoscaler else 1)
             self.serving_since = time.time()
             self.load = ServeLoad(out["url"], spec["load_rps"]).start()
             self.say(f"serve fill-in: generation app on {out['url']} (replicas only on GPUs training leaves "
@@ -339,7 +355,6 @@ def _await_scale_down(cluster, scenario: Scenario, say) -> dict:
     keep = sum(t.min_workers for t in scenario.cluster.node_types())
     wait_s = float(spec.get("idle_timeout_s", 10)) * 3 + 30
     t0 = time.time()
-    left = cluster.leftovers()
     say(f"training done; waiting for the autoscaler to remove idle nodes (idle timeout "
         f"{spec.get('idle_timeout_s', 10):g}s, keeping min_workers {keep})")
     while time.time() - t0 < wait_s:
@@ -348,6 +363,7 @@ def _await_scale_down(cluster, scenario: Scenario, say) -> dict:
             break
         time.sleep(0.5)
     remaining = cluster.worker_nodes()
+    left = cluster.leftovers()     # after the wait: Serve fill-in is still deployed (its replicas are gone)
     out = {"seconds": round(time.time() - t0, 1), "nodes_left": len(remaining), "min_workers": keep,
            "request_after": cluster.resource_request(), **left}
     say(f"{len(remaining)} launched nodes left after {out['seconds']}s")

@@ -105,13 +105,15 @@ class ClusterSpec:
                 raise ConfigError(f"{path}.nodes[{i}].gpus", gpus, accepted="an integer >= 1")
 
 
-SERVE_KEYS = {"enabled": False, "load_rps": 2.0, "max_replicas": None}
+SERVE_KEYS = {"enabled": False, "load_rps": 2.0, "max_replicas": None, "launch_nodes": False}
 
 
 @dataclass
 class FillinSpec:
     """`fillin.serve`: Ray Serve generation on the GPUs training leaves spare, under a steady HTTP load of
-    `load_rps` requests per second for the whole scenario (`max_replicas`: default every GPU slot).
+    `load_rps` requests per second for the whole scenario (0: Serve deployed, no load; `max_replicas`:
+    default every GPU slot). `launch_nodes` (autoscaled clusters only, default false): let fill-in make the
+    autoscaler launch nodes for Serve; by default it never does (docs/cluster-lifecycle.md).
     `fillin.batch`, `fillin.sweep` and `fillin.reclaim_order`: sim/fillin_spec.py."""
     serve: dict = field(default_factory=dict)
     batch: dict = field(default_factory=dict)
@@ -129,11 +131,13 @@ class FillinSpec:
         if not isinstance(serve["enabled"], bool):
             raise ConfigError(f"{path}.serve.enabled", serve["enabled"], accepted="true or false")
         rps = serve["load_rps"]
-        if isinstance(rps, bool) or not isinstance(rps, (int, float)) or not 0 < rps <= 100:
-            raise ConfigError(f"{path}.serve.load_rps", rps, accepted="a number > 0 and <= 100")
+        if isinstance(rps, bool) or not isinstance(rps, (int, float)) or not 0 <= rps <= 100:
+            raise ConfigError(f"{path}.serve.load_rps", rps, accepted="a number >= 0 and <= 100")
         mr = serve["max_replicas"]
         if mr is not None and (isinstance(mr, bool) or not isinstance(mr, int) or mr < 1):
             raise ConfigError(f"{path}.serve.max_replicas", mr, accepted="an integer >= 1")
+        if not isinstance(serve["launch_nodes"], bool):
+            raise ConfigError(f"{path}.serve.launch_nodes", serve["launch_nodes"], accepted="true or false")
         self.serve = serve
         from spotfill.sim.fillin_spec import batch_spec, reclaim_order, sweep_spec
         self.batch = batch_spec(self.batch, f"{path}.batch")
@@ -330,22 +334,24 @@ def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 
     }
 
 
-# The default `spotfill demo` story on an autoscaling cluster: DEFAULT_SCENARIO's training (and anything
-# else it sets) on a head-only cluster that Ray's autoscaler (v2, fake multi-node provider) scales with
-# cluster.yaml-like spot and on-demand types. A spot notice takes node 1 and the autoscaler replaces it;
-# later a hard loss takes node 0. No node is added by the scenario.
+# The default `spotfill demo` story on an autoscaling cluster: DEFAULT_SCENARIO's training (and its Serve
+# fill-in) on a head-only cluster that Ray's autoscaler (v2, fake multi-node provider) scales with
+# cluster.yaml-like spot and on-demand types of 3 GPU slots. Training asks for 4 workers: the autoscaler
+# launches 2 nodes (6 slots), and the 2 slots beyond training's max on the nodes training uses are lent to
+# Serve (fill-in never makes the autoscaler launch a node, nor keeps one from scaling down). Training starts
+# on 3 workers on node 0 and grows onto node 1, where Serve gets the other 2 slots. A spot notice takes
+# node 1: Serve's replicas there are reclaimed at once, training restarts, and the autoscaler replaces the
+# node (Serve fills the new node's spare slots); later a hard loss takes node 0. The fake autoscaler's
+# replacement is up before training restarts, so training restarts on it, not on slots taken back from
+# Serve. No node is added by the scenario.
 AUTOSCALING_SCENARIO = {
     **DEFAULT_SCENARIO,
-    # No Serve fill-in on this story yet: with every launched slot inside training's max, a replica that
-    # started on a slot during the first grow kept training at 3 workers, and the min_world: 4 events never
-    # fired (measured on the merged tree). `spotfill demo --static` runs Serve fill-in on a spare slot.
-    "fillin": {},
     "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
         "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
-            "gpu_spot": {"gpus": 2, "market": "spot", "max_workers": 2, "priority": 10},
-            "gpu_ondemand": {"gpus": 2, "market": "on-demand", "max_workers": 1, "priority": 0}}}},
+            "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},
+            "gpu_ondemand": {"gpus": 3, "market": "on-demand", "max_workers": 1, "priority": 0}}}},
     "events": [
         {"at_step": 30, "min_world": 4, "action": "drain_node", "node": 1, "deadline_s": 10},
-        {"at_step": 150, "min_world": 4, "action": "kill_node", "node": 0},
+        {"at_step": 100, "min_world": 4, "action": "kill_node", "node": 0},
     ],
 }
