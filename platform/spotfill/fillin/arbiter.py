@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import replace
 
-from spotfill.fillin.policy import (DEFAULT_ORDER, Decision, DecisionLog, Lease, Node, Snapshot, TrainingJob,
+from spotfill.fillin.policy import (lendable, DEFAULT_ORDER, Decision, DecisionLog, Lease, Node, Snapshot, TrainingJob,
                                     decide_claim, decide_lend, ownership, rebuild_leases, reclaim_off_hosts,
                                     reconcile, training_hosts)
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
@@ -70,6 +70,7 @@ class Arbiter:
         self.pending: dict[str, tuple[int, float]] = {}
         self.tenants: dict[str, ServeTenant | JobTenant] = {}
         self.asked_at: dict[str, float] = {}                  # tenant -> when it was last scaled up
+        self.promised: dict[str, list[tuple[str, int]]] = {}   # tenant -> (node, GPUs) lent, not yet taken
         self.leases: tuple[Lease, ...] = ()
         self.reclaiming: dict[str, float] = {}                # lease id -> since
         self.decisions = DecisionLog()
@@ -306,12 +307,32 @@ class Arbiter:
             self._apply_reclaims(reclaim_off_hosts(snap, now, self.idle_reclaim_s), now, cause="node_idle")
             self._force_overdue(snap, now)
             if not self.claims_in_flight:
-                for tenant in self.tenants.values():
-                    self._grow(tenant, snap, now)
+                self._grow_all(snap, now)
             self._save()
             return {"leases": len(self.leases), "jobs": len(self.jobs)}
 
-    def _grow(self, tenant: ServeTenant, snap: Snapshot, now: float) -> None:
+    def _grow_all(self, snap: Snapshot, now: float) -> None:
+        """Lend to every tenant from one pool: GPUs lent but not taken yet (a replica or actor starting) are
+        not free to lend again, and tenants that hold least go first, each up to a fair share of what is
+        lendable now (a lone tenant takes it all)."""
+        held = {name: sum(1 for le in snap.leases if le.tenant == name) for name in self.tenants}
+        for name in list(self.promised):
+            t = self.tenants.get(name)
+            if t is None or t.target is None or t.target <= held.get(name, 0):
+                del self.promised[name]        # taken (or given up): Ray's view counts it now
+        snap = _minus_free(snap, [p for ps in self.promised.values() for p in ps])
+        spare = sum(lendable(snap).values())
+        hungry = [t for t in self.tenants.values()
+                  if t.target is None or t.target < t.wanted_units and t.target <= held[t.tenant]]
+        share = max(1, spare // max(1, len(hungry)))
+        for tenant in sorted(self.tenants.values(), key=lambda t: (held[t.tenant], t.tenant)):
+            lends = self._grow(tenant, snap, now, cap_gpus=share)
+            if lends:
+                self.promised.setdefault(tenant.tenant, []).extend((d.node_id, d.gpus) for d in lends if d.node_id)
+                snap = _minus_free(snap, [(d.node_id, d.gpus) for d in lends if d.node_id])
+
+    def _grow(self, tenant: ServeTenant, snap: Snapshot, now: float, cap_gpus: int | None = None) -> list:
+        """Scale `tenant` toward what it wants from what is lendable; returns the lend decisions made."""
         spec = tenant.spec
         held = sum(1 for le in snap.leases if le.tenant == tenant.tenant)
         first = tenant.target is None          # just registered: take over the count Serve deployed with
@@ -322,7 +343,7 @@ class Arbiter:
             patience = PLACE_PATIENCE_S if guard else START_PATIENCE_S
             demand = guard and self._replica_is_demand(spec)
             if not demand and now - self.asked_at.get(tenant.tenant, now) < patience:
-                return
+                return []
             self._record([Decision("refuse", tenant.tenant, (tenant.target - held) * spec.gpus_per_replica,
                                    at=now, reason=(
                                        "a replica waits for a GPU: the autoscaler sees it as demand and would "
@@ -330,7 +351,7 @@ class Arbiter:
                                        f"replicas not placed within {patience:g}s")
                                    + f"; asking for {held} instead of {tenant.target}")])
             tenant.set_replicas(held)
-            return
+            return []
         if held > tenant.target and isinstance(tenant, ServeTenant) and now - self.asked_at.get(
                 tenant.tenant, 0.0) >= START_PATIENCE_S and not any(
                 le.reclaiming_since and now - le.reclaiming_since < le.grace_s + 1.0 for le in snap.leases
@@ -339,10 +360,12 @@ class Arbiter:
             tenant.set_replicas(tenant.target)
             self.asked_at[tenant.tenant] = now
         wanted = (tenant.wanted_units - tenant.target) * spec.gpus_per_replica
+        if cap_gpus is not None:
+            wanted = min(wanted, max(spec.gpus_per_replica, cap_gpus))
         if wanted <= 0:
             if first and not tenant.set_replicas(held):
                 tenant.target = None
-            return
+            return []
         lends = [d for d in decide_lend(snap, tenant.tenant, spec.kind, wanted, now, grace_s=spec.grace_s)
                  if d.action == "lend"]
         if not lends and self.autoscaled and self.launch_nodes and \
@@ -356,8 +379,10 @@ class Arbiter:
         if replicas and tenant.set_replicas(tenant.target + replicas):
             self.asked_at[tenant.tenant] = now
             self._record(lends)
+            return lends
         elif first and not tenant.set_replicas(held):
             tenant.target = None               # Serve not reachable yet: take over on a later tick
+        return []
 
     def _replica_is_demand(self, spec) -> bool:
         """Does the autoscaler see a replica-shaped request ({gpu_resource: N}, no CPU) waiting for
@@ -519,6 +544,17 @@ class Arbiter:
 
     def ping(self) -> str:
         return "ok"
+
+
+def _minus_free(snap: Snapshot, taken) -> Snapshot:
+    """`snap` with the (node, GPUs) in `taken` no longer free."""
+    less: dict[str, int] = {}
+    for node_id, gpus in taken:
+        less[node_id] = less.get(node_id, 0) + gpus
+    if not less:
+        return snap
+    return replace(snap, nodes=tuple(replace(n, free_gpus=max(0, n.free_gpus - less.get(n.node_id, 0)))
+                                     for n in snap.nodes))
 
 
 def ensure_arbiter(gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,

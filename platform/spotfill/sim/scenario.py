@@ -286,7 +286,10 @@ DEFAULT_SCENARIO = {
     "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}, {"gpus": 1}]},
     "training": {"model": "tiny", "workers": [1, 4], "steps": 240, "global_batch": 12,
                  "max_micro_batch": 3, "checkpoint_every": 20, "zero_stage": 2, "warmup_steps": 10},
-    "fillin": {"serve": {"enabled": True, "load_rps": 2, "max_replicas": 2}},
+    # batch (evaluation + generation over the run's checkpoint) and a 2-trial sweep share what Serve leaves
+    "fillin": {"serve": {"enabled": True, "load_rps": 2, "max_replicas": 2},
+               "batch": {"enabled": True, "rows": 96, "prompts": 16},
+               "sweep": {"enabled": True, "trials": 2, "steps": 20}},
     "events": [
         {"at_step": 30, "action": "drain_node", "node": 1, "deadline_s": 30},
         {"at_step": 100, "action": "add_node", "gpus": 2},
@@ -346,6 +349,9 @@ def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 
 # Serve. No node is added by the scenario.
 AUTOSCALING_SCENARIO = {
     **DEFAULT_SCENARIO,
+    # Serve only: on an autoscaled cluster fill-in lends only on nodes training uses, so after training a
+    # batch job or sweep would find nothing lent (docs/cluster-lifecycle.md)
+    "fillin": {"serve": DEFAULT_SCENARIO["fillin"]["serve"]},
     "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
         "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
             "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},
