@@ -198,6 +198,32 @@ FakeMultiNodeProvider = _fake_multinode.FakeMultiNodeProvider
 FAKE_HEAD_NODE_ID = _fake_multinode.FAKE_HEAD_NODE_ID
 
 
+def kill_node_workers(node) -> int:
+    """SIGKILL every worker process of a local test node (a ray._private.node.Node from
+    ray.cluster_utils.Cluster): the children of its raylet. A real node loss takes them with it at once;
+    removing a local node kills the raylet only, and its workers ran on (and stepped) until they noticed.
+    Returns how many were killed."""
+    import psutil
+
+    procs = getattr(node, "all_processes", None)
+    if not isinstance(procs, dict):
+        raise RayCompatError(f"spotfill needs ray._private.node.Node.all_processes (checked against ray "
+                             f"{RAY_VERSION_CHECKED}); installed ray {ray.__version__} does not have it")
+    killed = 0
+    for info in procs.get("raylet", []):
+        try:
+            children = psutil.Process(info.process.pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        for child in children:
+            try:
+                child.kill()
+                killed += 1
+            except psutil.Error:
+                pass
+    return killed
+
+
 def node_death_reason_name(value) -> str | None:
     """ray.nodes()' DeathReason (a NodeDeathInfo.Reason number) by name, e.g. AUTOSCALER_DRAIN_PREEMPTED;
     None for a node that has not died (0, UNSPECIFIED)."""

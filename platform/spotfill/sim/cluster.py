@@ -91,6 +91,9 @@ class EmbeddedCluster:
         node = self.nodes[index]
         if node is None:
             return
+        if not graceful:                   # a hard loss: the node's workers die with it, at once
+            from spotfill.ray_compat import kill_node_workers
+            kill_node_workers(node)
         self.cluster.remove_node(node, allow_graceful=graceful)
         self.nodes[index] = None
         for r in self.records:
