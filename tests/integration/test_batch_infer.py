@@ -110,7 +110,7 @@ def driver(env, config: str) -> subprocess.Popen:
 def finish(proc: subprocess.Popen, timeout: float = 240) -> dict:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"batch driver exit {proc.returncode}:\n{err[-3000:]}"
-    from spotfill.sim.fillin_batch import last_json
+    from spotfill.sim.fillin_driver import last_json
     return last_json(out)
 
 

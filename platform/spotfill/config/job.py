@@ -260,8 +260,8 @@ def stdlib_path(source: str) -> str:
     return os.path.join(sysconfig.get_paths()["stdlib"], source[len(STDLIB_SCHEME):])
 
 
-def load_job_config(path: str | None = None, overrides: dict | None = None) -> JobConfig:
-    data = load_yaml(path) if path else {}
+def apply_overrides(data: dict, overrides: dict | None) -> dict:
+    """Set dotted field names (`training.steps`) in a config mapping: CLI > file > defaults."""
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
@@ -272,7 +272,11 @@ def load_job_config(path: str | None = None, overrides: dict | None = None) -> J
                 raise ConfigError(".".join(parents[: i + 1]), node[p], reason=f"cannot set {dotted}: not a mapping")
             node = node[p]
         node[leaf] = value
-    return from_mapping(JobConfig, data)
+    return data
+
+
+def load_job_config(path: str | None = None, overrides: dict | None = None) -> JobConfig:
+    return from_mapping(JobConfig, apply_overrides(load_yaml(path) if path else {}, overrides))
 
 
 def load_prepare_config(path: str | None = None, overrides: dict | None = None) -> PrepareConfig:

@@ -27,7 +27,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from spotfill.config.errors import ConfigError
-from spotfill.config.job import _choice, _join, _positive, from_mapping, load_yaml
+from spotfill.config.job import _choice, _join, _positive, apply_overrides, from_mapping, load_yaml
 
 SEARCH_KEYS = ("lr", "warmup_steps", "weight_decay", "batch")
 
@@ -126,15 +126,4 @@ class SweepJobConfig:
 
 def load_sweep_config(path: str | None = None, overrides: dict | None = None) -> SweepJobConfig:
     """SweepJobConfig from YAML; `overrides` are dotted field names (CLI > file > defaults)."""
-    data = load_yaml(path) if path else {}
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for i, p in enumerate(parents):
-            if node.get(p) is None:
-                node[p] = {}
-            elif not isinstance(node[p], dict):
-                raise ConfigError(".".join(parents[: i + 1]), node[p], reason=f"cannot set {dotted}: not a mapping")
-            node = node[p]
-        node[leaf] = value
-    return from_mapping(SweepJobConfig, data)
+    return from_mapping(SweepJobConfig, apply_overrides(load_yaml(path) if path else {}, overrides))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spotfill.config.errors import ConfigError
-from spotfill.config.job import _choice, _join, _positive, from_mapping, load_yaml
+from spotfill.config.job import _choice, _join, _positive, apply_overrides, from_mapping, load_yaml
 
 
 @dataclass
@@ -96,18 +96,7 @@ class BatchConfig:
 
 
 def load_batch_config(path: str | None = None, overrides: dict | None = None) -> BatchConfig:
-    data = load_yaml(path) if path else {}
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            if node.get(p) is None:
-                node[p] = {}
-            elif not isinstance(node[p], dict):
-                raise ConfigError(p, node[p], accepted="a mapping")
-            node = node[p]
-        node[leaf] = value
-    return from_mapping(BatchConfig, data)
+    return from_mapping(BatchConfig, apply_overrides(load_yaml(path) if path else {}, overrides))
 
 
 __all__ = ["BatchConfig", "load_batch_config", "_choice"]

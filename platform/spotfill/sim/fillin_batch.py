@@ -13,26 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
-import threading
-import time
+
+from spotfill.sim.fillin_driver import FINISH_S, DriverFillin
 
 log = logging.getLogger(__name__)
-FINISH_S = 180.0          # after training: how long the runner waits for the batch job to finish
 CHECKPOINT_WAIT_S = 600.0
-
-
-def last_json(text: str) -> dict:
-    """The driver's summary: the last stdout line that is a JSON object (Ray may print lines of its own)."""
-    for line in reversed((text or "").strip().splitlines()):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            return obj
-    return {}
 
 
 def corpus_prompts(corpus: str, n: int, per_file: int = 4) -> list[dict]:
@@ -53,18 +38,14 @@ def corpus_prompts(corpus: str, n: int, per_file: int = 4) -> list[dict]:
     return out
 
 
-class BatchFillin:
+class BatchFillin(DriverFillin):
+    kind, script = "batch", "batch_infer.py"
+
     def __init__(self, cluster, scenario, checkpoint_uri: str, name: str, out_dir: str, env: dict, say,
                  data_dir: str, corpus: str):
-        self.cluster, self.scenario, self.checkpoint = cluster, scenario, checkpoint_uri
-        self.name, self.out_dir, self.env, self.say = f"{name}-batch", out_dir, dict(env), say
-        self.data_dir, self.corpus = data_dir, corpus
-        self.dir = os.path.join(out_dir, "batch")
+        super().__init__(cluster, scenario, name, out_dir, env, say)
+        self.checkpoint, self.data_dir, self.corpus = checkpoint_uri, data_dir, corpus
         self.output = os.path.join(self.dir, "output")
-        self.proc: subprocess.Popen | None = None
-        self.error: str | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
         self.arbiter = None
 
     def _config(self) -> str:
@@ -87,49 +68,12 @@ class BatchFillin:
             yaml.safe_dump(cfg, f)
         return path
 
-    def start(self) -> None:
-        """Training steps: start the driver (it waits for training's first committed checkpoint)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._start, name="batch-fillin", daemon=True)
-            self._thread.start()
-
-    def _start(self) -> None:
-        from spotfill.sim.cluster import LOOPBACK_CLIENT_ENV
-        from spotfill.storage.base import open_storage
-        from spotfill.storage.checkpoint_store import CheckpointStore
-        try:
-            os.makedirs(self.dir, exist_ok=True)
-            repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-            script = os.path.join(repo, "jobs", "batch_infer.py")
-            env = {**os.environ, **self.env, **LOOPBACK_CLIENT_ENV, "RAY_ADDRESS": self.cluster.address}
-            self.log_path = os.path.join(self.dir, "driver.log")
-            self.proc = subprocess.Popen([sys.executable, script, "--config", self._config()],
-                                         stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True,
-                                         env=env, cwd=repo)
-            self.say(f"batch fill-in: evaluation + generation job started on lent GPUs (output {self.output})")
-        except Exception as exc:  # noqa: BLE001 - reported in fillin.batch, never breaks the scenario
-            self.error = f"batch fill-in did not start: {type(exc).__name__}: {exc}"
-            log.exception("batch fill-in did not start")
+    def _started(self) -> str:
+        return f"batch fill-in: evaluation + generation job started on lent GPUs (output {self.output})"
 
     def stop(self, timeout_s: float = FINISH_S) -> dict:
         """After training: wait for the driver (bounded), then fillin.batch read back from the output."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(30)
-        summary: dict = {}
-        if self.proc is not None:
-            try:
-                out, _ = self.proc.communicate(timeout=timeout_s)
-                with open(os.path.join(self.dir, "driver.out"), "w") as f:
-                    f.write(out or "")
-                summary = last_json(out)
-                if self.proc.returncode != 0:
-                    self.error = f"batch driver exited {self.proc.returncode} (see {self.log_path})"
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.communicate()
-                self.error = f"batch job not finished {timeout_s:.0f}s after training; stopped (a rerun resumes)"
-        return self.report(summary, self.arbiter)
+        return self.report(self.wait(timeout_s, after=" (a rerun resumes)"), self.arbiter)
 
     def report(self, summary: dict, arbiter=None) -> dict:
         from spotfill.fillin.batch import read_back, tenant_reclaims

@@ -14,27 +14,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
-import threading
 
-from spotfill.sim.fillin_batch import ensure_arbiter, last_json
+from spotfill.sim.fillin_batch import ensure_arbiter
+from spotfill.sim.fillin_driver import FINISH_S, DriverFillin
 
 log = logging.getLogger(__name__)
-FINISH_S = 180.0
 GRID = {"lr": [1e-3, 3e-3, 1e-2, 3e-4], "warmup_steps": [0, 10]}     # 8 trials at most, in this order
 
 
-class SweepFillin:
+class SweepFillin(DriverFillin):
+    kind, script = "sweep", "sweep.py"
+
     def __init__(self, cluster, scenario, name: str, out_dir: str, env: dict, say, data_dir: str):
-        self.cluster, self.scenario, self.name = cluster, scenario, f"{name}-sweep"
-        self.out_dir, self.env, self.say, self.data_dir = out_dir, dict(env), say, data_dir
-        self.dir = os.path.join(out_dir, "sweep")
+        super().__init__(cluster, scenario, name, out_dir, env, say)
+        self.data_dir = data_dir
         self.run_dir = os.path.join(self.dir, "run")
-        self.proc: subprocess.Popen | None = None
-        self.error: str | None = None
-        self.log_path = os.path.join(self.dir, "driver.log")
-        self._thread: threading.Thread | None = None
 
     def _config(self) -> str:
         import yaml
@@ -51,43 +45,12 @@ class SweepFillin:
             yaml.safe_dump(cfg, f)
         return path
 
-    def start(self) -> None:
-        """Training steps: start the sweep's driver."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._start, name="sweep-fillin", daemon=True)
-            self._thread.start()
-
-    def _start(self) -> None:
-        from spotfill.sim.cluster import LOOPBACK_CLIENT_ENV
-        try:
-            os.makedirs(self.dir, exist_ok=True)
-            repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-            env = {**os.environ, **self.env, **LOOPBACK_CLIENT_ENV, "RAY_ADDRESS": self.cluster.address}
-            self.proc = subprocess.Popen([sys.executable, os.path.join(repo, "jobs", "sweep.py"), "--config",
-                                          self._config()], stdout=subprocess.PIPE,
-                                         stderr=open(self.log_path, "w"), text=True, env=env, cwd=repo)
-            spec = self.scenario.fillin.sweep
-            self.say(f"sweep fill-in: {spec['trials']} trials of the tiny GPT started on lent GPUs")
-        except Exception as exc:  # noqa: BLE001 - reported in fillin.sweep, never breaks the scenario
-            self.error = f"sweep fill-in did not start: {type(exc).__name__}: {exc}"
-            log.exception("sweep fill-in did not start")
+    def _started(self) -> str:
+        return f"sweep fill-in: {self.scenario.fillin.sweep['trials']} trials of the tiny GPT started on lent GPUs"
 
     def stop(self, timeout_s: float = FINISH_S) -> dict:
         """After training: wait for the driver (bounded), then fillin.sweep from its report.json."""
-        if self._thread is not None:
-            self._thread.join(30)
-        summary: dict = {}
-        if self.proc is not None:
-            try:
-                out, _ = self.proc.communicate(timeout=timeout_s)
-                summary = last_json(out)
-                if self.proc.returncode != 0:
-                    self.error = f"sweep driver exited {self.proc.returncode} (see {self.log_path})"
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.communicate()
-                self.error = f"sweep not finished {timeout_s:.0f}s after training; stopped"
-        return self.report(summary)
+        return self.report(self.wait(timeout_s))
 
     def report(self, summary: dict) -> dict:
         rep: dict = {"enabled": True}

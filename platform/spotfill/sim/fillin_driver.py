@@ -1,0 +1,91 @@
+"""A fill-in job in a scenario, run as its own Ray job: a subprocess driver (as `ray job submit` would run
+it) started at training's first step, so the arbiter sees what it holds as one tenant and can stop that
+driver, never the runner. Batch (sim/fillin_batch.py) and sweep (sim/fillin_sweep.py) fill-in build on it:
+they write the job's config and read its result; this module starts, waits for and stops the driver.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+log = logging.getLogger(__name__)
+FINISH_S = 180.0          # after training: how long the runner waits for the job to finish
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def last_json(text: str) -> dict:
+    """The driver's summary: the last stdout line that is a JSON object (Ray may print lines of its own)."""
+    for line in reversed((text or "").strip().splitlines()):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return obj
+    return {}
+
+
+class DriverFillin:
+    """Subclasses set `kind` ("batch", "sweep") and `script` (under jobs/), and write `_config()`."""
+
+    kind = ""
+    script = ""
+
+    def __init__(self, cluster, scenario, name: str, out_dir: str, env: dict, say):
+        self.cluster, self.scenario, self.name = cluster, scenario, f"{name}-{self.kind}"
+        self.out_dir, self.env, self.say = out_dir, dict(env), say
+        self.dir = os.path.join(out_dir, self.kind)
+        self.log_path = os.path.join(self.dir, "driver.log")
+        self.proc: subprocess.Popen | None = None
+        self.error: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def _config(self) -> str:
+        """Write the job's YAML config; returns its path."""
+        raise NotImplementedError
+
+    def _started(self) -> str:
+        """The line the scenario prints when the driver started."""
+        return f"{self.kind} fill-in started on lent GPUs"
+
+    def start(self) -> None:
+        """Training steps: start the driver (once, on a thread: the step loop does not wait for it)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._start, name=f"{self.kind}-fillin", daemon=True)
+            self._thread.start()
+
+    def _start(self) -> None:
+        from spotfill.sim.cluster import LOOPBACK_CLIENT_ENV
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            env = {**os.environ, **self.env, **LOOPBACK_CLIENT_ENV, "RAY_ADDRESS": self.cluster.address}
+            self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "jobs", self.script), "--config",
+                                          self._config()], stdout=subprocess.PIPE,
+                                         stderr=open(self.log_path, "w"), text=True, env=env, cwd=REPO)
+            self.say(self._started())
+        except Exception as exc:  # noqa: BLE001 - reported in the job's report section, never breaks the run
+            self.error = f"{self.kind} fill-in did not start: {type(exc).__name__}: {exc}"
+            log.exception("%s fill-in did not start", self.kind)
+
+    def wait(self, timeout_s: float = FINISH_S, after: str = "") -> dict:
+        """After training: wait for the driver (bounded; stopped at the timeout) and return its summary."""
+        if self._thread is not None:
+            self._thread.join(30)
+        if self.proc is None:
+            return {}
+        try:
+            out, _ = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            self.error = f"{self.kind} job not finished {timeout_s:.0f}s after training; stopped{after}"
+            return {}
+        with open(os.path.join(self.dir, "driver.out"), "w") as f:
+            f.write(out or "")
+        if self.proc.returncode != 0:
+            self.error = f"{self.kind} driver exited {self.proc.returncode} (see {self.log_path})"
+        return last_json(out)
