@@ -107,7 +107,13 @@ def test_check_bad_credentials_without_leaking_them(s3_server, monkeypatch):
             open_storage(bad_uri).check()
         with pytest.raises(ConfigError, match=r"credentials rejected \(SignatureDoesNotMatch") as info2:
             open_storage(s3_server.uri("p")).check()        # right key id, wrong secret from env
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+        # the right keys again -- all of this server's settings, since a scenario run earlier in the session
+        # (sim/runner.py, its own LocalS3) may have left other AWS_* values in this process's environment
+        for name, value in s3_server.env().items():
+            if not name.startswith("AWS_ENDPOINT_URL"):
+                monkeypatch.setenv(name, value)
+        for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            monkeypatch.delenv(name, raising=False)
         open_storage(s3_server.uri("p")).check()
     for exc in (info.value, info2.value):
         text = str(exc)
