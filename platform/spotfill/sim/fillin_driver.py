@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from abc import ABC, abstractmethod
 import os
 import subprocess
 import sys
@@ -29,7 +30,7 @@ def last_json(text: str) -> dict:
     return {}
 
 
-class DriverFillin:
+class DriverFillin(ABC):
     """Subclasses set `kind` ("batch", "sweep") and `script` (under jobs/), and write `_config()`."""
 
     kind = ""
@@ -44,9 +45,9 @@ class DriverFillin:
         self.error: str | None = None
         self._thread: threading.Thread | None = None
 
+    @abstractmethod
     def _config(self) -> str:
         """Write the job's YAML config; returns its path."""
-        raise NotImplementedError
 
     def _started(self) -> str:
         """The line the scenario prints when the driver started."""
