@@ -7,7 +7,8 @@ that holds its whole group), Serve gets the two 1-slot nodes. A hard loss of nod
 training restarts at full size (2) on the slots it takes back from Serve -- the hand-backs measured
 (training's claim -> each lent GPU free). Without fill-in the same restart finds the two slots idle.
 
-- handback_s_max: the worst hand-back of the run (report.json fillin.handback_seconds);
+- handback_s_max: the worst hand-back of any fill-in workload (Serve: report.json fillin.handback_seconds
+  of the first run; batch and sweep: see handback_by_workload);
 - harvest_ratio: fill-in GPU-seconds / GPU-seconds training left unused (the GPU-seconds ledger, from the
   arbiter's lease events in the run's events.jsonl);
 - training_slowdown: 1 - (tokens/s with fill-in) / (tokens/s without), training's own tokens/s
@@ -16,6 +17,11 @@ training restarts at full size (2) on the slots it takes back from Serve -- the 
   CPU contention an accelerator node would not have.
 - training_tokens_ratio_no_load: the same with Serve fill-in deployed and lent GPUs but no request sent
   (load_rps 0, a third run): what Serve's processes and the arbiter cost training, apart from the load.
+- handback_by_workload: the same hand-backs per fill-in workload, from a fourth run where a Ray Data batch
+  job (jobs/batch_infer.py) and a Ray Tune sweep (jobs/sweep.py) hold the two spare GPUs instead of Serve
+  (the kill fires once both hold a lent GPU): each must give its GPU back when training restarts, the
+  batch job by stopping its Data job within its grace, the sweep by pausing its trial with a checkpoint;
+  both then finish on what training leaves (their exactly-once invariants are checked in that run).
 - cpu_seconds: CPU seconds per process class over each run (psutil, sampled every second: Serve's
   controller, proxy and replicas, the arbiter, training workers, Ray's own processes, the bench driver
   with the HTTP load generator) -- where the machine's two cores went.
@@ -32,14 +38,21 @@ from spotfill.sim.runner import run_scenario
 from spotfill.sim.scenario import parse_scenario
 
 
-def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float) -> dict:
+def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool = False) -> dict:
+    fillin: dict = {"serve": {"enabled": serve, "load_rps": load_rps, "max_replicas": 2}}
+    if jobs:    # one lent GPU each (the pool's fair share); big enough to be running when node 0 is lost
+        fillin.update(batch={"enabled": True, "rows": JOBS_ROWS, "prompts": JOBS_PROMPTS},
+                      sweep={"enabled": True, "trials": 2, "steps": JOBS_TRIAL_STEPS})
     return {
         "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 1}, {"gpus": 1}]},
         "training": {"model": "tiny", "workers": [1, 2], "steps": steps, "global_batch": 12,
                      "max_micro_batch": 3, "checkpoint_every": 20},
-        "fillin": {"serve": {"enabled": serve, "load_rps": load_rps, "max_replicas": 2}},
+        "fillin": fillin,
         "events": [{"at_step": kill_at, "action": "kill_node", "node": 0}],
     }
+
+
+JOBS_ROWS, JOBS_PROMPTS, JOBS_TRIAL_STEPS = 480, 32, 40
 
 
 def _process_class(p, me: int) -> str | None:
@@ -109,27 +122,41 @@ def _kill_step(run_dir: str, at: float) -> int | None:
     return max(steps) if steps else None
 
 
-def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: float = 2.0) -> dict:
-    # with fill-in the runner's timeline waits until Serve answers: the kill fires then (or at kill_at, if
-    # later); the side without fill-in kills at the step the first side's kill met
+def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: float = 2.0,
+         jobs: bool = False) -> dict:
+    # with fill-in the runner's timeline waits until Serve answers (and the batch and sweep jobs hold their
+    # GPUs): the kill fires then (or at kill_at, if later); the side without fill-in kills at the step the
+    # first side's kill met
     steps, default_kill = (1000, 40) if quick else (2000, 600)
     kill_at = kill_at or default_kill
-    name = "fillin-serve" if serve else "fillin-off"
+    name = "fillin-jobs" if jobs else "fillin-serve" if serve else "fillin-off"
     out = tempfile.mkdtemp(prefix=f"spotfill-bench-{name}-")
-    say(f"{name}: {steps} steps, node 0 killed at step {kill_at}" + (f", load {load_rps:g} rps" if serve else ""))
+    say(f"{name}: {steps} steps, node 0 killed at step {kill_at}" + (f", load {load_rps:g} rps" if serve else "")
+        + (", batch + sweep fill-in" if jobs else ""))
     with CpuSampler() as cpu:
-        report = run_scenario(parse_scenario(_scenario(serve, steps, kill_at, load_rps), name), out, quiet=True,
-                              wait_for_fillin=serve)
+        report = run_scenario(parse_scenario(_scenario(serve, steps, kill_at, load_rps, jobs), name), out,
+                              quiet=True, wait_for_fillin=serve or jobs)
     tr = report["training"]
     fill = report.get("fillin") or {}
     return {"ok": report["ok"], "tokens_per_s": tr.get("tokens_per_s"), "steps": tr.get("steps_completed"),
             "world_size_timeline": [n for _, n in tr.get("world_size_timeline", [])],
             "gpu_seconds": report.get("gpu_seconds"), "harvest_ratio": report.get("harvest_ratio"),
             "handback_seconds": fill.get("handback_seconds") or [], "leases": len(fill.get("leases") or []),
+            "handback_by_workload": handback_by_workload(fill.get("leases") or []),
+            "batch": fill.get("batch"), "sweep": fill.get("sweep"),
             "serve": fill.get("serve"), "seconds": report.get("seconds"), "run_dir": out,
             "kill_step": next((_kill_step(out, p["at"]) for p in report.get("preemptions") or []), None),
             "invariants": {k: v["ok"] for k, v in (report.get("invariants") or {}).items()},
             "cpu_seconds": cpu.summary()}
+
+
+def handback_by_workload(leases: list[dict]) -> dict[str, list[float]]:
+    """report.json fillin.leases -> {workload: [hand-back seconds of each lease a training claim took]}."""
+    out: dict[str, list[float]] = {}
+    for le in leases:
+        if le.get("ended_by") == "reclaim" and le.get("cause") == "training_claim" and le.get("reclaim_s") is not None:
+            out.setdefault(le.get("workload") or "?", []).append(le["reclaim_s"])
+    return out
 
 
 def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None) -> dict:
@@ -141,9 +168,15 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None) -> 
     say(f"without fill-in: {without['tokens_per_s']} tokens/s")
     no_load = _run(True, quick, say, kill_at=with_fill["kill_step"], load_rps=0.0)
     say(f"with fill-in, no load: {no_load['tokens_per_s']} tokens/s")
+    jobs = _run(False, quick, say, kill_at=with_fill["kill_step"], jobs=True)
+    say(f"batch + sweep fill-in: hand-backs {jobs['handback_by_workload']}")
     a, b, c = with_fill["tokens_per_s"], without["tokens_per_s"], no_load["tokens_per_s"]
-    hb = with_fill["handback_seconds"]
-    return {"handback_s_max": max(hb) if hb else None, "handback_seconds": hb,
+    by_workload = {**jobs["handback_by_workload"], **with_fill["handback_by_workload"]}
+    hb = [s for v in by_workload.values() for s in v]
+    return {"handback_s_max": max(hb) if hb else None, "handback_seconds": with_fill["handback_seconds"],
+            "handback_by_workload": by_workload,
+            "handback_s_max_by_workload": {k: max(v) for k, v in by_workload.items() if v},
+            "batch": jobs["batch"], "sweep": jobs["sweep"],
             "harvest_ratio": with_fill["harvest_ratio"],
             "training_tokens_s_with_fillin": a, "training_tokens_s_without": b,
             "training_tokens_ratio": round(a / b, 4) if a and b else None,
@@ -156,8 +189,9 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None) -> 
             "gpu_seconds_fillin": (with_fill["gpu_seconds"] or {}).get("fillin"),
             "world_size_timeline": {"with_fillin": with_fill["world_size_timeline"],
                                     "without": without["world_size_timeline"]},
-            "invariants_ok": with_fill["ok"] and without["ok"] and no_load["ok"],
-            "runs": {"with_fillin": with_fill, "without": without, "with_fillin_no_load": no_load},
+            "invariants_ok": with_fill["ok"] and without["ok"] and no_load["ok"] and jobs["ok"],
+            "runs": {"with_fillin": with_fill, "without": without, "with_fillin_no_load": no_load,
+                     "batch_and_sweep": jobs},
             "notes": ["GPU slots are logical here: Serve's replicas and training share this machine's CPU "
                       "cores, so training_slowdown includes CPU contention a GPU node would not have"]}
 

@@ -5,7 +5,8 @@
 Both sides train the same model on the same prepared data (spotfill's prepare() of the stdlib `json`
 package's sources), with the same global batch, micro-batch and accumulation, the same DeepSpeed config
 (train.engine.ds_config) and the same sample order, at world size 1 on CPU with gloo, and the same number of
-torch threads (what Ray gives a worker with one CPU).
+torch threads and the same CPU niceness (what Ray gives a worker with one CPU: Ray starts its workers at
+niceness 15, so on a machine other work keeps busy a plain loop at 0 would outrun any Ray worker).
 
   spotfill  TrainingJob.fit() on a local Ray cluster (ray.cluster_utils.Cluster: a head and one node with
             {"GPU_SLOT": 1}; cluster.gpu_resource=GPU_SLOT, workers [1, 1], one checkpoint at the end).
@@ -112,8 +113,8 @@ def plain_loop(job, steps: int | None = None, seconds: float | None = None, warm
 
 
 def run_plain_subprocess(job, threads: int, steps: int | None = None, seconds: float | None = None,
-                         warmup: int = 5, timeout_s: float = 600) -> dict:
-    """plain_loop in a fresh interpreter with `threads` torch/OpenMP threads."""
+                         warmup: int = 5, timeout_s: float = 600, niceness: int = 0) -> dict:
+    """plain_loop in a fresh interpreter with `threads` torch/OpenMP threads, at CPU `niceness`."""
     work = tempfile.mkdtemp(prefix="spotfill-bench-plainrun-")
     try:
         spec, out = os.path.join(work, "spec.json"), os.path.join(work, "out.json")
@@ -124,7 +125,7 @@ def run_plain_subprocess(job, threads: int, steps: int | None = None, seconds: f
         env = subprocess_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         proc = subprocess.run([sys.executable, "-m", "benchmarks.overhead", "--plain-spec", spec,
                                "--json", out], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
+                              timeout=timeout_s, preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
         if proc.returncode != 0:
             raise RuntimeError(f"plain DeepSpeed loop failed ({proc.returncode}): {proc.stderr[-1500:]}")
         with open(out) as f:
@@ -156,15 +157,17 @@ def plain_rates(step_s: list[float], tokens_per_step: int, skip: int, upto: int 
             "mean_step_s": sum(window) / len(window)}
 
 
-def worker_threads(gpu_resource: str = "GPU_SLOT") -> int:
-    """torch threads in a Ray worker holding one CPU and one accelerator slot (what Ray Train's worker
-    gets: Ray sets OMP_NUM_THREADS to the CPUs a worker holds)."""
+def worker_probe(gpu_resource: str = "GPU_SLOT") -> tuple[int, int]:
+    """torch threads and CPU niceness of a Ray worker holding one CPU and one accelerator slot (what Ray
+    Train's worker gets: Ray sets OMP_NUM_THREADS to the CPUs a worker holds, and starts its workers at
+    niceness RAY_worker_niceness, 15 by default). The plain loop runs with both: on a busy machine a
+    process at niceness 15 gets a fraction of the CPU one at 0 gets, which is Ray's doing, not spotfill's."""
     import ray
 
     @ray.remote(num_cpus=1, resources={gpu_resource: 1})
-    def probe() -> int:
+    def probe() -> tuple[int, int]:
         import torch
-        return torch.get_num_threads()
+        return torch.get_num_threads(), os.nice(0)
 
     return ray.get(probe.remote())
 
@@ -198,15 +201,17 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
                  log_to_driver=False)
         source = os.path.dirname(json.__file__)
         manifest = prepare(PrepareConfig(source=source, output=data, seq_len=64))
-        threads = worker_threads()
-        say(f"cluster up, data prepared ({manifest['num_samples']} rows), worker torch threads {threads}")
+        threads, niceness = worker_probe()
+        say(f"cluster up, data prepared ({manifest['num_samples']} rows), worker torch threads {threads}, "
+            f"niceness {niceness}")
 
         def job_for(steps: int, tag: str):
             return job_config(preset, data, os.path.join(work, f"ckpt-{tag}"), os.path.join(work, tag),
                               steps, global_batch, max_micro_batch, name=job_name)
 
         # plain #1: also sizes the run so the steady window lasts about `seconds`
-        calib = run_plain_subprocess(job_for(10 ** 6, "plain1"), threads, seconds=seconds, warmup=skip + 1)
+        calib = run_plain_subprocess(job_for(10 ** 6, "plain1"), threads, seconds=seconds, warmup=skip + 1,
+                                     niceness=niceness)
         step_s = median(calib["step_s"][skip + 1:])
         steps = skip + 2 + max(10, math.ceil(seconds / step_s))
         tokens_per_step = global_batch * calib["seq_len"]
@@ -224,7 +229,7 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
         say(f"spotfill: {ours['wall_tokens_s']:.0f} tokens/s ({ours['mean_step_s'] * 1e3:.1f} ms/step), "
             f"fit {fit_s:.1f}s")
 
-        plain2 = run_plain_subprocess(job_for(steps, "plain2"), threads, steps=steps)
+        plain2 = run_plain_subprocess(job_for(steps, "plain2"), threads, steps=steps, niceness=niceness)
         p1 = plain_rates(calib["step_s"], tokens_per_step, skip)
         p2 = plain_rates(plain2["step_s"], tokens_per_step, skip, upto=steps)
         plain_tokens_s = (p1["tokens_s"] + p2["tokens_s"]) / 2
@@ -246,7 +251,7 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
         "per_step_overhead_ms": rnd((ours["mean_step_s"] - plain_step) * 1e3, 3),
         "model": preset, "params": calib["params"], "global_batch": global_batch,
         "micro_batch": calib["micro_batch"], "accum": calib["accum"], "seq_len": calib["seq_len"],
-        "world_size": 1, "torch_threads": threads, "steps": steps, "skip": skip,
+        "world_size": 1, "torch_threads": threads, "cpu_niceness": niceness, "steps": steps, "skip": skip,
         "steady_steps": ours["steps"],
         "spotfill_ms": {"step": rnd(ours["mean_step_s"] * 1e3, 3),
                         "loop_body": rnd(ours["mean_loop_s"] * 1e3, 3),

@@ -38,11 +38,22 @@ def summarize(report: dict) -> str:
         sv = fill["serve"]
         lines.append(f"serve fill-in: {sv['requests_ok']} ok, {sv['requests_rejected_503']} rejected at once (503), "
                      f"{sv['requests_failed']} failed; p50 {sv['p50_ms']} ms, p99 {sv['p99_ms']} ms")
+    if fill.get("batch"):
+        b = fill["batch"]
+        lines.append(f"batch fill-in: {b.get('rows_written', 0)} of {b.get('rows_target', '?')} rows written, "
+                     f"{b.get('duplicates', '?')} duplicates, {b.get('missing', '?')} missing; stopped "
+                     f"{len(b.get('stops') or [])} time(s) for training" + (", resumed" if b.get("resumed") else "")
+                     + (f"; eval loss {b['eval']['loss']:.3f}" if (b.get("eval") or {}).get("loss") else ""))
+    if fill.get("sweep"):
+        w = fill["sweep"]
+        best = w.get("best") or {}
+        lines.append(f"sweep fill-in: {w.get('completed', 0)} of {w.get('trials', '?')} trials completed, "
+                     f"{w.get('paused', 0)} paused and {w.get('resumed', 0)} resumed from their checkpoints"
+                     + (f"; best {best['config']} ({best.get('metric_name')} {best['metric']:.3f})"
+                        if best.get("config") and best.get("metric") is not None else ""))
     if fill.get("leases") is not None:
-        hb = fill.get("handback_seconds") or []
-        lines.append(f"fill-in leases: {len(fill['leases'])}, hand-backs to training: "
-                     f"{', '.join(f'{h:.2f}s' for h in hb) or 'none'}; GPU-seconds lent "
-                     f"{report.get('gpu_seconds', {}).get('fillin', 0):.1f}, harvest ratio "
+        lines.append(f"fill-in leases: {len(fill['leases'])}, given back: {reclaims_by_workload(fill['leases'])}; "
+                     f"GPU-seconds lent {report.get('gpu_seconds', {}).get('fillin', 0):.1f}, harvest ratio "
                      f"{report.get('harvest_ratio', 'n/a')}")
     nodes = (report.get("cluster") or {}).get("nodes") or []
     t0 = min((n["started"] for n in nodes if n.get("started")), default=0)
@@ -57,6 +68,26 @@ def summarize(report: dict) -> str:
         lines.append(f"{'PASS' if inv['ok'] else 'FAIL'} {name}: {inv['detail']}")
     lines.append(f"{'OK' if report['ok'] else 'FAILED'} in {report.get('seconds', 0):.0f}s")
     return "\n".join(lines)
+
+
+def reclaims_by_workload(leases: list[dict]) -> str:
+    """'serve 2 (to training 1.08s, 0.41s; node_draining 1), batch 1 (...)' -- every lease taken back, by
+    workload and cause, with the hand-back seconds of those a training claim took; 'none' without any."""
+    parts = []
+    for workload in ("serve", "batch", "sweep"):
+        taken = [le for le in leases if le.get("workload") == workload and le.get("ended_by") == "reclaim"]
+        if not taken:
+            continue
+        to_training = [le["reclaim_s"] for le in taken if le.get("cause") == "training_claim"
+                       and le.get("reclaim_s") is not None]
+        causes: dict[str, int] = {}
+        for le in taken:
+            if le.get("cause") != "training_claim":
+                causes[le.get("cause") or "?"] = causes.get(le.get("cause") or "?", 0) + 1
+        detail = ([f"to training {', '.join(f'{h:.2f}s' for h in to_training)}"] if to_training else []) + \
+            [f"{cause} {n}" for cause, n in sorted(causes.items())]
+        parts.append(f"{workload} {len(taken)} ({'; '.join(detail)})")
+    return ", ".join(parts) or "none"
 
 
 def run(args) -> int:

@@ -46,7 +46,6 @@ class BatchFillin(DriverFillin):
         super().__init__(cluster, scenario, name, out_dir, env, say)
         self.checkpoint, self.data_dir, self.corpus = checkpoint_uri, data_dir, corpus
         self.output = os.path.join(self.dir, "output")
-        self.arbiter = None
 
     def _config(self) -> str:
         import yaml
@@ -91,7 +90,7 @@ class BatchFillin(DriverFillin):
                 rep[key] = summary[key]
         if arbiter is not None:
             try:
-                rec = tenant_reclaims(arbiter, f"batch:{self.name}")
+                rec = tenant_reclaims(arbiter, self.tenant)
                 rep["reclaims"] = len(rec)
                 rep["handback_seconds"] = [r.get("reclaim_s") for r in rec]
             except Exception as exc:  # noqa: BLE001

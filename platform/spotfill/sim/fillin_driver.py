@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 log = logging.getLogger(__name__)
 FINISH_S = 180.0          # after training: how long the runner waits for the job to finish
@@ -43,7 +44,10 @@ class DriverFillin(ABC):
         self.log_path = os.path.join(self.dir, "driver.log")
         self.proc: subprocess.Popen | None = None
         self.error: str | None = None
+        self.arbiter = None                 # the capacity arbiter's handle (set by the subclass's start())
         self._thread: threading.Thread | None = None
+        self._held = False
+        self._asked = 0.0
 
     @abstractmethod
     def _config(self) -> str:
@@ -71,6 +75,32 @@ class DriverFillin(ABC):
         except Exception as exc:  # noqa: BLE001 - reported in the job's report section, never breaks the run
             self.error = f"{self.kind} fill-in did not start: {type(exc).__name__}: {exc}"
             log.exception("%s fill-in did not start", self.kind)
+
+    @property
+    def tenant(self) -> str:
+        """The driver's tenant name at the arbiter (its Ray job's GPU actors and placement groups)."""
+        return f"{self.kind}:{self.name}"
+
+    def holding(self) -> bool:
+        """The scenario's timeline gate (wait_for_fillin): true once the job holds a lent GPU -- read from the
+        arbiter's leases, which it rebuilds from what the job's actors and placement groups hold in Ray's
+        state, not from what the driver says -- or once it cannot (it failed, or its driver exited)."""
+        if self._held or self.error or (self.proc is not None and self.proc.poll() is not None):
+            return True
+        now = time.time()
+        if self.arbiter is None or now - self._asked < 1.0:
+            return False
+        self._asked = now
+        import ray
+        try:
+            leases = ray.get(self.arbiter.status.remote(0), timeout=10)["leases"]
+        except Exception as exc:  # noqa: BLE001 - asked again a second later
+            log.warning("%s fill-in: the arbiter's leases not read: %s", self.kind, exc)
+            return False
+        self._held = any(le.get("tenant") == self.tenant for le in leases)
+        if self._held:
+            self.say(f"{self.kind} fill-in holds lent GPUs")
+        return self._held
 
     def wait(self, timeout_s: float = FINISH_S, after: str = "") -> dict:
         """After training: wait for the driver (bounded; stopped at the timeout) and return its summary."""

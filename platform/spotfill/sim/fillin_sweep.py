@@ -78,7 +78,7 @@ def invariant(rep: dict) -> dict:
 def start(cluster, scenario, name: str, out_dir: str, env: dict, say, data_dir: str) -> SweepFillin:
     """The runner's hook before training starts: the arbiter up, the sweep ready to start at the first step."""
     sweep = SweepFillin(cluster, scenario, name, out_dir, env, say, data_dir)
-    ensure_arbiter(scenario, name, out_dir, env)
+    sweep.arbiter = ensure_arbiter(scenario, name, out_dir, env)
     return sweep
 
 

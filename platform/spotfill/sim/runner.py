@@ -55,8 +55,9 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
                  wait_for_fillin: bool = False) -> dict:
     """Run the scenario; unless `quiet`, show it live on stderr (telemetry.liveview: a panel on a TTY, one
     line per event elsewhere) with the runner's own actions among the events. `wait_for_fillin` (tests and
-    benchmarks): with Serve fill-in, no timeline event fires until Serve answers and had SETTLE_S to take
-    the spare GPUs, so node events meet it running whatever this machine's speed."""
+    benchmarks): no timeline event fires until Serve fill-in answers and had SETTLE_S to take the spare GPUs
+    and batch and sweep fill-in hold lent GPUs, so node events meet them running whatever this machine's
+    speed."""
     from spotfill.telemetry.liveview import LiveView
 
     view = None if quiet else LiveView(sys.stderr, steps_target=scenario.training.steps, job=scenario.name,
@@ -158,10 +159,13 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         sweep = fillin_sweep.start(cluster, scenario, name, out_dir, env, say, data_dir) \
             if scenario.fillin.sweep_enabled else None
         firsts = [f.start for f in (fillin, batch, sweep) if f]
+        # wait_for_fillin: no timeline event fires before Serve answers and the batch and sweep jobs hold
+        # lent GPUs (so a node event meets every fill-in tenant running: the hand-backs measured)
+        gates = [g for g in (fillin and fillin.serving, batch and batch.holding, sweep and sweep.holding) if g]
         try:
             report = _drive(cluster, scenario, job, s3, say, view.feed if view is not None else None,
                             on_first_step=(lambda: [f() for f in firsts]) if firsts else None,
-                            gate=fillin.serving if fillin and wait_for_fillin else None)
+                            gate=(lambda: all(g() for g in gates)) if wait_for_fillin and gates else None)
             if scenario.cluster.autoscaler:
                 # with Serve fill-in still deployed and under load: what it holds must not keep a node alive
                 scale_down = _await_scale_down(cluster, scenario, say)

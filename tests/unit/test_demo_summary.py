@@ -1,0 +1,37 @@
+"""`spotfill demo`'s summary: every fill-in workload's reclaims, by cause, and the batch and sweep lines."""
+from spotfill.cli.demo import reclaims_by_workload, summarize
+
+
+def _lease(workload, ended_by, cause=None, reclaim_s=None):
+    return {"workload": workload, "ended_by": ended_by, "cause": cause, "reclaim_s": reclaim_s}
+
+
+def test_reclaims_grouped_by_workload_and_cause():
+    leases = [_lease("serve", "reclaim", "training_claim", 1.081), _lease("serve", "reclaim", "node_draining", 0.2),
+              _lease("batch", "reclaim", "training_claim", 0.4), _lease("batch", "release"),
+              _lease("sweep", "reclaim", "node_idle", 0.9), _lease("sweep", "reclaim", "node_idle", 1.1),
+              _lease("serve", None)]
+    assert reclaims_by_workload(leases) == ("serve 2 (to training 1.08s; node_draining 1), "
+                                            "batch 1 (to training 0.40s), sweep 2 (node_idle 2)")
+
+
+def test_no_reclaim_says_none():
+    assert reclaims_by_workload([_lease("batch", "release"), _lease("serve", None)]) == "none"
+
+
+def test_summary_has_batch_and_sweep_lines():
+    report = {
+        "training": {"steps_completed": 10, "steps_target": 10, "final_loss": 3.0, "world_size_timeline": [[0, 2]],
+                     "samples": {"consumed": 120, "duplicates": 0, "missing": 0}},
+        "fillin": {"batch": {"rows_written": 56, "rows_target": 56, "duplicates": 0, "missing": 0,
+                             "stops": [{"cause": "reclaim"}], "resumed": True, "eval": {"loss": 4.25}},
+                   "sweep": {"trials": 2, "completed": 2, "paused": 1, "resumed": 1,
+                             "best": {"config": {"lr": 0.001}, "metric": 4.5, "metric_name": "eval_loss"}},
+                   "leases": [_lease("batch", "reclaim", "training_claim", 0.5)]},
+        "checkpoints": {"committed": 1, "stall_seconds_max": 0.1}, "ok": True, "seconds": 5}
+    lines = summarize(report).splitlines()
+    assert ("batch fill-in: 56 of 56 rows written, 0 duplicates, 0 missing; stopped 1 time(s) for training, "
+            "resumed; eval loss 4.250") in lines
+    assert ("sweep fill-in: 2 of 2 trials completed, 1 paused and 1 resumed from their checkpoints; "
+            "best {'lr': 0.001} (eval_loss 4.500)") in lines
+    assert any(ln.startswith("fill-in leases: 1, given back: batch 1 (to training 0.50s)") for ln in lines)
