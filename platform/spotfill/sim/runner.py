@@ -62,10 +62,13 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
 
     view = None if quiet else LiveView(sys.stderr, steps_target=scenario.training.steps, job=scenario.name,
                                        console_log=os.path.join(os.path.abspath(out_dir), "console.log"))
-    if view is None:
-        return _run_scenario(scenario, out_dir, storage, None, wait_for_fillin)
-    with view:
-        return _run_scenario(scenario, out_dir, storage, view, wait_for_fillin)
+    # Serve's own INFO lines ("Connecting to existing Serve app ...") are not for the scenario's screen: the
+    # runner says what Serve fill-in does, and Serve writes them to its log files in the session anyway
+    with _quiet_logger("ray.serve", logging.WARNING):
+        if view is None:
+            return _run_scenario(scenario, out_dir, storage, None, wait_for_fillin)
+        with view:
+            return _run_scenario(scenario, out_dir, storage, view, wait_for_fillin)
 
 
 def _gpu_capacity(resource: str):
@@ -207,15 +210,15 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
 
 
 class _quiet_logger:
-    """Raise a logger's level to ERROR for a block (Ray Data's per-dataset INFO lines and its progress-bar
+    """Raise a logger's level (ERROR by default) for a block (Ray Data's per-dataset INFO lines and its progress-bar
     warning are not for the demo's screen; Ray Data also writes them to its log file in the session)."""
 
-    def __init__(self, name: str):
-        self.logger = logging.getLogger(name)
+    def __init__(self, name: str, level: int = logging.ERROR):
+        self.logger, self.quiet = logging.getLogger(name), level
 
     def __enter__(self):
         self.level = self.logger.level
-        self.logger.setLevel(logging.ERROR)
+        self.logger.setLevel(self.quiet)
 
     def __exit__(self, *exc):
         self.logger.setLevel(self.level)
