@@ -40,9 +40,10 @@ from spotfill.sim.scenario import parse_scenario
 
 def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool = False) -> dict:
     fillin: dict = {"serve": {"enabled": serve, "load_rps": load_rps, "max_replicas": 2}}
-    if jobs:    # one lent GPU each (the pool's fair share); big enough to be running when node 0 is lost
-        fillin.update(batch={"enabled": True, "rows": JOBS_ROWS, "prompts": JOBS_PROMPTS},
-                      sweep={"enabled": True, "trials": 2, "steps": JOBS_TRIAL_STEPS})
+    if jobs:    # one lent GPU each, and big enough to be running when node 0 is lost (a sweep trial of 40
+        # steps and 512 rows of evaluation each took under 10 s here and had finished by then)
+        fillin.update(batch={"enabled": True, "rows": JOBS_ROWS, "prompts": JOBS_PROMPTS, "max_units": 1},
+                      sweep={"enabled": True, "trials": 1, "steps": JOBS_TRIAL_STEPS, "max_units": 1})
     return {
         "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 1}, {"gpus": 1}]},
         "training": {"model": "tiny", "workers": [1, 2], "steps": steps, "global_batch": 12,
@@ -52,7 +53,7 @@ def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool
     }
 
 
-JOBS_ROWS, JOBS_PROMPTS, JOBS_TRIAL_STEPS = 480, 32, 40
+JOBS_ROWS, JOBS_PROMPTS, JOBS_TRIAL_STEPS = 4096, 64, 200
 
 
 def _process_class(p, me: int) -> str | None:

@@ -30,7 +30,7 @@ def test_summary_has_batch_and_sweep_lines():
                    "leases": [_lease("batch", "reclaim", "training_claim", 0.5)]},
         "checkpoints": {"committed": 1, "stall_seconds_max": 0.1}, "ok": True, "seconds": 5}
     lines = summarize(report).splitlines()
-    assert ("batch fill-in: 56 of 56 rows written, 0 duplicates, 0 missing; stopped 1 time(s) for training, "
+    assert ("batch fill-in: 56 of 56 rows written, 0 duplicates, 0 missing; stopped 1 time(s) when its GPUs were taken back, "
             "resumed; eval loss 4.250") in lines
     assert ("sweep fill-in: 2 of 2 trials completed, 1 paused and 1 resumed from their checkpoints; "
             "best {'lr': 0.001} (eval_loss 4.500)") in lines

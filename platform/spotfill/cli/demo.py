@@ -42,7 +42,7 @@ def summarize(report: dict) -> str:
         b = fill["batch"]
         lines.append(f"batch fill-in: {b.get('rows_written', 0)} of {b.get('rows_target', '?')} rows written, "
                      f"{b.get('duplicates', '?')} duplicates, {b.get('missing', '?')} missing; stopped "
-                     f"{len(b.get('stops') or [])} time(s) for training" + (", resumed" if b.get("resumed") else "")
+                     f"{len(b.get('stops') or [])} time(s) when its GPUs were taken back" + (", resumed" if b.get("resumed") else "")
                      + (f"; eval loss {b['eval']['loss']:.3f}" if (b.get("eval") or {}).get("loss") else ""))
     if fill.get("sweep"):
         w = fill["sweep"]
