@@ -40,8 +40,9 @@ from spotfill.sim.scenario import parse_scenario
 
 def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool = False) -> dict:
     fillin: dict = {"serve": {"enabled": serve, "load_rps": load_rps, "max_replicas": 2}}
-    if jobs:    # one lent GPU each, and big enough to be running when node 0 is lost (a sweep trial of 40
-        # steps and 512 rows of evaluation each took under 10 s here and had finished by then)
+    if jobs:    # one lent GPU each, and big enough to be running when training claims them back after node
+        # 0's loss, about 10 s after the kill here (a 200-step trial took 17 s and had finished by then;
+        # 4096 rows of evaluation + 72 prompts took 9 s: the whole prepared data is evaluated instead)
         fillin.update(batch={"enabled": True, "rows": JOBS_ROWS, "prompts": JOBS_PROMPTS, "max_units": 1},
                       sweep={"enabled": True, "trials": 1, "steps": JOBS_TRIAL_STEPS, "max_units": 1})
     return {
@@ -53,7 +54,7 @@ def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool
     }
 
 
-JOBS_ROWS, JOBS_PROMPTS, JOBS_TRIAL_STEPS = 4096, 64, 200
+JOBS_ROWS, JOBS_PROMPTS, JOBS_TRIAL_STEPS = 9216, 256, 1000
 
 
 def _process_class(p, me: int) -> str | None:
