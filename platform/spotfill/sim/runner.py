@@ -23,6 +23,7 @@ from spotfill.sim.scenario import Event, Scenario
 log = logging.getLogger(__name__)
 CORPUS_PACKAGES = ("json", "http", "logging", "urllib")
 SETTLE_S = 15.0       # Serve fill-in: the timeline starts this long after the app answers (replicas on the spare GPUs)
+LOAD_NICE = 19        # the HTTP load generator stands in for remote clients: it must not take training's CPU
 SEQ_LEN = 64          # the runner prepares byte-level shards of this length
 
 
@@ -111,6 +112,9 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
     if serve_on:   # Serve's replicas import serving/ from the checkout, like the spotfill package itself
         from spotfill.fillin.local import repo_root
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo_root()])
+    if serve_on or scenario.fillin.batch_enabled or scenario.fillin.sweep_enabled:
+        from spotfill.fillin.cpu_priority import ENV as CPU_NICE_ENV
+        env[CPU_NICE_ENV] = str(scenario.fillin.cpu_nice)     # fill-in processes renice themselves
     if scenario.cluster.autoscaler:
         cluster = _autoscaling_cluster(scenario, out_dir, say)
     else:
@@ -157,7 +161,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
                                    data_dir, corpus) if scenario.fillin.batch_enabled else None
         sweep = fillin_sweep.start(cluster, scenario, name, out_dir, env, say, data_dir) \
             if scenario.fillin.sweep_enabled else None
-        firsts = [f.start for f in (fillin, batch, sweep) if f]
+        firsts = [f.start for f in (batch, sweep) if f]
         try:
             report = _drive(cluster, scenario, job, s3, say, view.feed if view is not None else None,
                             on_first_step=(lambda: [f() for f in firsts]) if firsts else None,
@@ -229,9 +233,11 @@ def run_storage_uri(storage: str, name: str) -> str:
 class ServeFillin:
     """Serve fill-in for a scenario: the capacity arbiter (told about the training job before training
     starts: GPUs training may grow into are never lent), the Serve generation app (reading this run's
-    checkpoints) deployed with 0 replicas -- only the arbiter's lends create replicas -- at the scenario's
-    start on an autoscaled cluster, else on training's first step, and a steady HTTP load on it until
-    training ends (on an autoscaled cluster: until the scale-down is over)."""
+    checkpoints) deployed at the scenario's start with 0 replicas -- only the arbiter's lends create
+    replicas, on the GPUs training cannot use (the job is registered first: the GPUs its group will take
+    are never lent; its start claims them through the arbiter anyway) -- and a steady HTTP load on it
+    until training ends (on an autoscaled cluster: until the scale-down is over). Serve's GPUs are
+    harvested while training starts up, not only once it steps."""
 
     def __init__(self, cluster, scenario: Scenario, storage: str, name: str, out_dir: str, env: dict, say):
         import socket
@@ -250,11 +256,7 @@ class ServeFillin:
         # small machine they take tens of seconds)
         self._prestart = threading.Thread(target=self._prestart_run, name="serve-fillin-prestart", daemon=True)
         self._prestart.start()
-        # on an autoscaled cluster the app is deployed at once (no GPU node exists before training's request
-        # launches them); on fixed nodes on training's first step, so that training's first group is placed
-        # before Serve's replicas take the spare GPUs (a run that deployed at once here hung, not diagnosed)
-        if scenario.cluster.autoscaler:
-            self.start()
+        self.start()      # deploys once the arbiter knows the training job (after the prestart)
 
     def _prestart_run(self) -> None:
         import ray
@@ -299,9 +301,9 @@ class ServeFillin:
             out = deploy_serve(self.uri, port=self.port, dashboard_url=self.cluster.cluster.webui_url,
                                gpu_resource=self.scenario.cluster.gpu_resource,
                                max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16,
-                               replicas=0 if self.scenario.cluster.autoscaler else 1)
+                               replicas=0, cpu_nice=self.scenario.fillin.cpu_nice)
             self.serving_since = time.time()
-            self.load = ServeLoad(out["url"], spec["load_rps"]).start()
+            self.load = ServeLoad(out["url"], spec["load_rps"], nice=LOAD_NICE).start()
             self.say(f"serve fill-in: generation app on {out['url']} (replicas only on GPUs training leaves "
                      f"spare), load {spec['load_rps']:g} requests/s")
         except Exception as exc:  # noqa: BLE001 - reported, and the run is not ok
