@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 
 from spotfill.fillin.policy import (lendable, DEFAULT_ORDER, Decision, DecisionLog, Lease, Node, Snapshot, TrainingJob,
-                                    decide_claim, decide_lend, ownership, rebuild_leases, reclaim_off_hosts,
+                                    decide_claim, decide_lend, extra_replicas, ownership, rebuild_leases, reclaim_off_hosts,
                                     reconcile, training_hosts)
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
 from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
@@ -448,13 +448,12 @@ class Arbiter:
                 continue
             held = [le for le in self.leases if le.tenant == name]
             stopping = sum(1 for o in self.orders if o.tenant == name)
-            extra = len(held) - stopping - tenant.target
-            if extra <= 0 or now - self.reasserted.get(name, 0.0) < 1.0:
+            newest = extra_replicas(held, name, tenant.target, stopping)
+            if not newest or now - self.reasserted.get(name, 0.0) < 1.0:
                 continue
             self.reasserted[name] = now
             if not tenant.set_replicas(tenant.target):
                 continue
-            newest = sorted(held, key=lambda le: -le.granted_at)[:extra]
             self._record([Decision("reclaim", name, le.gpus, at=now, node_id=le.node_id, lease_id=le.lease_id,
                                    deadline=now + le.grace_s, reason=(
                                        f"Serve runs {len(held)} replica(s), {stopping} stopping, more than the "
