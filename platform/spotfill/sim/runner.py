@@ -233,9 +233,9 @@ def run_storage_uri(storage: str, name: str) -> str:
 class ServeFillin:
     """Serve fill-in for a scenario: the capacity arbiter (told about the training job before training
     starts: GPUs training may grow into are never lent), the Serve generation app (reading this run's
-    checkpoints) deployed at the scenario's start with 0 replicas -- only the arbiter's lends create
-    replicas, on the GPUs training cannot use (the job is registered first: the GPUs its group will take
-    are never lent; its start claims them through the arbiter anyway) -- and a steady HTTP load on it
+    checkpoints) deployed at the scenario's start -- the arbiter lends it the GPUs training cannot use (the
+    job is registered first: the GPUs its group will take are never lent; its start claims them through
+    the arbiter anyway) -- and a steady HTTP load on it
     until training ends (on an autoscaled cluster: until the scale-down is over). Serve's GPUs are
     harvested while training starts up, not only once it steps."""
 
@@ -256,7 +256,13 @@ class ServeFillin:
         # small machine they take tens of seconds)
         self._prestart = threading.Thread(target=self._prestart_run, name="serve-fillin-prestart", daemon=True)
         self._prestart.start()
-        self.start()      # deploys once the arbiter knows the training job (after the prestart)
+        # deployed at once, once the arbiter knows the training job (after the prestart). On an autoscaled
+        # cluster with 0 replicas (only the arbiter's lends create replicas: no demand the autoscaler would
+        # launch a node for); on fixed nodes with 1, which Serve places on the node it fits best (a small
+        # node, not the one training's whole group needs) and the arbiter adopts: a fixed replica count has
+        # no Serve autoscaling policy, whose cold-start rule starts a replica by itself when requests are
+        # counted while none runs (one did, as training's claim took the last ones back: 4 s hand-backs)
+        self.start()
 
     def _prestart_run(self) -> None:
         import ray
@@ -301,7 +307,8 @@ class ServeFillin:
             out = deploy_serve(self.uri, port=self.port, dashboard_url=self.cluster.cluster.webui_url,
                                gpu_resource=self.scenario.cluster.gpu_resource,
                                max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16,
-                               replicas=0, cpu_nice=self.scenario.fillin.cpu_nice)
+                               replicas=0 if self.scenario.cluster.autoscaler else 1,
+                               cpu_nice=self.scenario.fillin.cpu_nice)
             self.serving_since = time.time()
             self.load = ServeLoad(out["url"], spec["load_rps"], nice=LOAD_NICE).start()
             self.say(f"serve fill-in: generation app on {out['url']} (replicas only on GPUs training leaves "
