@@ -55,7 +55,8 @@ class ServeArgs:
     reload_s: float = 2.0                # how often to look for a newer checkpoint
     retry_after_s: int = 1
     cpu_nice: int = 19                   # CPU priority of the replicas' processes: 19 lowest, 0 off
-                                         # (spotfill/fillin/cpu_priority.py: training's host work first)
+    cpu_idle: bool = True                # ... and the SCHED_IDLE policy (spotfill/fillin/cpu_priority.py:
+                                         # training's host work first)
 
     @classmethod
     def parse(cls, args: dict | None) -> "ServeArgs":
@@ -67,6 +68,10 @@ class ServeArgs:
         for f in fields(cls):
             if f.name in args:
                 kind = type(getattr(cls, f.name))
+                if kind is bool:
+                    from spotfill.fillin.cpu_priority import configured_idle
+                    out[f.name] = configured_idle(args[f.name], f"serving.app args {f.name}")
+                    continue
                 try:
                     out[f.name] = kind(args[f.name])
                 except ValueError:
@@ -93,7 +98,7 @@ class ServeArgs:
 class Generator:
     def __init__(self, args: ServeArgs):
         from spotfill.fillin.cpu_priority import lower_cpu_priority
-        lower_cpu_priority(args.cpu_nice)        # fill-in: only the CPU time training leaves unused
+        lower_cpu_priority(args.cpu_nice, idle=args.cpu_idle)    # fill-in: the CPU time training leaves
         from spotfill.storage.base import open_storage
         from spotfill.storage.checkpoint_store import CheckpointStore
 
@@ -158,7 +163,7 @@ def unavailable(message: str, retry_after_s: int) -> JSONResponse:
 class Ingress:
     def __init__(self, generator, args: ServeArgs, app_name: str = APP_NAME):
         from spotfill.fillin.cpu_priority import lower_cpu_priority
-        lower_cpu_priority(args.cpu_nice)
+        lower_cpu_priority(args.cpu_nice, idle=args.cpu_idle)
         self.generator, self.args, self.app_name = generator, args, app_name
         self.live, self.zero_since = 0, time.monotonic()
         self.admit_timeout_s = args.max_generation_s + 2.0

@@ -113,8 +113,9 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         from spotfill.fillin.local import repo_root
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo_root()])
     if serve_on or scenario.fillin.batch_enabled or scenario.fillin.sweep_enabled:
-        from spotfill.fillin.cpu_priority import ENV as CPU_NICE_ENV
+        from spotfill.fillin.cpu_priority import ENV as CPU_NICE_ENV, IDLE_ENV as CPU_IDLE_ENV
         env[CPU_NICE_ENV] = str(scenario.fillin.cpu_nice)     # fill-in processes renice themselves
+        env[CPU_IDLE_ENV] = "1" if scenario.fillin.cpu_idle else "0"
     if scenario.cluster.autoscaler:
         cluster = _autoscaling_cluster(scenario, out_dir, say)
     else:
@@ -308,7 +309,7 @@ class ServeFillin:
                                gpu_resource=self.scenario.cluster.gpu_resource,
                                max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16,
                                replicas=0 if self.scenario.cluster.autoscaler else 1,
-                               cpu_nice=self.scenario.fillin.cpu_nice)
+                               cpu_nice=self.scenario.fillin.cpu_nice, cpu_idle=self.scenario.fillin.cpu_idle)
             self.serving_since = time.time()
             self.load = ServeLoad(out["url"], spec["load_rps"], nice=LOAD_NICE).start()
             self.say(f"serve fill-in: generation app on {out['url']} (replicas only on GPUs training leaves "
