@@ -14,7 +14,13 @@ training restarts at full size (2) on the slots it takes back from Serve -- the 
 - training_slowdown: 1 - (tokens/s with fill-in) / (tokens/s without), training's own tokens/s
   (report.json training.tokens_per_s, compute time of the kept steps). On this machine Serve's replicas
   and training share the same CPU cores (the GPU slots are logical), so the slowdown measured here is
-  CPU contention an accelerator node would not have.
+  CPU contention an accelerator node would not have. Fill-in runs at the lowest CPU priority (the product
+  defaults `fillin.cpu_nice: 19`, `fillin.cpu_idle: true`: every thread of Serve's replica processes at
+  nice 19 in SCHED_IDLE). The HTTP load
+  generator is the bench's client, not fill-in: it runs as threads of this process (the training driver)
+  and stands in for clients that would be on other machines, so the scenario runner starts it at nice 19
+  too (its threads only; the training driver's own threads keep their priority). Serve's controller and
+  HTTP proxy keep their priority.
 - training_tokens_ratio_no_load: the same with Serve fill-in deployed and lent GPUs but no request sent
   (load_rps 0, a third run): what Serve's processes and the arbiter cost training, apart from the load.
 - handback_by_workload: the same hand-backs per fill-in workload, from a fourth run where a Ray Data batch

@@ -54,6 +54,9 @@ class ServeArgs:
     max_generation_s: float = 1.5        # cap on seconds per request: below the 3 s shutdown grace
     reload_s: float = 2.0                # how often to look for a newer checkpoint
     retry_after_s: int = 1
+    cpu_nice: int = 19                   # CPU priority of the replicas' processes: 19 lowest, 0 off
+    cpu_idle: bool = True                # ... and the SCHED_IDLE policy (spotfill/fillin/cpu_priority.py:
+                                         # training's host work first)
 
     @classmethod
     def parse(cls, args: dict | None) -> "ServeArgs":
@@ -65,6 +68,10 @@ class ServeArgs:
         for f in fields(cls):
             if f.name in args:
                 kind = type(getattr(cls, f.name))
+                if kind is bool:
+                    from spotfill.fillin.cpu_priority import configured_idle
+                    out[f.name] = configured_idle(args[f.name], f"serving.app args {f.name}")
+                    continue
                 try:
                     out[f.name] = kind(args[f.name])
                 except ValueError:
@@ -77,6 +84,8 @@ class ServeArgs:
         if parsed.replicas < 0:
             raise ConfigError("serving.app args replicas", parsed.replicas,
                               accepted="an integer >= 0 (0 under the fill-in arbiter, which sets the count)")
+        from spotfill.fillin.cpu_priority import configured_nice
+        configured_nice(parsed.cpu_nice, "serving.app args cpu_nice")
         if parsed.max_replicas < 1:
             raise ConfigError("serving.app args max_replicas", parsed.max_replicas, accepted="an integer >= 1")
         if parsed.max_generation_s >= GRACEFUL["graceful_shutdown_timeout_s"]:
@@ -88,6 +97,8 @@ class ServeArgs:
 @serve.deployment(name=GENERATOR, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=8, **GRACEFUL)
 class Generator:
     def __init__(self, args: ServeArgs):
+        from spotfill.fillin.cpu_priority import lower_cpu_priority
+        lower_cpu_priority(args.cpu_nice, idle=args.cpu_idle)    # fill-in: the CPU time training leaves
         from spotfill.storage.base import open_storage
         from spotfill.storage.checkpoint_store import CheckpointStore
 
@@ -151,6 +162,8 @@ def unavailable(message: str, retry_after_s: int) -> JSONResponse:
 @serve.ingress(api)
 class Ingress:
     def __init__(self, generator, args: ServeArgs, app_name: str = APP_NAME):
+        from spotfill.fillin.cpu_priority import lower_cpu_priority
+        lower_cpu_priority(args.cpu_nice, idle=args.cpu_idle)
         self.generator, self.args, self.app_name = generator, args, app_name
         self.live, self.zero_since = 0, time.monotonic()
         self.admit_timeout_s = args.max_generation_s + 2.0

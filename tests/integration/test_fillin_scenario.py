@@ -17,9 +17,10 @@ from spotfill.telemetry.events import read_events
 
 pytestmark = pytest.mark.timeout(420)
 STEPS = 1000          # ~60 s of training here: it must outlast Serve's start plus the runner's settle time
-# Training (2 workers) starts first, on the only node that holds both (PACK): node 0. Serve is deployed
-# once training steps and gets the two 1-slot nodes; the timeline waits until Serve answers (the kill
-# fires then, or at step 40 if that is later). Killing node 0 leaves no free slot at all: the restart
+# Serve is deployed at the scenario's start, with the training job registered first: the arbiter lends
+# the two 1-slot nodes (beyond training's max of 2) while training starts on the only node that holds
+# both workers (PACK): node 0. The timeline waits until Serve answers (the kill fires then, or at step 40
+# if that is later). Killing node 0 leaves no free slot at all: the restart
 # reaches 2 workers only by counting the lent slots and taking them back.
 SCENARIO = {
     "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 1}, {"gpus": 1}]},
@@ -56,6 +57,19 @@ def test_training_restarts_at_full_size_on_gpus_taken_back_from_serve(run):
     hb = report["fillin"]["handback_seconds"]
     assert hb and all(h > 0 for h in hb)
     print(f"FILLIN-METRIC handback_seconds {hb}")
+
+
+def test_serve_holds_the_spare_gpus_before_training_steps(run):
+    """Deployed at the start: Serve's replicas hold the slots training cannot use before training's first
+    step (harvested during start-up), and training still starts at full size on node 0."""
+    report, events = run
+    first_step = min(e["t"] for e in events if e["kind"] == "step")
+    early = [e for e in events if e["kind"] == "lease" and e["start"] < first_step]
+    assert len(early) == 2, [e for e in events if e["kind"] == "lease"]
+    start = next(e for e in events if e["kind"] == "start" and e["attempt"] == 0)
+    assert start["world_size"] == 2, start
+    # no lease reclaimed for training's first start: it took only what was never lent
+    assert not [e for e in events if e["kind"] == "reclaim" and e["t"] < first_step]
 
 
 def test_no_admitted_request_failed_under_steady_load(run):

@@ -135,6 +135,31 @@ def test_idle_gpus_are_lent_to_serve_which_generates_from_the_zero_checkpoint(en
     assert 0 < body["tokens"] <= 8 or body["finish_reason"] == "stop"
 
 
+def test_replica_processes_run_at_the_lowest_cpu_priority(env):
+    """Fill-in is second on the host CPU too: every thread of each Serve replica process of the app
+    (Generator on lent GPUs, Ingress) runs at nice 19 in the SCHED_IDLE class (the defaults cpu_nice 19,
+    cpu_idle true); a process that is not fill-in (the arbiter, a Ray worker like training's) keeps Ray's
+    worker priority."""
+    import os
+
+    from ray.util.state import list_actors
+
+    from spotfill.fillin.cpu_priority import thread_nice, thread_policy
+    wait_for(lambda: replicas(env) == 2, 120, "2 Generator replicas on lent GPU slots")
+    actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+              if a.class_name.startswith("ServeReplica:spotfill-serve:")]
+    assert {a.class_name.rsplit(":", 1)[1] for a in actors} == {"Generator", "Ingress"}, actors
+    for a in actors:
+        nice = thread_nice(a.pid)
+        assert len(nice) > 1 and set(nice.values()) == {19}, (a.class_name, nice)
+        assert set(thread_policy(a.pid).values()) == {os.SCHED_IDLE}, a.class_name
+    (arbiter,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                  if a.class_name == "Arbiter"]
+    assert max(thread_nice(arbiter.pid).values()) < 19        # Ray's worker niceness (15 by default)
+    assert set(thread_policy(arbiter.pid).values()) == {os.SCHED_OTHER}
+    metric("replica_nice", {a.class_name: sorted(set(thread_nice(a.pid).values())) for a in actors})
+
+
 class Load:
     """Steady HTTP load: `workers` threads, each posting /generate back to back."""
 

@@ -2,7 +2,7 @@
 drains, rebuild after an arbiter restart. Time is a fake clock (plain floats)."""
 import pytest
 
-from spotfill.fillin.policy import (Holding, Lease, Node, Snapshot, TrainingJob, decide_claim, decide_lend,
+from spotfill.fillin.policy import (Holding, Lease, Node, Snapshot, TrainingJob, decide_claim, decide_lend, extra_replicas,
                                     lendable, ownership, rebuild_leases, reclaim_off_hosts, reconcile,
                                     training_hosts)
 
@@ -159,3 +159,19 @@ def test_leases_on_nodes_training_left_are_reclaimed_for_scale_down():
     assert [(d.action, d.lease_id, d.deadline) for d in got] == [("reclaim", "l2", T0 + 3.0)]
     assert "no training on the node for 5s" in got[0].reason
     assert reclaim_off_hosts(Snapshot(nodes, (), leases), T0, idle_s=5.0) == ()   # static cluster: nothing
+
+
+@pytest.mark.parametrize("held,target,stopping,expected", [
+    (3, None, 0, []),                   # the arbiter has not taken the tenant over yet
+    (2, 2, 0, []),                      # holds what it was given
+    (2, 3, 0, []),                      # a replica still starting: not extra
+    (2, 0, 2, []),                      # both reclaimed, still stopping
+    (3, 0, 2, ["c"]),                   # two stopping, and Serve started one by itself: the newest is extra
+    (2, 0, 0, ["b", "a"]),              # Serve runs two the arbiter did not set
+    (3, 1, 1, ["c"]),
+])
+def test_extra_replicas_are_those_beyond_the_target_and_the_ones_stopping(held, target, stopping, expected):
+    mine = [lease("a", "serve", "n1", at=1.0), lease("b", "serve", "n2", at=2.0), lease("c", "serve", "n3", at=3.0)]
+    other = [lease("x", "batch", "n3", at=4.0)]     # another tenant's lease never counts
+    got = extra_replicas(mine[:held] + other, "serve:t", target, stopping)
+    assert [le.lease_id for le in got] == expected

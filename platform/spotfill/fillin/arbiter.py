@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 
 from spotfill.fillin.policy import (lendable, DEFAULT_ORDER, Decision, DecisionLog, Lease, Node, Snapshot, TrainingJob,
-                                    decide_claim, decide_lend, ownership, rebuild_leases, reclaim_off_hosts,
+                                    decide_claim, decide_lend, extra_replicas, ownership, rebuild_leases, reclaim_off_hosts,
                                     reconcile, training_hosts)
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
 from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
@@ -70,6 +70,7 @@ class Arbiter:
         self.pending: dict[str, tuple[int, float]] = {}
         self.tenants: dict[str, ServeTenant | JobTenant] = {}
         self.asked_at: dict[str, float] = {}                  # tenant -> when it was last scaled up
+        self.reasserted: dict[str, float] = {}                # serve tenant -> when its count was last re-sent
         self.promised: dict[str, list[tuple[str, int]]] = {}   # tenant -> (node, GPUs) lent, not yet taken
         self.leases: tuple[Lease, ...] = ()
         self.reclaiming: dict[str, float] = {}                # lease id -> since
@@ -306,6 +307,8 @@ class Arbiter:
             self._apply_reclaims(drains, now, cause="node_draining")
             self._apply_reclaims(reclaim_off_hosts(snap, now, self.idle_reclaim_s), now, cause="node_idle")
             self._force_overdue(snap, now)
+            if self.pending:                    # a claimed group is being placed: no replica may take its GPUs
+                self._stop_extra_replicas(now)
             if not self.claims_in_flight:
                 self._grow_all(snap, now)
             self._save()
@@ -433,6 +436,33 @@ class Arbiter:
                 # the lease of this tenant that ends next is this reclaim (journal.lease_ended)
                 self.orders.append(ReclaimOrder(d.tenant, d.lease_id, requested_at or now, cause, d.reason, job))
 
+    def _stop_extra_replicas(self, now: float, job: str | None = None, requested_at: float | None = None) -> None:
+        """While training claims GPUs (or its claimed group is being placed): a Serve tenant running more
+        replicas than the arbiter set -- beyond those it was asked to stop and has not yet -- is asked for
+        the arbiter's count again at once (at most once a second). Serve adds a replica of its own when its
+        cold-start rule sees requests while none runs (the stopping replicas' requests in flight still
+        count): such a replica would hold a GPU training waits for. Each extra one is a reclaim for the
+        claim (its end is journaled as a hand-back from `requested_at`)."""
+        for name, tenant in self.tenants.items():
+            if not isinstance(tenant, ServeTenant) or tenant.target is None:
+                continue
+            held = [le for le in self.leases if le.tenant == name]
+            stopping = sum(1 for o in self.orders if o.tenant == name)
+            newest = extra_replicas(held, name, tenant.target, stopping)
+            if not newest or now - self.reasserted.get(name, 0.0) < 1.0:
+                continue
+            self.reasserted[name] = now
+            if not tenant.set_replicas(tenant.target):
+                continue
+            self._record([Decision("reclaim", name, le.gpus, at=now, node_id=le.node_id, lease_id=le.lease_id,
+                                   deadline=now + le.grace_s, reason=(
+                                       f"Serve runs {len(held)} replica(s), {stopping} stopping, more than the "
+                                       f"{tenant.target} the arbiter set (its cold-start rule added one): asked "
+                                       f"for {tenant.target} again" + (f" for {job}'s claim" if job else "")))
+                          for le in newest])
+            self.orders += [ReclaimOrder(name, le.lease_id, requested_at or now, "training_claim",
+                                         "an extra replica Serve started by itself", job) for le in newest]
+
     # -- training's claim ---------------------------------------------------------------------------------
     def claim(self, job: str, gpus: int, deadline_s: float = 10.0, gpus_per_worker: int = 1,
               min_workers: int | None = None, max_workers: int | None = None) -> dict:
@@ -456,6 +486,7 @@ class Arbiter:
                     plan = decide_claim(self._snapshot(now), job, wanted, gpw, now, self.order)
                     new = [d for d in plan.reclaims if d.lease_id not in self.reclaiming]
                     self._apply_reclaims(new, now, job=job, requested_at=started)
+                    self._stop_extra_replicas(now, job=job, requested_at=started)
                     reclaimed += [(d.lease_id, d.gpus) for d in new]
                     pending = any(le.reclaiming_since for le in self.leases)
                 if plan.free_now >= wanted or time.monotonic() - t0 > deadline_s:

@@ -161,6 +161,9 @@ class UnitWorker:
     def __init__(self, output: str, plan: dict, eval_batch: int, prompts: list[str] | None):
         import torch
 
+        from spotfill.fillin.cpu_priority import lower_cpu_priority
+        lower_cpu_priority()         # fill-in: lowest CPU priority ($SPOTFILL_FILLIN_CPU_NICE, default 19)
+
         from spotfill.fillin.generate import config_from_state
         from spotfill.storage.base import open_storage
         from spotfill.train.model import GPT

@@ -11,10 +11,15 @@ report.json's `fillin.serve` (pure: `summarize_requests`):
   requests_failed        anything else: another status, a connection error, or no answer within the
                          client timeout -- an admitted request that failed
   p50_ms / p99_ms        latency of the OK requests
+
+`nice` (the scenario runner: 19): the generator's threads run at that CPU nice value. It stands in for
+clients that are elsewhere on a real cluster; on one machine it must not take CPU time from training
+(the thread that starts requests is reniced, and the pool threads it starts inherit its nice value).
 """
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -51,8 +56,9 @@ def summarize_requests(results: list[dict], rps: float | None = None, skipped: i
 
 class ServeLoad:
     def __init__(self, url: str, rps: float, max_tokens: int = 8, timeout_s: float = 20.0,
-                 max_in_flight: int = 16):
+                 max_in_flight: int = 16, nice: int = 0):
         self.url, self.rps, self.max_tokens, self.timeout_s = url.rstrip("/"), float(rps), max_tokens, timeout_s
+        self.nice = int(nice)
         self.results: list[dict] = []
         self.skipped = 0
         self._slots = threading.Semaphore(max_in_flight)
@@ -68,6 +74,11 @@ class ServeLoad:
     def _run(self) -> None:
         if self.rps <= 0:          # load_rps 0: Serve deployed and lent GPUs, no request sent
             return
+        if self.nice > 0:          # Linux: per thread; the pool's threads are started here and inherit it
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except OSError:
+                pass
         period, n, t0 = 1.0 / self.rps, 0, time.monotonic()
         while not self._stop.is_set():
             if self._slots.acquire(blocking=False):

@@ -56,6 +56,7 @@ def deploy_serve(checkpoint: str, *, port: int, dashboard_url: str, gpu_resource
     cluster): only the arbiter's lends create replicas, so Serve never asks for a GPU the arbiter did not
     lend -- no demand the autoscaler would buy a node for. Returns {"url", "arbiter"}."""
     import sys
+    import threading
 
     import ray
     from ray import serve
@@ -69,9 +70,24 @@ def deploy_serve(checkpoint: str, *, port: int, dashboard_url: str, gpu_resource
     args = ServeArgs.parse({"checkpoint": checkpoint, "gpu_resource": gpu_resource, "replicas": int(replicas),
                             "max_replicas": max(1, int(max_replicas)), **serve_args})
     start_serve(port, gpu_resource)
-    serve.run(build(args), name=APP_NAME, route_prefix="/", blocking=False, external_scaler_enabled=True)
+    # serve.run returns once the app runs (its Ingress replica up); the arbiter is told about the tenant
+    # meanwhile, so the Generator's replicas start on lent GPUs while the Ingress starts (the scale
+    # endpoint refuses until Serve knows the deployment: the arbiter asks again on its next tick)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve.run(build(args), name=APP_NAME, route_prefix="/", blocking=False, external_scaler_enabled=True)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller below
+            failed.append(exc)
+
+    runner = threading.Thread(target=run, name="serve-run", daemon=True)
+    runner.start()
     arbiter = arbiter or ensure_arbiter(gpu_resource, runtime_env=runtime_env())
     ray.get(arbiter.register_tenant.remote({
         "app": APP_NAME, "deployment": GENERATOR, "dashboard_url": dashboard_url, "max_replicas": max_replicas,
         "grace_s": GRACEFUL["graceful_shutdown_timeout_s"]}))
+    runner.join()
+    if failed:
+        raise failed[0]
     return {"url": f"http://127.0.0.1:{port}", "arbiter": arbiter}

@@ -272,6 +272,17 @@ def _helps(snap: Snapshot, gpw: int, coming: dict[str, int], lease: Lease) -> bo
     return _usable_gpus(snap, gpw, coming) > _usable_gpus(snap, gpw, without)
 
 
+def extra_replicas(leases: Iterable[Lease], tenant: str, target: int | None, stopping: int) -> list[Lease]:
+    """The leases of a scale-by-count tenant (Serve) beyond what the arbiter set: it holds more than
+    `target` plus the `stopping` units it was asked to stop and has not let go of yet (Serve's cold-start
+    rule starts a replica by itself when it sees requests while none runs). Newest first: those are the
+    ones it started by itself."""
+    if target is None:
+        return []
+    held = sorted((le for le in leases if le.tenant == tenant), key=lambda le: (-le.granted_at, le.lease_id))
+    return held[:max(0, len(held) - max(0, stopping) - target)]
+
+
 def reconcile(snap: Snapshot, now: float) -> tuple[Decision, ...]:
     """Leases on a node that is gone are dropped; leases on a draining node are reclaimed."""
     decisions = []

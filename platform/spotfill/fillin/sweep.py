@@ -57,11 +57,13 @@ def _trainable_class():
             import numpy as np
             import torch
 
+            from spotfill.fillin.cpu_priority import lower_cpu_priority
             from spotfill.storage.base import open_storage
             from spotfill.train.data import ShardReader
             from spotfill.train.model import GPT
             from spotfill.train.presets import preset
 
+            lower_cpu_priority()     # fill-in: lowest CPU priority ($SPOTFILL_FILLIN_CPU_NICE, default 19)
             torch.set_num_threads(1)
             self.job = dict(job or {})
             self.cfg = dict(config)

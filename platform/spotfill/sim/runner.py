@@ -23,6 +23,7 @@ from spotfill.sim.scenario import Event, Scenario
 log = logging.getLogger(__name__)
 CORPUS_PACKAGES = ("json", "http", "logging", "urllib")
 SETTLE_S = 15.0       # Serve fill-in: the timeline starts this long after the app answers (replicas on the spare GPUs)
+LOAD_NICE = 19        # the HTTP load generator stands in for remote clients: it must not take training's CPU
 SEQ_LEN = 64          # the runner prepares byte-level shards of this length
 
 
@@ -115,6 +116,10 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
     if serve_on:   # Serve's replicas import serving/ from the checkout, like the spotfill package itself
         from spotfill.fillin.local import repo_root
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo_root()])
+    if serve_on or scenario.fillin.batch_enabled or scenario.fillin.sweep_enabled:
+        from spotfill.fillin.cpu_priority import ENV as CPU_NICE_ENV, IDLE_ENV as CPU_IDLE_ENV
+        env[CPU_NICE_ENV] = str(scenario.fillin.cpu_nice)     # fill-in processes renice themselves
+        env[CPU_IDLE_ENV] = "1" if scenario.fillin.cpu_idle else "0"
     if scenario.cluster.autoscaler:
         cluster = _autoscaling_cluster(scenario, out_dir, say)
     else:
@@ -161,7 +166,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
                                    data_dir, corpus) if scenario.fillin.batch_enabled else None
         sweep = fillin_sweep.start(cluster, scenario, name, out_dir, env, say, data_dir) \
             if scenario.fillin.sweep_enabled else None
-        firsts = [f.start for f in (fillin, batch, sweep) if f]
+        firsts = [f.start for f in (batch, sweep) if f]
         # wait_for_fillin: no timeline event fires before Serve answers and the batch and sweep jobs hold
         # lent GPUs (so a node event meets every fill-in tenant running: the hand-backs measured)
         gates = [g for g in (fillin and fillin.serving, batch and batch.holding, sweep and sweep.holding) if g]
@@ -236,9 +241,11 @@ def run_storage_uri(storage: str, name: str) -> str:
 class ServeFillin:
     """Serve fill-in for a scenario: the capacity arbiter (told about the training job before training
     starts: GPUs training may grow into are never lent), the Serve generation app (reading this run's
-    checkpoints) deployed with 0 replicas -- only the arbiter's lends create replicas -- at the scenario's
-    start on an autoscaled cluster, else on training's first step, and a steady HTTP load on it until
-    training ends (on an autoscaled cluster: until the scale-down is over)."""
+    checkpoints) deployed at the scenario's start -- the arbiter lends it the GPUs training cannot use (the
+    job is registered first: the GPUs its group will take are never lent; its start claims them through
+    the arbiter anyway) -- and a steady HTTP load on it
+    until training ends (on an autoscaled cluster: until the scale-down is over). Serve's GPUs are
+    harvested while training starts up, not only once it steps."""
 
     def __init__(self, cluster, scenario: Scenario, storage: str, name: str, out_dir: str, env: dict, say):
         import socket
@@ -257,11 +264,13 @@ class ServeFillin:
         # small machine they take tens of seconds)
         self._prestart = threading.Thread(target=self._prestart_run, name="serve-fillin-prestart", daemon=True)
         self._prestart.start()
-        # on an autoscaled cluster the app is deployed at once (no GPU node exists before training's request
-        # launches them); on fixed nodes on training's first step, so that training's first group is placed
-        # before Serve's replicas take the spare GPUs (a run that deployed at once here hung, not diagnosed)
-        if scenario.cluster.autoscaler:
-            self.start()
+        # deployed at once, once the arbiter knows the training job (after the prestart). On an autoscaled
+        # cluster with 0 replicas (only the arbiter's lends create replicas: no demand the autoscaler would
+        # launch a node for); on fixed nodes with 1, which Serve places on the node it fits best (a small
+        # node, not the one training's whole group needs) and the arbiter adopts: a fixed replica count has
+        # no Serve autoscaling policy, whose cold-start rule starts a replica by itself when requests are
+        # counted while none runs (one did, as training's claim took the last ones back: 4 s hand-backs)
+        self.start()
 
     def _prestart_run(self) -> None:
         import ray
@@ -306,9 +315,10 @@ class ServeFillin:
             out = deploy_serve(self.uri, port=self.port, dashboard_url=self.cluster.cluster.webui_url,
                                gpu_resource=self.scenario.cluster.gpu_resource,
                                max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16,
-                               replicas=0 if self.scenario.cluster.autoscaler else 1)
+                               replicas=0 if self.scenario.cluster.autoscaler else 1,
+                               cpu_nice=self.scenario.fillin.cpu_nice, cpu_idle=self.scenario.fillin.cpu_idle)
             self.serving_since = time.time()
-            self.load = ServeLoad(out["url"], spec["load_rps"]).start()
+            self.load = ServeLoad(out["url"], spec["load_rps"], nice=LOAD_NICE).start()
             self.say(f"serve fill-in: generation app on {out['url']} (replicas only on GPUs training leaves "
                      f"spare), load {spec['load_rps']:g} requests/s")
         except Exception as exc:  # noqa: BLE001 - reported, and the run is not ok

@@ -114,11 +114,15 @@ class FillinSpec:
     `load_rps` requests per second for the whole scenario (0: Serve deployed, no load; `max_replicas`:
     default every GPU slot). `launch_nodes` (autoscaled clusters only, default false): let fill-in make the
     autoscaler launch nodes for Serve; by default it never does (docs/cluster-lifecycle.md).
-    `fillin.batch`, `fillin.sweep` and `fillin.reclaim_order`: sim/fillin_spec.py."""
+    `fillin.batch`, `fillin.sweep` and `fillin.reclaim_order`: sim/fillin_spec.py. `cpu_nice` (default 19,
+    0 off) and `cpu_idle` (default true: SCHED_IDLE): fill-in processes run at this CPU priority, so
+    training's host-side work is not slowed by them (fillin/cpu_priority.py)."""
     serve: dict = field(default_factory=dict)
     batch: dict = field(default_factory=dict)
     sweep: dict = field(default_factory=dict)
     reclaim_order: list | None = None
+    cpu_nice: int = 19
+    cpu_idle: bool = True
 
     def validate(self, path: str) -> None:
         if not isinstance(self.serve, dict):
@@ -143,6 +147,9 @@ class FillinSpec:
         self.batch = batch_spec(self.batch, f"{path}.batch")
         self.sweep = sweep_spec(self.sweep, f"{path}.sweep")
         self.reclaim_order = reclaim_order(self.reclaim_order, f"{path}.reclaim_order")
+        from spotfill.fillin.cpu_priority import configured_idle, configured_nice
+        self.cpu_nice = configured_nice(self.cpu_nice, f"{path}.cpu_nice")
+        self.cpu_idle = configured_idle(self.cpu_idle, f"{path}.cpu_idle")
 
     @property
     def serve_enabled(self) -> bool:
