@@ -134,6 +134,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
                           startup_s=round(time.time() - t_start, 3), precision=precision, **flops, **device,
                           **_start_marks(t_start, t_restored, t_imported, t_engine))
 
+    # Spares for the next group: at once on a fresh start; after the first step on a resume, whose first
+    # step ends a recovery and should not share the CPUs with the spares' imports.
+    spares = t.elastic_restarts == "spotfill" and constants.WARM_SPARES > 0
+    if spares and not plan.tag:
+        _prestart_spares(constants.WARM_SPARES)
+
     def make(step: int):
         return read_step(reader, step, rank_positions(step, shape, rank), shape.accum, job.data.seed)
 
@@ -160,8 +166,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                 **step_metrics(tokens_per_step, split, gpus, flops["flops_per_token"],
                                                flops["hardware_flops_per_token"], device["peak_flops_per_gpu"]),
                                 **run.gpu_sample()})
-            if step == start_step and t.elastic_restarts == "spotfill" and constants.WARM_SPARES:
-                _prestart_spares(constants.WARM_SPARES)     # after the first step: it runs uncontended
+            if step == start_step and plan.tag and spares:
+                _prestart_spares(constants.WARM_SPARES)     # after a resume's first step: it runs uncontended
             decision = run.policy.decide(facts)
             run.apply(decision, step + 1)
             if decision.action == FINISH:
