@@ -15,8 +15,9 @@ import time
 
 HOOK = "spotfill.train.warm.start"
 _started = threading.Event()
-marks: dict[str, float] = {}     # unix s: "warm_hook_t" (the hook ran), "warm_done_t" (the thread's imports
-                                 # finished), "warm_main_t" (the main thread's import finished)
+marks: dict[str, float] = {}     # unix s: "warm_hook_t" (the hook ran), "warm_main_t" (Ray Train's worker
+                                 # module imported), "warm_done_t" (the thread's imports finished),
+                                 # "warm_after_t" (the main thread's imports after torch finished)
 
 
 def _load() -> None:
@@ -36,20 +37,36 @@ def _load() -> None:
 # Ray Train's worker actor class lives here; the actor's creation imports it on the process's main thread.
 # It imports no torch (so it never waits on the thread's import of torch).
 RAY_TRAIN_WORKER_MODULE = "ray.train.v2._internal.execution.worker_group.worker"
+# What the worker's main thread imports next, all after torch: the training function's module, the run
+# config's callbacks Ray Train unpickles into every worker's train context, Ray Train's torch backend.
+AFTER_TORCH = ("ray.train.torch", "spotfill.train.worker_loop", "spotfill.train.sink", "spotfill.train.teardown",
+               "spotfill.fillin.training_hook")
 
 
 def start() -> None:
-    """Start the warm-import thread (once per process), then import Ray Train's worker module on the
-    calling (main) thread: the same import the actor's creation would do on that thread a moment later
-    (no cost to a process started for an actor), done ahead on a spare process that waits idle for the
-    next worker group (train.worker_loop's spares)."""
+    """Start the warm-import thread (once per process), then, on the calling (main) thread, import Ray
+    Train's worker module, wait for the thread's imports and import AFTER_TORCH: the imports the actor's
+    creation and train context would do on that thread a moment later, in the same order, so a process
+    started for an actor loses nothing, and a spare process that waits idle for the next worker group
+    (train.worker_loop's spares) has done them all before it gets its actor. Every Ray and spotfill import
+    stays on the main thread, after the thread's torch (two threads importing one package tree in
+    different orders can deadlock)."""
     if _started.is_set():
         return
     _started.set()
     marks["warm_hook_t"] = round(time.time(), 3)
-    threading.Thread(target=_load, name="spotfill-warm-start", daemon=True).start()
-    try:
-        importlib.import_module(RAY_TRAIN_WORKER_MODULE)
-    except Exception:  # noqa: BLE001 -- surfaced by the actor's own creation
-        pass
+    thread = threading.Thread(target=_load, name="spotfill-warm-start", daemon=True)
+    thread.start()
+    _import(RAY_TRAIN_WORKER_MODULE)
     marks["warm_main_t"] = round(time.time(), 3)
+    thread.join()
+    for name in AFTER_TORCH:
+        _import(name)
+    marks["warm_after_t"] = round(time.time(), 3)
+
+
+def _import(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 -- surfaced by the actor's, or the training function's, own import
+        pass
