@@ -78,14 +78,20 @@ def _worker_marks(ready: dict, decided: float | None, attempt_t: float) -> dict:
     """Rank 0's own moments (resume/start event, newer runs) split workers start and state load further:
     workers_start.process_s (decision to rank 0's process created: placement group, process spawn),
     .init_s (process created to the training function entered: imports, Ray Train's worker set-up,
-    torch.distributed), .loop_s (function entered to the attempt recorded); state_load.restore_s
+    torch.distributed); a process created before the decision (a spare) is marked .prestarted, with
+    .process_s 0 and .init_s from the decision, .loop_s (function entered to the attempt recorded); state_load.restore_s
     (attempt to restore done), .imports_s (waiting for the warm imports after it), .engine_s (model and
     deepspeed.initialize), .checkpoint_s (the rest: engine.load_checkpoint and the event)."""
     out: dict = {}
     proc, entered = ready.get("process_started_t"), ready.get("loop_entered_t")
     if proc is not None and decided is not None and entered is not None:
-        out["workers_start.process_s"] = rnd(proc - decided, 2)
-        out["workers_start.init_s"] = rnd(entered - proc, 2)
+        if proc < decided:      # a spare process started before the decision (train.worker_loop's spares)
+            out["workers_start.prestarted"] = True
+            out["workers_start.process_s"] = 0.0
+            out["workers_start.init_s"] = rnd(entered - decided, 2)
+        else:
+            out["workers_start.process_s"] = rnd(proc - decided, 2)
+            out["workers_start.init_s"] = rnd(entered - proc, 2)
     if entered is not None:
         out["workers_start.loop_s"] = rnd(attempt_t - entered, 2)
     marks = [ready.get(k) for k in ("restored_t", "imported_t", "engine_t")]

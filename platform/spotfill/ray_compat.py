@@ -24,6 +24,8 @@ import ray._private.state as _state
 import ray._private.worker as _worker
 import ray._raylet as _raylet
 from ray.core.generated import autoscaler_pb2, common_pb2, gcs_pb2  # noqa: F401 (drain, node death, node list)
+from ray.core.generated import node_manager_pb2 as _nm_pb2, node_manager_pb2_grpc as _nm_grpc
+from ray._private import grpc_utils as _grpc_utils
 import ray.experimental.internal_kv as _kv
 import ray.autoscaler._private.fake_multi_node.node_provider as _fake_multinode
 import ray.train.v2._internal.callbacks.placement_group_callback as _pg_callback
@@ -130,9 +132,19 @@ HOOKS = [
     (_TuneTrial, "PAUSED", None),
     (_TuneTrial, "should_recover", ()),
     (_TuneController, "_unstage_trial_with_resources", ("trial",)),
+    # warm spare worker processes (prestart_workers): the raylet's PrestartWorkers RPC
+    (_nm_grpc, "NodeManagerServiceStub", None),
+    (_nm_grpc.NodeManagerServiceStub, "__init__", ("channel",)),
+    (_nm_pb2, "PrestartWorkersRequest", None),
+    (_grpc_utils, "init_grpc_channel", ("address",)),
+    (common_pb2.Language, "Value", None),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
+_PRESTART_FIELDS = ("language", "job_id", "runtime_env_info", "keep_alive_duration_secs", "num_workers")
+if not set(_PRESTART_FIELDS) <= set(_nm_pb2.PrestartWorkersRequest.DESCRIPTOR.fields_by_name):
+    raise RayCompatError(f"spotfill needs PrestartWorkersRequest{_PRESTART_FIELDS} (checked against ray "
+                         f"{RAY_VERSION_CHECKED}); installed ray {ray.__version__} differs")
 if "actor" not in getattr(_wg_worker.Worker, "__dataclass_fields__", {}):
     raise RayCompatError(f"spotfill needs ray.train.v2 Worker.actor (checked against ray {RAY_VERSION_CHECKED}); "
                          f"installed ray {ray.__version__} does not have it")
@@ -599,3 +611,27 @@ def worker_setup_hook_env(hook: str, env: dict[str, str], job_runtime_env: dict 
             or (job.get("env_vars") or {}).get(name)):
         return dict(env)
     return {**env, name: hook}
+
+
+def prestart_workers(num_workers: int, keep_alive_s: int, timeout_s: float = 5.0) -> None:
+    """Ask this node's raylet to start `num_workers` idle worker processes now, with the runtime_env of the
+    calling worker (the exact serialized string its own task carried, so the raylet's runtime_env hash
+    matches) for the calling job, kept idle for `keep_alive_s` even above Ray's idle-worker soft limit.
+    Actors the next worker group creates on this node with that runtime_env land on them instead of
+    spawning processes (Ray's worker pool hands a new lease an idle worker of the same job and runtime_env
+    hash), and the processes' setup hook (spotfill.train.warm) has had their imports running since they
+    started. Ray's public API has no call for this (the raylet's PrestartWorkers RPC, Ray 2.60)."""
+    ctx = ray.get_runtime_context()
+    node_id = ctx.get_node_id()
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"]), None)
+    if node is None:
+        raise RuntimeError(f"node {node_id[:12]} is not in the cluster's node list")
+    request = _nm_pb2.PrestartWorkersRequest(
+        language=common_pb2.Language.Value("PYTHON"), job_id=bytes.fromhex(ctx.get_job_id()),
+        keep_alive_duration_secs=int(keep_alive_s), num_workers=int(num_workers))
+    request.runtime_env_info.serialized_runtime_env = ctx.get_runtime_env_string() or "{}"
+    channel = _grpc_utils.init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+    try:
+        _nm_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=timeout_s)
+    finally:
+        channel.close()

@@ -103,6 +103,15 @@ def test_restarted_workers_start_importing_when_their_process_starts(scenario_ru
         assert e["warm_done_t"] >= e["warm_hook_t"], e
 
 
+def test_the_group_after_a_hard_loss_starts_on_warm_spares(scenario_run):
+    """The surviving node's workers had its raylet start spare processes (train.worker_loop's spares): the
+    group after the hard loss runs on processes that existed before the loss (cold ones start after it)."""
+    report, out = scenario_run
+    kill = next(p for p in report["preemptions"] if p["action"] == "kill_node")
+    resume = next(e for e in read_events(str(out / "events.jsonl"), {"resume"}) if e["t"] > kill["at"])
+    assert resume["process_started_t"] < kill["at"] <= resume["loop_entered_t"], (kill, resume)
+
+
 def test_elastic_loss_curve_matches_fixed_size(scenario_run, tmp_path):
     """Same global batch, same sample order: the loss per step matches a fixed 2-worker run within noise."""
     report, out = scenario_run

@@ -50,3 +50,17 @@ def test_without_controller_events_the_first_three_are_one_number_and_failed_sch
     assert "detect_s" not in b and b["detect_decide_workers_start_s"] == 13.0
     assert b["failed_schedules"] == 1 and b["state_load_s"] == 2.0 and "first_step_s" not in b
     assert recovery_breakdown([{"t": 1.0, "kind": "attempt", "attempt": 0}], 5.0) == {}
+
+
+def test_a_process_started_before_the_decision_is_a_spare_and_its_idle_time_is_not_start_up():
+    events = [
+        {"t": 100.5, "kind": "controller_state", "state": "RESTARTING", "previous": "RUNNING"},
+        {"t": 101.0, "kind": "controller_state", "state": "SCHEDULING", "previous": "RESTARTING"},
+        {"t": 102.0, "kind": "attempt", "attempt": 1, "world_size": 2},
+        {"t": 103.0, "kind": "resume", "attempt": 1, "step": 40, "process_started_t": 60.0,
+         "loop_entered_t": 101.75, "restored_t": 102.2, "imported_t": 102.2, "engine_t": 102.9},
+    ]
+    b = recovery_breakdown(events, 100.0)
+    assert b["workers_start.prestarted"] is True
+    assert (b["workers_start.process_s"], b["workers_start.init_s"], b["workers_start.loop_s"]) == (0.0, 0.75, 0.25)
+    assert b["workers_start_s"] == 1.0

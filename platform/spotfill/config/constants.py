@@ -141,6 +141,11 @@ WORKER_GROUP_START_TIMEOUT_S = env_float("SPOTFILL_WORKER_GROUP_START_TIMEOUT_S"
 # Ray Train's controller polls its workers this often (stock: 2 s): a worker that exited or died is seen
 # at the next poll, so every restart waits up to one interval (a planned exit, two).
 HEALTH_CHECK_INTERVAL_S = env_float("SPOTFILL_HEALTH_CHECK_INTERVAL_S", 0.5, strict=True)
+# spotfill runs: each training worker has its node's raylet start this many spare worker processes, which
+# import torch and DeepSpeed while the group trains; the group after a restart starts on them (0: off).
+WARM_SPARES = env_int("SPOTFILL_WARM_SPARES", 1)
+# How long (s) a spare nobody took is kept idle above Ray's idle-worker soft limit.
+WARM_SPARE_KEEP_ALIVE_S = env_int("SPOTFILL_WARM_SPARE_KEEP_ALIVE_S", 3600)
 # Universal-checkpoint conversion runs in-process below this size (bytes), in a subprocess pool above.
 UNIVERSAL_INPROCESS_MAX_BYTES = env_int("SPOTFILL_UNIVERSAL_INPROCESS_MAX_BYTES", 1 << 30)
 

@@ -9,12 +9,15 @@ then finds them loaded. A failed import here is ignored: the training function's
 """
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 
 HOOK = "spotfill.train.warm.start"
 _started = threading.Event()
-marks: dict[str, float] = {}     # unix s: "warm_hook_t" (the hook ran), "warm_done_t" (imports finished)
+marks: dict[str, float] = {}     # unix s: "warm_hook_t" (the hook ran), "warm_main_t" (Ray Train's worker
+                                 # module imported), "warm_done_t" (the thread's imports finished),
+                                 # "warm_after_t" (the main thread's imports after torch finished)
 
 
 def _load() -> None:
@@ -31,10 +34,39 @@ def _load() -> None:
     marks["warm_done_t"] = round(time.time(), 3)
 
 
+# Ray Train's worker actor class lives here; the actor's creation imports it on the process's main thread.
+# It imports no torch (so it never waits on the thread's import of torch).
+RAY_TRAIN_WORKER_MODULE = "ray.train.v2._internal.execution.worker_group.worker"
+# What the worker's main thread imports next, all after torch: the training function's module, the run
+# config's callbacks Ray Train unpickles into every worker's train context, Ray Train's torch backend.
+AFTER_TORCH = ("ray.train.torch", "spotfill.train.worker_loop", "spotfill.train.sink", "spotfill.train.teardown",
+               "spotfill.fillin.training_hook")
+
+
 def start() -> None:
-    """Start the warm-import thread (once per process); returns at once."""
+    """Start the warm-import thread (once per process), then, on the calling (main) thread, import Ray
+    Train's worker module, wait for the thread's imports and import AFTER_TORCH: the imports the actor's
+    creation and train context would do on that thread a moment later, in the same order, so a process
+    started for an actor loses nothing, and a spare process that waits idle for the next worker group
+    (train.worker_loop's spares) has done them all before it gets its actor. Every Ray and spotfill import
+    stays on the main thread, after the thread's torch (two threads importing one package tree in
+    different orders can deadlock)."""
     if _started.is_set():
         return
     _started.set()
     marks["warm_hook_t"] = round(time.time(), 3)
-    threading.Thread(target=_load, name="spotfill-warm-start", daemon=True).start()
+    thread = threading.Thread(target=_load, name="spotfill-warm-start", daemon=True)
+    thread.start()
+    _import(RAY_TRAIN_WORKER_MODULE)
+    marks["warm_main_t"] = round(time.time(), 3)
+    thread.join()
+    for name in AFTER_TORCH:
+        _import(name)
+    marks["warm_after_t"] = round(time.time(), 3)
+
+
+def _import(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 -- surfaced by the actor's, or the training function's, own import
+        pass

@@ -134,6 +134,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
                           startup_s=round(time.time() - t_start, 3), precision=precision, **flops, **device,
                           **_start_marks(t_start, t_restored, t_imported, t_engine))
 
+    # Spares for the next group: at once on a fresh start; after the first step on a resume, whose first
+    # step ends a recovery and should not share the CPUs with the spares' imports.
+    spares = t.elastic_restarts == "spotfill" and constants.WARM_SPARES > 0
+    if spares and not plan.tag:
+        _prestart_spares(constants.WARM_SPARES)
+
     def make(step: int):
         return read_step(reader, step, rank_positions(step, shape, rank), shape.accum, job.data.seed)
 
@@ -160,6 +166,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                 **step_metrics(tokens_per_step, split, gpus, flops["flops_per_token"],
                                                flops["hardware_flops_per_token"], device["peak_flops_per_gpu"]),
                                 **run.gpu_sample()})
+            if step == start_step and plan.tag and spares:
+                _prestart_spares(constants.WARM_SPARES)     # after a resume's first step: it runs uncontended
             decision = run.policy.decide(facts)
             run.apply(decision, step + 1)
             if decision.action == FINISH:
@@ -209,6 +217,27 @@ def _warm_imports():
     thread = threading.Thread(target=load, name="spotfill-warm-imports", daemon=True)
     thread.start()
     return thread
+
+
+def _prestart_spares(count: int) -> None:
+    """Have this node's raylet start `count` spare worker processes for the next worker group (one set per
+    worker, so a node holds as many spares as it runs workers), on a thread, off the step loop: they
+    import torch and DeepSpeed (spotfill.train.warm, their setup hook) while this group trains, and the
+    actors of the group after a restart land on them instead of on cold processes. Spares the next group
+    does not take stay idle for SPOTFILL_WARM_SPARE_KEEP_ALIVE_S, then Ray's idle-worker policy applies;
+    Ray kills them with the job. A failure costs nothing but the head start: it is logged."""
+    import threading
+
+    from spotfill.ray_compat import prestart_workers
+
+    def run():
+        try:
+            prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
+        except Exception as exc:  # noqa: BLE001 -- the next group starts cold processes, as stock Ray does
+            log.warning("spare worker processes not started (%s: %s); the next worker group starts cold",
+                        type(exc).__name__, exc)
+
+    threading.Thread(target=run, name="spotfill-prestart-spares", daemon=True).start()
 
 
 def _finish(sink, rank: int, verdict: dict) -> None:
