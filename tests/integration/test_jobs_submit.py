@@ -1,4 +1,6 @@
-"""jobs/*.py through the real `ray job submit` CLI against a head this module starts with `ray start --head`.
+"""jobs/*.py through the real `ray job submit` CLI against a head this module starts with `ray start --head`:
+prepare_data.py and pretrain.py, then batch_infer.py (every parquet row exactly once) and sweep.py (every trial
+completed) on their data and checkpoint.
 
 The head runs with its own --temp-dir, ports and auth token (RAY_AUTH_MODE=token, as Ray 2.60 turns on
 for local clusters when ~/.ray/auth_token exists), so it never touches other Ray clusters on the machine.
@@ -91,6 +93,16 @@ def _stop_head(temp_dir: str) -> list[int]:
     return ended
 
 
+def _installed_platforms() -> list[str]:
+    """This checkout's platform/ and the one the editable install points at (another checkout's, when
+    these tests run from a git worktree): both are hidden from the head."""
+    found = subprocess.run([sys.executable, "-c", "import os, spotfill; "
+                            "print(os.path.dirname(os.path.dirname(os.path.abspath(spotfill.__file__))))"],
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, cwd=tempfile.gettempdir(),
+                           capture_output=True, text=True).stdout.strip()
+    return sorted({PLATFORM, *([os.path.abspath(found)] if found else [])})
+
+
 @pytest.fixture(scope="module")
 def head():
     """A real Ray head: 2 CPUs, 2 GPU_SLOTs, dashboard on 127.0.0.1; yields (job API address, env)."""
@@ -101,7 +113,7 @@ def head():
     token = uuid.uuid4().hex + uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [hook, env.get("PYTHONPATH")])),
-               SPOTFILL_TEST_HIDE=PLATFORM, RAY_USAGE_STATS_ENABLED="0", PYTHONNOUSERSITE="1",
+               SPOTFILL_TEST_HIDE=os.pathsep.join(_installed_platforms()), RAY_USAGE_STATS_ENABLED="0", PYTHONNOUSERSITE="1",
                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, **{MARK: temp_dir})
     hidden = subprocess.run([sys.executable, "-c", "import spotfill"], env=env, cwd=temp_dir,
                             capture_output=True).returncode != 0

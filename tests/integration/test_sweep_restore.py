@@ -175,6 +175,50 @@ def test_a_sweep_driver_killed_mid_run_is_continued_by_a_rerun_not_started_over(
     assert any(e["kind"] == "sweep_restore" and e["cause"] == "driver_restarted" for e in events)
     print(f"\nkilled at step {killed_at} of trial {mid_tid}; the rerun continued it from step {resumed_from}")
 
+    # a rerun of the finished sweep restores it and finishes at once: both trials carried over, nothing ran
+    third = start_driver(env, path, tmp_path / "third.log")
+    stdout, _ = third.communicate(timeout=120)
+    assert third.returncode == 0, (tmp_path / "third.log").read_text()[-4000:]
+    s3 = json.loads(open(json.loads(stdout.strip().splitlines()[-1])["report"]).read())["fillin"]["sweep"]
+    assert (s3["restored"], s3["completed"], s3["carried_over"], s3["restored_trials"]) == (True, 2, 2, 0), s3
+    assert s3["best"] == s["best"], (s3["best"], s["best"])
+    assert result_rows(exp) == rows
+    # the same storage and name with other sweep settings: refused up front, one line, exit 2
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({**cfg, "sweep": {**cfg["sweep"], "steps": STEPS + 4}}))
+    fourth = start_driver(env, other, tmp_path / "fourth.log")
+    stdout, _ = fourth.communicate(timeout=120)
+    err = (tmp_path / "fourth.log").read_text()
+    assert fourth.returncode == 2 and stdout == "", err[-3000:]
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and lines[0].startswith("sweep.py: error: storage: ") and "Traceback" not in err, err
+    assert result_rows(exp) == rows
+
+
+def test_a_finished_sweep_on_s3_is_restored_by_a_rerun_not_run_again(env, s3_uri, tmp_path):
+    """Tuner.can_restore / Tuner.restore on s3:// storage (loopback S3, endpoint in the URI's query)."""
+    from spotfill.fillin.sweep import experiment_path
+    from spotfill.storage.base import open_storage
+
+    cfg = {**sweep_config(env, "on-s3", trials=1), "storage": s3_uri}
+    cfg["sweep"] = {**cfg["sweep"], "steps": 8}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    reports = []
+    for run in ("first", "rerun"):
+        proc = start_driver(env, path, tmp_path / f"{run}.log")
+        stdout, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (tmp_path / f"{run}.log").read_text()[-4000:]
+        reports.append(json.loads(open(json.loads(stdout.strip().splitlines()[-1])["report"]).read()))
+    first, rerun = (r["fillin"]["sweep"] for r in reports)
+    assert (first["restored"], first["completed"], first["carried_over"]) == (False, 1, 0), first
+    assert (rerun["restored"], rerun["completed"], rerun["carried_over"], rerun["restored_trials"]) == (
+        True, 1, 1, 0), rerun
+    assert rerun["best"] == first["best"] and rerun["results"][0]["history_ok"] is True
+    keys = open_storage(experiment_path(s3_uri, "on-s3")).list()
+    assert any(k.startswith("experiment_state-") for k in keys), keys      # the state is on S3
+    assert any("/checkpoint_" in k for k in keys), keys
+
 
 def test_a_trial_paused_while_tune_has_only_staged_it_starts_when_units_are_lent_again(env, monkeypatch):
     """The plan pauses a trial Tune has staged (its placement group requested, not placed: the GPU slots are

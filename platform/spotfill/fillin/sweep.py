@@ -52,8 +52,12 @@ _LIVE_CONTROL: "SweepControl | None" = None   # the control a restored searcher/
 
 
 def experiment_path(storage: str, name: str) -> str:
-    """Where Tune keeps the experiment `name` under `storage` (a local path or an s3:// URI)."""
-    return f"{storage.rstrip('/')}/{name}" if "://" in storage else os.path.join(storage, name)
+    """Where Tune keeps the experiment `name` under `storage`: a local path, or a URI whose query (such as
+    s3://bucket/prefix?endpoint_override=...) stays at the end."""
+    if "://" not in storage:
+        return os.path.join(storage, name)
+    base, sep, query = storage.partition("?")
+    return f"{base.rstrip('/')}/{name}{sep}{query}"
 
 
 def _rebind(obj) -> None:
