@@ -195,31 +195,6 @@ def test_a_sweep_driver_killed_mid_run_is_continued_by_a_rerun_not_started_over(
     assert result_rows(exp) == rows
 
 
-def test_a_finished_sweep_on_s3_is_restored_by_a_rerun_not_run_again(env, s3_uri, tmp_path):
-    """Tuner.can_restore / Tuner.restore on s3:// storage (loopback S3, endpoint in the URI's query)."""
-    from spotfill.fillin.sweep import experiment_path
-    from spotfill.storage.base import open_storage
-
-    cfg = {**sweep_config(env, "on-s3", trials=1), "storage": s3_uri}
-    cfg["sweep"] = {**cfg["sweep"], "steps": 8}
-    path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    reports = []
-    for run in ("first", "rerun"):
-        proc = start_driver(env, path, tmp_path / f"{run}.log")
-        stdout, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, (tmp_path / f"{run}.log").read_text()[-4000:]
-        reports.append(json.loads(open(json.loads(stdout.strip().splitlines()[-1])["report"]).read()))
-    first, rerun = (r["fillin"]["sweep"] for r in reports)
-    assert (first["restored"], first["completed"], first["carried_over"]) == (False, 1, 0), first
-    assert (rerun["restored"], rerun["completed"], rerun["carried_over"], rerun["restored_trials"]) == (
-        True, 1, 1, 0), rerun
-    assert rerun["best"] == first["best"] and rerun["results"][0]["history_ok"] is True
-    keys = open_storage(experiment_path(s3_uri, "on-s3")).list()
-    assert any(k.startswith("experiment_state-") for k in keys), keys      # the state is on S3
-    assert any("/checkpoint_" in k for k in keys), keys
-
-
 def test_a_trial_paused_while_tune_has_only_staged_it_starts_when_units_are_lent_again(env, monkeypatch):
     """The plan pauses a trial Tune has staged (its placement group requested, not placed: the GPU slots are
     taken) -- fillin/sweep.py's `deferred` path, which must unstage it through ray_compat.tune_unstage_trial:

@@ -217,6 +217,35 @@ class SweepControl:
             return sp.plan(self.grant.allowed(), views, self.unstarted)
 
 
+def _check_same_sweep(state: dict, c: SweepControl) -> None:
+    """The saved searcher state of the experiment to restore (GrantSearcher.save) is this sweep's."""
+    from spotfill.config.errors import ConfigError
+    job = {k: c.job.get(k) for k in JOB_KEYS}
+    if state["configs"] != c.configs or state["job"] != job:
+        what = "search grid" if state["configs"] != c.configs else "sweep settings"
+        raise ConfigError("storage", c.experiment,
+                          reason=f"holds an experiment of this name with another {what} "
+                                 f"({state['configs'] if what == 'search grid' else state['job']})",
+                          accepted="the same sweep config to resume it, or another storage/name")
+
+
+def _saved_searcher_state(experiment: str) -> dict | None:
+    """The newest searcher state Tune saved with the experiment (None: none saved)."""
+    import json
+
+    import pyarrow.fs
+    from ray.tune.search import Searcher
+
+    fs, path = pyarrow.fs.FileSystem.from_uri(experiment)
+    prefix, suffix = Searcher.CKPT_FILE_TMPL.split("{}")
+    names = sorted(i.base_name for i in fs.get_file_info(pyarrow.fs.FileSelector(path))
+                   if i.base_name.startswith(prefix) and i.base_name.endswith(suffix))
+    if not names:
+        return None
+    with fs.open_input_stream(f"{path.rstrip('/')}/{names[-1]}") as f:
+        return json.loads(f.readall())
+
+
 def _searcher_class():
     from spotfill import ray_compat  # noqa: F401 - checks the Tune extension points used here
     from ray.tune.search import Searcher
@@ -254,18 +283,10 @@ def _searcher_class():
 
         def restore(self, checkpoint_path: str):
             import json
-
-            from spotfill.config.errors import ConfigError
             with open(checkpoint_path) as f:
                 state = json.load(f)
             c = self.control
-            job = {k: c.job.get(k) for k in JOB_KEYS}
-            if state["configs"] != c.configs or state["job"] != job:
-                what = "search grid" if state["configs"] != c.configs else "sweep settings"
-                raise ConfigError("storage", c.experiment,
-                                  reason=f"holds an experiment of this name with another {what} "
-                                         f"({state['configs'] if what == 'search grid' else state['job']})",
-                                  accepted="the same sweep config to resume it, or another storage/name")
+            _check_same_sweep(state, c)          # checked before the restore too (Tune swallows errors here)
             with c.lock:
                 c.handed_out = int(state["handed_out"])
                 c.config_of.update(state["config_of"])
@@ -367,7 +388,7 @@ def _scheduler_class():
                 c.tally.on_complete(tid, c.config_of.get(tid, trial.config), METRIC, last.get(METRIC), carried=True)
                 c.emit("sweep_trial", action="carried_over", trial=tid, step=last.get("step"),
                        cause="driver_restarted", **{METRIC: last.get(METRIC)})
-            elif trial.status == Trial.ERROR:        # not resumed (resume_errored off): failed for good
+            elif trial.status == Trial.ERROR:        # not re-queued by Tune: failed for good
                 c.book.observe(tid, sp.DONE)
             else:                                    # re-queued PENDING: continues from its last checkpoint
                 c.book.observe(tid, sp.STARTING)
@@ -470,6 +491,13 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     every = max(1, math.ceil(s.checkpoint_every / s.steps_per_report))
     restoring = tune.Tuner.can_restore(control.experiment)
     if restoring:
+        try:
+            saved = _saved_searcher_state(control.experiment)
+            if saved is not None:
+                _check_same_sweep(saved, control)   # Tune would start over on an error while restoring
+        except BaseException:
+            grant.close()
+            raise
         control.tally.restored = True
         control.emit("sweep_restore", experiment=control.experiment, cause="driver_restarted")
         log.info("restoring the sweep experiment at %s", control.experiment)
