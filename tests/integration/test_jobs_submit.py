@@ -1,4 +1,6 @@
-"""jobs/*.py through the real `ray job submit` CLI against a head this module starts with `ray start --head`.
+"""jobs/*.py through the real `ray job submit` CLI against a head this module starts with `ray start --head`:
+prepare_data.py and pretrain.py, then batch_infer.py (every parquet row exactly once) and sweep.py (every trial
+completed) on their data and checkpoint.
 
 The head runs with its own --temp-dir, ports and auth token (RAY_AUTH_MODE=token, as Ray 2.60 turns on
 for local clusters when ~/.ray/auth_token exists), so it never touches other Ray clusters on the machine.
@@ -91,6 +93,16 @@ def _stop_head(temp_dir: str) -> list[int]:
     return ended
 
 
+def _installed_platforms() -> list[str]:
+    """This checkout's platform/ and the one the editable install points at (another checkout's, when
+    these tests run from a git worktree): both are hidden from the head."""
+    found = subprocess.run([sys.executable, "-c", "import os, spotfill; "
+                            "print(os.path.dirname(os.path.dirname(os.path.abspath(spotfill.__file__))))"],
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, cwd=tempfile.gettempdir(),
+                           capture_output=True, text=True).stdout.strip()
+    return sorted({PLATFORM, *([os.path.abspath(found)] if found else [])})
+
+
 @pytest.fixture(scope="module")
 def head():
     """A real Ray head: 2 CPUs, 2 GPU_SLOTs, dashboard on 127.0.0.1; yields (job API address, env)."""
@@ -101,7 +113,7 @@ def head():
     token = uuid.uuid4().hex + uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [hook, env.get("PYTHONPATH")])),
-               SPOTFILL_TEST_HIDE=PLATFORM, RAY_USAGE_STATS_ENABLED="0", PYTHONNOUSERSITE="1",
+               SPOTFILL_TEST_HIDE=os.pathsep.join(_installed_platforms()), RAY_USAGE_STATS_ENABLED="0", PYTHONNOUSERSITE="1",
                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, **{MARK: temp_dir})
     hidden = subprocess.run([sys.executable, "-c", "import spotfill"], env=env, cwd=temp_dir,
                             capture_output=True).returncode != 0
@@ -176,24 +188,35 @@ def job_info(head, job_id: str, wait_s: float = 120) -> tuple[str, str]:
         time.sleep(1)
 
 
-def test_prepare_then_pretrain_through_ray_job_submit(head, staged, tmp_path):
+@pytest.fixture(scope="module")
+def trained(head, staged, tmp_path_factory):
+    """prepare_data.py, then pretrain.py, through `ray job submit` (asserted by the first test; the batch and
+    sweep jobs below run on their data and checkpoint); a bad config submitted alongside, not waited for."""
+    root = tmp_path_factory.mktemp("trained")
+    data, ckpt, run_dir = root / "data", root / "ckpt", root / "run"
     t0 = time.time()
-    data, ckpt, run_dir = tmp_path / "data", tmp_path / "ckpt", tmp_path / "run"
     bad_id, bad = submit(head, staged, "jobs/pretrain.py", "--config", "examples/bad-workers.yaml",
-                         "--storage", str(ckpt), "--run-dir", str(tmp_path / "bad"), wait=False)
-    assert bad.returncode == 0, bad.stdout + bad.stderr
-
+                         "--storage", str(ckpt), "--run-dir", str(root / "bad"), wait=False)
     _, prep = submit(head, staged, "jobs/prepare_data.py", "--config", "examples/prepare-stdlib.yaml",
                      "--output", str(data))
+    t_prep = time.time() - t0
+    train_id, train = None, None
+    if prep.returncode == 0:
+        train_id, train = submit(head, staged, "jobs/pretrain.py", "--config", "examples/tiny-cpu.yaml",
+                                 "--steps", "10", "--storage", str(ckpt), "--run-dir", str(run_dir),
+                                 "--data", str(data))
+    return {"data": data, "ckpt": ckpt, "run_dir": run_dir, "bad_id": bad_id, "bad": bad, "prep": prep,
+            "train_id": train_id, "train": train, "t_prep": t_prep, "t_total": time.time() - t0}
+
+
+def test_prepare_then_pretrain_through_ray_job_submit(head, trained):
+    data, run_dir, bad, prep, train = (trained[k] for k in ("data", "run_dir", "bad", "prep", "train"))
+    assert bad.returncode == 0, bad.stdout + bad.stderr
     assert prep.returncode == 0, prep.stdout[-4000:] + prep.stderr[-2000:]
     p = summary_line(prep.stdout)
     assert p["samples"] >= 160 and (data / "manifest.json").is_file()
     assert p["shipped"] and p["spotfill"].startswith(head["temp_dir"]), p   # the working-dir copy
-    t_prep = time.time() - t0
 
-    train_id, train = submit(head, staged, "jobs/pretrain.py", "--config", "examples/tiny-cpu.yaml",
-                             "--steps", "10", "--storage", str(ckpt), "--run-dir", str(run_dir),
-                             "--data", str(data))
     assert train.returncode == 0, train.stdout[-6000:] + train.stderr[-2000:]
     s = summary_line(train.stdout)
     assert s["ok"] and s["steps_completed"] == 10 and s["checkpoints"] >= 2, s
@@ -201,19 +224,88 @@ def test_prepare_then_pretrain_through_ray_job_submit(head, staged, tmp_path):
     report = json.loads((run_dir / "report.json").read_text())
     assert report["ok"] is True and report["training"]["steps_completed"] == 10
     assert (run_dir / "events.jsonl").is_file()
-    assert job_info(head, train_id)[0] == "SUCCEEDED"
+    assert job_info(head, trained["train_id"])[0] == "SUCCEEDED"
     if not head["hidden"]:
         pytest.fail("could not hide the installed spotfill from the head; the job may have used it")
 
-    status, message = job_info(head, bad_id)
+    status, message = job_info(head, trained["bad_id"])
     assert status == "FAILED" and "exit code 2" in message, (status, message)
-    logs = subprocess.run([RAY, "job", "logs", "--address", head["address"], bad_id], env=head["env"],
+    logs = subprocess.run([RAY, "job", "logs", "--address", head["address"], trained["bad_id"]], env=head["env"],
                           capture_output=True, text=True).stdout
     errors = [ln for ln in logs.splitlines() if "error:" in ln]
     assert errors == ["pretrain.py: error: training.workers: min > max (got [3, 1]); "
                       "accepted: [min, max] with min <= max"], logs
     assert "Traceback" not in logs
-    print(f"\nprepare job {t_prep:.1f}s, prepare+pretrain {time.time() - t0:.1f}s")
+    print(f"\nprepare job {trained['t_prep']:.1f}s, prepare+pretrain {trained['t_total']:.1f}s")
+
+
+def last_json_line(output: str) -> dict:
+    """The job's summary: the last output line that is a JSON object (`ray job submit` prints its own too)."""
+    for line in reversed(output.splitlines()):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return obj
+    raise AssertionError(f"no JSON summary line in:\n{output[-3000:]}")
+
+
+def parquet_ids(folder: Path) -> list[str]:
+    """Every id a reader of the job's parquet output sees (read here, not by the job)."""
+    import pyarrow.parquet as pq
+    return [i for f in sorted(folder.rglob("*.parquet")) if not any(p.startswith("_") for p in f.parts)
+            for i in pq.read_table(f).column("id").to_pylist()]
+
+
+def test_batch_infer_through_ray_job_submit(head, staged, trained, tmp_path):
+    import yaml
+
+    assert trained["train"] is not None and trained["train"].returncode == 0, "pretrain did not run"
+    t0 = time.time()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"def f{i}("}) + "\n" for i in range(4)))
+    out = tmp_path / "out"
+    cfg = tmp_path / "batch.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "batch-submit", "checkpoint": str(trained["ckpt"] / "tiny-cpu"), "output": str(out),
+        "eval": {"data": str(trained["data"]), "rows": 32, "rows_per_unit": 16, "batch_size": 8},
+        "generate": {"prompts": str(prompts), "max_tokens": 8, "rows_per_unit": 2},
+        "cluster": {"gpu_resource": "GPU_SLOT", "max_units": 2, "grace_s": 5.0},
+        "grant": {"units": 2}}))            # GPUs of its own: no arbiter on this head
+    job_id, r = submit(head, staged, "jobs/batch_infer.py", "--config", str(cfg))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    s = last_json_line(r.stdout)
+    assert (s["rows_target"], s["rows_written"], s["duplicates"], s["missing"]) == (36, 36, 0, 0), s
+    ids = parquet_ids(out)
+    assert sorted(ids) == sorted([f"eval/{i}" for i in range(32)] + [f"generate/p{i}" for i in range(4)]), ids
+    assert s["eval"]["loss"] > 0 and job_info(head, job_id)[0] == "SUCCEEDED"
+    print(f"\nbatch job {time.time() - t0:.1f}s")
+
+
+def test_sweep_through_ray_job_submit(head, staged, trained, tmp_path):
+    import yaml
+
+    t0 = time.time()
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "sweep-submit", "run_dir": str(run_dir), "storage": str(tmp_path / "tune"),
+        "data": {"path": str(trained["data"])},
+        "sweep": {"model": "tiny", "steps": 8, "batch": 4, "steps_per_report": 4, "checkpoint_every": 4,
+                  "eval_rows": 32, "trials": 2, "search": {"lr": [0.001, 0.003], "warmup_steps": [0]}},
+        "fillin": {"grant": "fixed", "max_units": 2, "grace_s": 5.0},     # GPUs of its own: no arbiter
+        "cluster": {"gpu_resource": "GPU_SLOT", "cpus_per_trial": 0}}))
+    job_id, r = submit(head, staged, "jobs/sweep.py", "--config", str(cfg))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    s = last_json_line(r.stdout)
+    assert s["ok"] and s["trials"] == 2 and s["completed"] == 2, s
+    assert s["shipped"] and s["spotfill"].startswith(head["temp_dir"]), s
+    report = json.loads((run_dir / "report.json").read_text())["fillin"]["sweep"]
+    assert report["restored"] is False and report["failed"] == 0, report
+    assert [(x["step"], x["history_ok"]) for x in report["results"]] == [(8, True), (8, True)], report["results"]
+    assert job_info(head, job_id)[0] == "SUCCEEDED"
+    print(f"\nsweep job {time.time() - t0:.1f}s")
 
 
 @pytest.mark.parametrize("content, field", [

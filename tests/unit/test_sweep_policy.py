@@ -108,3 +108,14 @@ def test_tally_counts_and_best():
     r = tally.as_report()
     assert r["completed"] == 3 and r["paused"] == 1
     assert r["best"] == {"config": {"lr": 3e-3}, "metric": 2.1, "metric_name": "eval_loss", "trial": "b"}
+
+
+def test_tally_counts_trials_an_earlier_driver_completed_as_completed_and_carried_over():
+    tally = sp.SweepTally(trials=3, restored=True)
+    tally.on_complete("a", {"lr": 1e-3}, "eval_loss", 2.0, carried=True)     # finished before the restore
+    tally.on_complete("b", {"lr": 3e-3}, "eval_loss", 2.4)
+    tally.restored_trials += 1
+    r = tally.as_report()
+    assert (r["completed"], r["carried_over"], r["restored_trials"], r["restored"]) == (2, 1, 1, True)
+    assert r["best"]["trial"] == "a"                  # a carried-over trial can be the best one
+    assert sp.SweepTally(trials=1).as_report()["restored"] is False

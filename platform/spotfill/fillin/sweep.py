@@ -14,6 +14,16 @@ Tune's pieces, as Ray 2.60 runs them (tune/execution/tune_controller.py):
   TUNE_FORCE_TRIAL_CLEANUP_S (a stopped actor is killed after this many seconds, default 600) keep the
   hand-back inside the grace.
 - A trial whose actor dies is restarted by Tune from its last checkpoint (`max_failures`).
+- A driver that dies (killed by force, crashed) leaves the experiment on storage (STORAGE/NAME): Tune
+  saves its state -- every trial's status, last result and checkpoints, and the searcher's state -- at
+  most every TUNE_GLOBAL_CHECKPOINT_S (RESTORE_STATE_S here) and on each trial checkpoint. A rerun with
+  the same storage and name restores it (`Tuner.can_restore` / `Tuner.restore(resume_unfinished=True,
+  resume_errored=True)`): completed trials are kept (not rerun), unfinished and errored ones continue
+  from their last checkpoint. Tune restores the searcher and scheduler it pickled when the experiment was
+  created; they are rebound to this driver's `SweepControl` (its grant and event sink), the searcher's
+  own state (configurations handed out) comes from its saved state, and trials Tune re-adds are booked
+  from their restored status. A trial that completed after the last saved state is continued from its
+  last checkpoint (its steps are still applied once).
 
 The trainable is a class `tune.Trainable`: `save_checkpoint` writes the model, optimizer, step and the
 list of steps applied to these weights (`history`), so a pause checkpoint is exact and the history proves
@@ -36,6 +46,25 @@ log = logging.getLogger("spotfill.fillin.sweep")
 
 METRIC, MODE = "eval_loss", "min"
 CLEANUP_S = "2"      # TUNE_FORCE_TRIAL_CLEANUP_S: a stopping trial actor is killed after this long
+RESTORE_STATE_S = "2"   # TUNE_GLOBAL_CHECKPOINT_S: the experiment state a rerun restores is at most this old
+JOB_KEYS = ("model", "steps", "batch", "steps_per_report", "eval_rows", "seed")   # must match on restore
+_LIVE_CONTROL: "SweepControl | None" = None   # the control a restored searcher/scheduler is rebound to
+
+
+def experiment_path(storage: str, name: str) -> str:
+    """Where Tune keeps the experiment `name` under `storage`: a local path, or a URI whose query (such as
+    s3://bucket/prefix?endpoint_override=...) stays at the end."""
+    if "://" not in storage:
+        return os.path.join(storage, name)
+    base, sep, query = storage.partition("?")
+    return f"{base.rstrip('/')}/{name}{sep}{query}"
+
+
+def _rebind(obj) -> None:
+    """A searcher/scheduler Tune unpickled from the experiment (restore): share this driver's control."""
+    from spotfill.fillin import sweep as this     # the live module, not the pickled class' globals
+    if this._LIVE_CONTROL is not None:
+        obj.control = this._LIVE_CONTROL
 
 
 def lr_at(step: int, lr: float, warmup_steps: int, total: int, min_ratio: float = 0.1) -> float:
@@ -164,6 +193,10 @@ class SweepControl:
         self.paused_with_checkpoint: set[str] = set()   # paused while running, not resumed yet
         self.started: set[str] = set()
         self.last_result: dict[str, dict] = {}
+        self.job: dict = {}                      # the trainable's settings that a restore must match
+        self.experiment = ""                     # STORAGE/NAME
+        self.restored_ids: set[str] = set()      # trial ids an earlier driver created (restore)
+        self.restored_pending: set[str] = set()  # restored unfinished trials that have not reported yet
 
     def __getstate__(self) -> dict:
         # Tune pickles its config (searcher, scheduler) into the experiment folder; the grant, the lock and
@@ -184,6 +217,35 @@ class SweepControl:
             views = self.book.views()
             self.grant.demand(sp.demand(views, self.unstarted))
             return sp.plan(self.grant.allowed(), views, self.unstarted)
+
+
+def _check_same_sweep(state: dict, c: SweepControl) -> None:
+    """The saved searcher state of the experiment to restore (GrantSearcher.save) is this sweep's."""
+    from spotfill.config.errors import ConfigError
+    job = {k: c.job.get(k) for k in JOB_KEYS}
+    if state["configs"] != c.configs or state["job"] != job:
+        what = "search grid" if state["configs"] != c.configs else "sweep settings"
+        raise ConfigError("storage", c.experiment,
+                          reason=f"holds an experiment of this name with another {what} "
+                                 f"({state['configs'] if what == 'search grid' else state['job']})",
+                          accepted="the same sweep config to resume it, or another storage/name")
+
+
+def _saved_searcher_state(experiment: str) -> dict | None:
+    """The newest searcher state Tune saved with the experiment (None: none saved)."""
+    import json
+
+    import pyarrow.fs
+    from ray.tune.search import Searcher
+
+    fs, path = pyarrow.fs.FileSystem.from_uri(experiment)
+    prefix, suffix = Searcher.CKPT_FILE_TMPL.split("{}")
+    names = sorted(i.base_name for i in fs.get_file_info(pyarrow.fs.FileSelector(path))
+                   if i.base_name.startswith(prefix) and i.base_name.endswith(suffix))
+    if not names:
+        return None
+    with fs.open_input_stream(f"{path.rstrip('/')}/{names[-1]}") as f:
+        return json.loads(f.readall())
 
 
 def _searcher_class():
@@ -212,6 +274,29 @@ def _searcher_class():
 
         def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
             pass
+
+        # Tune saves this with the experiment state and restores it when a rerun restores the experiment
+        def save(self, checkpoint_path: str):
+            import json
+            c = self.control
+            with c.lock, open(checkpoint_path, "w") as f:
+                json.dump({"configs": c.configs, "job": {k: c.job.get(k) for k in JOB_KEYS},
+                           "handed_out": c.handed_out, "config_of": c.config_of}, f)
+
+        def restore(self, checkpoint_path: str):
+            import json
+            with open(checkpoint_path) as f:
+                state = json.load(f)
+            c = self.control
+            _check_same_sweep(state, c)          # checked before the restore too (Tune swallows errors here)
+            with c.lock:
+                c.handed_out = int(state["handed_out"])
+                c.config_of.update(state["config_of"])
+                c.restored_ids = set(state["config_of"])
+
+        def __setstate__(self, state):
+            self.__dict__.update(state)
+            _rebind(self)
 
     return GrantSearcher
 
@@ -288,10 +373,36 @@ def _scheduler_class():
         def choose_trial_to_run(self, tune_controller):
             return self._apply(tune_controller)
 
+        def __setstate__(self, state):
+            self.__dict__.update(state)
+            _rebind(self)
+
+        def _restored(self, trial) -> None:
+            """A trial of the experiment an earlier driver left, as Tune re-adds it (restore)."""
+            c, tid = self.control, trial.trial_id
+            c.restored_ids.discard(tid)
+            last = dict(trial.last_result or {})
+            if last.get("step") is not None:
+                c.started.add(tid)
+                c.tally.started += 1
+            if trial.status == Trial.TERMINATED:
+                c.book.observe(tid, sp.DONE)
+                c.tally.on_complete(tid, c.config_of.get(tid, trial.config), METRIC, last.get(METRIC), carried=True)
+                c.emit("sweep_trial", action="carried_over", trial=tid, step=last.get("step"),
+                       cause="driver_restarted", **{METRIC: last.get(METRIC)})
+            elif trial.status == Trial.ERROR:        # not re-queued by Tune: failed for good
+                c.book.observe(tid, sp.DONE)
+            else:                                    # re-queued PENDING: continues from its last checkpoint
+                c.book.observe(tid, sp.STARTING)
+                c.restored_pending.add(tid)
+
         def on_trial_add(self, tune_controller, trial):
-            # also called when Tune requeues a trial whose actor died (after on_trial_error)
+            # also called when Tune requeues a trial whose actor died (after on_trial_error), and for every
+            # trial of a restored experiment (before anything runs)
             with self.control.lock:
-                if self.control.book.state(trial.trial_id) in (None, sp.DONE):
+                if trial.trial_id in self.control.restored_ids:
+                    self._restored(trial)
+                elif self.control.book.state(trial.trial_id) in (None, sp.DONE):
                     self.control.book.observe(trial.trial_id, sp.STARTING)
                 self.errored.discard(trial.trial_id)
 
@@ -302,7 +413,15 @@ def _scheduler_class():
                 first = tid not in c.last_result or c.last_result[tid].get("incarnation") != result.get("incarnation")
                 c.last_result[tid] = dict(result)
                 if first:
-                    if tid not in c.started:
+                    if tid in c.restored_pending:
+                        c.restored_pending.discard(tid)
+                        c.tally.restored_trials += 1
+                        if tid not in c.started:
+                            c.started.add(tid)
+                            c.tally.started += 1
+                        c.emit("sweep_trial", action="restored", trial=tid, step=result.get("restored_from"),
+                               cause="driver_restarted")
+                    elif tid not in c.started:
                         c.started.add(tid)
                         c.tally.started += 1
                         c.emit("sweep_trial", action="started", trial=tid, config=c.config_of.get(tid, trial.config))
@@ -349,12 +468,17 @@ def _scheduler_class():
 def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: list | None = None,
               clock: Callable[[], float] = time.monotonic, step_sleep_s: float = 0.0) -> dict:
     """Run the sweep of `cfg` (spotfill.config.sweep.SweepJobConfig) on what `grant` lends; returns
-    report.json's `fillin.sweep` section plus `results` (one entry per trial). Ray must be initialized."""
+    report.json's `fillin.sweep` section plus `results` (one entry per trial). Ray must be initialized.
+
+    When STORAGE/NAME holds an experiment an earlier driver left (`Tuner.can_restore`), it is restored
+    and continued rather than started over (`restored`, `carried_over`, `restored_trials` say so); then
+    Tune keeps that experiment's run config, so `callbacks` are the ones it was created with."""
+    global _LIVE_CONTROL
     os.environ.setdefault("TUNE_FORCE_TRIAL_CLEANUP_S", CLEANUP_S)
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", RESTORE_STATE_S)
     os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "0")
     from ray import tune
-    from ray.tune import CheckpointConfig, FailureConfig, RunConfig
 
     s = cfg.sweep
     configs = s.grid()
@@ -362,23 +486,32 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     job = {"data": cfg.data.path, "model": s.model, "steps": s.steps, "batch": s.batch,
            "steps_per_report": s.steps_per_report, "eval_rows": s.eval_rows, "seed": s.seed,
            "step_sleep_s": step_sleep_s}
+    control.job, control.experiment = dict(job), experiment_path(cfg.storage, cfg.name)
     resources = tune.PlacementGroupFactory([{"CPU": float(cfg.cluster.cpus_per_trial),
                                              cfg.cluster.gpu_resource: 1.0}])
     trainable = tune.with_resources(tune.with_parameters(_trainable_class(), job=job), resources)
     every = max(1, math.ceil(s.checkpoint_every / s.steps_per_report))
-    tuner = tune.Tuner(
-        trainable,
-        tune_config=tune.TuneConfig(search_alg=_searcher_class()(control), scheduler=_scheduler_class()(control),
-                                    num_samples=len(configs), reuse_actors=False),
-        run_config=RunConfig(name=cfg.name, storage_path=cfg.storage, verbose=0, callbacks=callbacks or [],
-                             failure_config=FailureConfig(max_failures=s.max_failures),
-                             checkpoint_config=CheckpointConfig(checkpoint_frequency=every, checkpoint_at_end=True,
-                                                                num_to_keep=2)),
-    )
+    restoring = tune.Tuner.can_restore(control.experiment)
+    if restoring:
+        try:
+            saved = _saved_searcher_state(control.experiment)
+            if saved is not None:
+                _check_same_sweep(saved, control)   # Tune would start over on an error while restoring
+        except BaseException:
+            grant.close()
+            raise
+        control.tally.restored = True
+        control.emit("sweep_restore", experiment=control.experiment, cause="driver_restarted")
+        log.info("restoring the sweep experiment at %s", control.experiment)
+        _LIVE_CONTROL = control          # the searcher/scheduler Tune unpickles are rebound to it
+        tuner = tune.Tuner.restore(control.experiment, trainable, resume_unfinished=True, resume_errored=True)
+    else:
+        tuner = _new_tuner(cfg, trainable, control, callbacks, every)
     t0 = time.time()
     try:
         grid = tuner.fit()
     finally:
+        _LIVE_CONTROL = None
         grant.close()
     results = []
     for r in grid:
@@ -393,3 +526,19 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     out.update({"steps_per_trial": s.steps, "seconds": round(time.time() - t0, 2), "storage": cfg.storage,
                 "results": results})
     return out
+
+
+def _new_tuner(cfg, trainable, control: SweepControl, callbacks: list | None, every: int):
+    from ray import tune
+    from ray.tune import CheckpointConfig, FailureConfig, RunConfig
+
+    s = cfg.sweep
+    return tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(search_alg=_searcher_class()(control), scheduler=_scheduler_class()(control),
+                                    num_samples=len(control.configs), reuse_actors=False),
+        run_config=RunConfig(name=cfg.name, storage_path=cfg.storage, verbose=0, callbacks=callbacks or [],
+                             failure_config=FailureConfig(max_failures=s.max_failures),
+                             checkpoint_config=CheckpointConfig(checkpoint_frequency=every, checkpoint_at_end=True,
+                                                                num_to_keep=2)),
+    )

@@ -121,6 +121,9 @@ class SweepTally:
     paused: int = 0                       # pause events (a trial paused twice counts twice)
     resumed: int = 0                      # restarts from a pause checkpoint
     recovered: int = 0                    # restarts after the trial's actor died (Tune's max_failures)
+    restored: bool = False                # this run continued an experiment an earlier driver left
+    carried_over: int = 0                 # trials that earlier driver had completed (kept, not rerun)
+    restored_trials: int = 0              # its unfinished trials continued here from their last checkpoint
     pauses: list[dict] = field(default_factory=list)   # {"trial", "at", "step"}
     best: dict | None = None              # {"trial", "config", "metric", "value"}
     mode: str = "min"
@@ -129,8 +132,11 @@ class SweepTally:
         self.paused += 1
         self.pauses.append({"trial": trial_id, "at": at, "step": step})
 
-    def on_complete(self, trial_id: str, config: dict, metric: str, value: float | None) -> None:
+    def on_complete(self, trial_id: str, config: dict, metric: str, value: float | None,
+                    carried: bool = False) -> None:
+        """A trial finished; `carried`: an earlier driver of the same experiment finished it."""
         self.completed += 1
+        self.carried_over += bool(carried)
         if value is None:
             return
         better = (self.best is None or (value < self.best["value"] if self.mode == "min"
@@ -141,7 +147,8 @@ class SweepTally:
     def as_report(self) -> dict:
         out = {"trials": self.trials, "started": self.started, "completed": self.completed,
                "failed": self.failed, "paused": self.paused, "resumed": self.resumed,
-               "recovered": self.recovered, "best": None}
+               "recovered": self.recovered, "restored": self.restored, "carried_over": self.carried_over,
+               "restored_trials": self.restored_trials, "best": None}
         if self.best is not None:
             out["best"] = {"config": self.best["config"], "metric": self.best["value"],
                            "metric_name": self.best["metric"], "trial": self.best["trial"]}
