@@ -14,19 +14,11 @@ import time
 import numpy as np
 import pytest
 
+from spotfill.testing.waiting import wait_for
+
 pytestmark = pytest.mark.timeout(400)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVAL_ROWS, PROMPTS = 96, 160
-
-
-def wait_for(check, timeout: float, what: str, every: float = 0.2):
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

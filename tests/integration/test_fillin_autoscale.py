@@ -23,6 +23,8 @@ import time
 
 import pytest
 
+from spotfill.testing.waiting import wait_for as _wait_for
+
 pytestmark = pytest.mark.timeout(300)
 IDLE_S = 3
 
@@ -34,13 +36,7 @@ def free_port() -> int:
 
 
 def wait_for(check, timeout: float, what: str, every: float = 0.3):
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    return _wait_for(check, timeout, what, every)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from spotfill.testing.waiting import wait_for
+
 pytestmark = pytest.mark.timeout(300)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,16 +36,6 @@ print("HOLDING", flush=True)
 while True:                      # never yields, whatever the grant says
     time.sleep(1)
 """
-
-
-def wait_for(check, timeout: float, what: str, every: float = 0.2):
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ import urllib.request
 
 import pytest
 
+from spotfill.testing.waiting import wait_for
+
 pytestmark = pytest.mark.timeout(420)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,16 +67,6 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 10.0)
             return resp.status, json.loads(resp.read() or b"null"), resp.headers   # case-insensitive get
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"null"), exc.headers
-
-
-def wait_for(check, timeout: float, what: str, every: float = 0.2):
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

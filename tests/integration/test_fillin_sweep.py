@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 import pytest
+
+from spotfill.testing.waiting import wait_for as _wait_for
 import yaml
 
 pytestmark = pytest.mark.timeout(400)
@@ -24,13 +26,7 @@ STEPS, PER_REPORT, CKPT_EVERY, SLEEP_S = 80, 4, 8, 0.3     # ~7 s per trial: bot
 
 
 def wait_for(check, timeout: float, what: str, every: float = 0.1):
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    return _wait_for(check, timeout, what, every)
 
 
 @pytest.fixture(scope="module")

@@ -17,22 +17,14 @@ import time
 
 import numpy as np
 import pytest
+
+from spotfill.testing.waiting import wait_for
 import yaml
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ_LEN = 32
 STEPS, PER_REPORT, CKPT_EVERY, SLEEP_S = 40, 4, 8, 0.4     # ~4 s of reports per trial
-
-
-def wait_for(check, timeout: float, what: str, every: float = 0.2):
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
