@@ -296,7 +296,11 @@ DEFAULT_SCENARIO = {
     # batch (evaluation + generation over the run's checkpoint) and a 2-trial sweep share what Serve leaves
     "fillin": {"serve": {"enabled": True, "load_rps": 2, "max_replicas": 2},
                "batch": {"enabled": True, "rows": 96, "prompts": 16},
-               "sweep": {"enabled": True, "trials": 2, "steps": 20}},
+               "sweep": {"enabled": True, "trials": 2, "steps": 20},
+               # the GPU slots are logical here: Serve generates on the CPUs training keeps busy, and in
+               # SCHED_IDLE (the product default, right where the GPUs do the work) its replicas got no CPU
+               # at all (a default demo answered 3 of 549 requests); nice 19 keeps them second
+               "cpu_idle": False},
     "events": [
         {"at_step": 30, "action": "drain_node", "node": 1, "deadline_s": 30},
         {"at_step": 100, "action": "add_node", "gpus": 2},
@@ -362,7 +366,8 @@ AUTOSCALING_SCENARIO = {
     # run (a rerun resumes it)
     "fillin": {"serve": {**DEFAULT_SCENARIO["fillin"]["serve"], "max_replicas": 1},
                "batch": {"enabled": True, "rows": 48, "prompts": 8},
-               "sweep": {"enabled": True, "trials": 2, "steps": 10}},
+               "sweep": {"enabled": True, "trials": 2, "steps": 10},
+               "cpu_idle": False},
     "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
         "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
             "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},

@@ -134,11 +134,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
                           startup_s=round(time.time() - t_start, 3), precision=precision, **flops, **device,
                           **_start_marks(t_start, t_restored, t_imported, t_engine))
 
-    # Spares for the next group: at once on a fresh start; after the first step on a resume, whose first
-    # step ends a recovery and should not share the CPUs with the spares' imports.
+    # Spares for the next group, once a restart would have a checkpoint to resume from (before the first
+    # one it starts over from step 0): after a resume's first step (which ends a recovery: it should not
+    # share the CPUs with the spares' imports), on a fresh start at the first periodic checkpoint's step.
+    # Their imports cost a few CPU-seconds once per node and group, not on every step.
     spares = t.elastic_restarts == "spotfill" and constants.WARM_SPARES > 0
-    if spares and not plan.tag:
-        _prestart_spares(constants.WARM_SPARES)
+    spare_step = start_step + 1 if plan.tag else min(t.checkpoint_every, t.steps)
 
     def make(step: int):
         return read_step(reader, step, rank_positions(step, shape, rank), shape.accum, job.data.seed)
@@ -166,8 +167,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                 **step_metrics(tokens_per_step, split, gpus, flops["flops_per_token"],
                                                flops["hardware_flops_per_token"], device["peak_flops_per_gpu"]),
                                 **run.gpu_sample()})
-            if step == start_step and plan.tag and spares:
-                _prestart_spares(constants.WARM_SPARES)     # after a resume's first step: it runs uncontended
+            if spares and step + 1 == spare_step:
+                _prestart_spares(constants.WARM_SPARES)
             decision = run.policy.decide(facts)
             run.apply(decision, step + 1)
             if decision.action == FINISH:
