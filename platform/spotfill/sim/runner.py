@@ -221,11 +221,17 @@ class _quiet_logger:
     def __init__(self, name: str, level: int = logging.ERROR):
         self.logger, self.quiet = logging.getLogger(name), level
 
+    def _drop(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.quiet
+
     def __enter__(self):
+        # a filter, not only the level: Serve sets its logger's level again when it configures it
         self.level = self.logger.level
         self.logger.setLevel(self.quiet)
+        self.logger.addFilter(self._drop)
 
     def __exit__(self, *exc):
+        self.logger.removeFilter(self._drop)
         self.logger.setLevel(self.level)
 
 
