@@ -343,7 +343,10 @@ class Arbiter:
             tenant.target = held
         if tenant.target > held:               # replicas still starting: wait for them, not twice
             guard = self.autoscaled and not self.launch_nodes
-            patience = PLACE_PATIENCE_S if guard else START_PATIENCE_S
+            # a job tenant's actors come with its Data or Tune executor, which on a busy node takes longer
+            # than PLACE_PATIENCE_S to start them (a batch job lent a GPU every 10 s here, and refused each
+            # time before its actor was up); a request the autoscaler reports as demand is refused at once
+            patience = PLACE_PATIENCE_S if guard and not isinstance(tenant, JobTenant) else START_PATIENCE_S
             demand = guard and self._replica_is_demand(spec)
             if not demand and now - self.asked_at.get(tenant.tenant, now) < patience:
                 return []
