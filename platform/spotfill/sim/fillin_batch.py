@@ -95,6 +95,8 @@ class BatchFillin(DriverFillin):
                 rep["handback_seconds"] = [r.get("reclaim_s") for r in rec]
             except Exception as exc:  # noqa: BLE001
                 log.warning("batch fill-in: reclaims not read from the arbiter: %s", exc)
+        if self.reruns:
+            rep["driver_reruns"] = self.reruns       # stopped by force while training ran, started again
         if self.error:
             rep["error"] = self.error
         return rep

@@ -16,6 +16,7 @@ import time
 
 log = logging.getLogger(__name__)
 FINISH_S = 180.0          # after training: how long the runner waits for the job to finish
+MAX_RERUNS = 2            # a driver stopped by force while training runs is started again at most this often
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
@@ -45,6 +46,10 @@ class DriverFillin(ABC):
         self.proc: subprocess.Popen | None = None
         self.error: str | None = None
         self.arbiter = None                 # the capacity arbiter's handle (set by the subclass's start())
+        self.reruns = 0                     # times the driver was started again after a forced stop
+        self._finishing = threading.Event()
+        self._cmd: list[str] = []
+        self._env: dict = {}
         self._thread: threading.Thread | None = None
         self._held = False
         self._asked = 0.0
@@ -68,13 +73,36 @@ class DriverFillin(ABC):
         try:
             os.makedirs(self.dir, exist_ok=True)
             env = {**os.environ, **self.env, **LOOPBACK_CLIENT_ENV, "RAY_ADDRESS": self.cluster.address}
-            self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "jobs", self.script), "--config",
-                                          self._config()], stdout=subprocess.PIPE,
-                                         stderr=open(self.log_path, "w"), text=True, env=env, cwd=REPO)
+            self._cmd = [sys.executable, os.path.join(REPO, "jobs", self.script), "--config", self._config()]
+            self._env = env
+            self.proc = self._launch()
             self.say(self._started())
+            threading.Thread(target=self._watch, name=f"{self.kind}-fillin-watch", daemon=True).start()
         except Exception as exc:  # noqa: BLE001 - reported in the job's report section, never breaks the run
             self.error = f"{self.kind} fill-in did not start: {type(exc).__name__}: {exc}"
             log.exception("%s fill-in did not start", self.kind)
+
+    def _launch(self) -> subprocess.Popen:
+        return subprocess.Popen(self._cmd, stdout=subprocess.PIPE, stderr=open(self.log_path, "a"), text=True,
+                                env=self._env, cwd=REPO)
+
+    def _watch(self) -> None:
+        """While training runs: a driver the arbiter stopped by force (it held a reclaimed GPU past its
+        grace: killed by a signal) is started again, up to MAX_RERUNS times -- the rerun resumes the job
+        (batch: committed inputs are skipped; sweep: the experiment is restored) -- and the scenario says so."""
+        while not self._finishing.wait(1.0):
+            proc = self.proc
+            code = proc.poll() if proc is not None else None
+            if code is None or code >= 0:
+                if code is not None:
+                    return              # exited by itself: wait() reads its summary
+                continue
+            if self.reruns >= MAX_RERUNS or self._finishing.is_set():
+                return
+            self.reruns += 1
+            self.say(f"{self.kind} fill-in driver stopped by signal {-code} (the arbiter stops a job that holds "
+                     f"a reclaimed GPU past its grace): started again, it resumes ({self.reruns}/{MAX_RERUNS})")
+            self.proc = self._launch()
 
     @property
     def tenant(self) -> str:
@@ -106,6 +134,7 @@ class DriverFillin(ABC):
         """After training: wait for the driver (bounded; stopped at the timeout) and return its summary."""
         if self._thread is not None:
             self._thread.join(30)
+        self._finishing.set()               # no rerun from here on: a driver stopped now stays stopped
         if self.proc is None:
             return {}
         try:

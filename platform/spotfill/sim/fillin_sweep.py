@@ -61,6 +61,8 @@ class SweepFillin(DriverFillin):
         except (OSError, ValueError, KeyError) as exc:
             self.error = self.error or f"the sweep wrote no report ({type(exc).__name__}: {exc})"
         rep["report"] = os.path.join(self.run_dir, "report.json")
+        if self.reruns:
+            rep["driver_reruns"] = self.reruns       # stopped by force while training ran, started again
         if self.error:
             rep["error"] = self.error
         return rep
