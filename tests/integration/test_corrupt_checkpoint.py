@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import io
 
+import pytest
+
 from spotfill.sim.outcomes import digest
 from spotfill.sim.runner import run_scenario
 from spotfill.sim.scenario import parse_scenario
@@ -19,6 +21,14 @@ from spotfill.telemetry.events import read_events
 TRAINING = {"model": "tiny", "workers": [1, 4], "global_batch": 12, "max_micro_batch": 3, "zero_stage": 2,
             "warmup_steps": 5}
 CLUSTER = {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}]}
+
+
+@pytest.fixture(autouse=True)
+def _cold_restarts(monkeypatch):
+    """No warm spare processes here (the cluster's processes inherit this): on spares the group restarted
+    and read the newest checkpoint 30 ms before the damage landed (the action first waits up to 15 s for
+    uploads in flight), so there was nothing to quarantine. These tests are about the damage, not speed."""
+    monkeypatch.setenv("SPOTFILL_WARM_SPARES", "0")
 
 
 def _run(tmp_path, name, training, events):
