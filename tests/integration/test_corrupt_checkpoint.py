@@ -3,15 +3,15 @@
 restore, and the restore must quarantine the damaged tag and go past it -- or, when nothing intact is left,
 fail loudly naming the damaged tag (training.on_no_intact_checkpoint defaults to fail).
 
-The kill comes first and the damage lands while the group restarts (actions due at the same step fire in
-list order): damaging first let training run on -- the action waits for uploads -- and commit a newer
-checkpoint before the kill, so the restore never met the damaged one (a CI flake)."""
+The damage lands first and the kill right after it, in the same tick (actions due at the same step fire
+in list order). The other order raced the restart: the dead attempt's unfinished upload looked like a save
+in flight, the action waited for it, and a group restarting on warm spares read the newest checkpoint 30 ms
+before the damage landed."""
 from __future__ import annotations
 
 import contextlib
 import io
 
-import pytest
 
 from spotfill.sim.outcomes import digest
 from spotfill.sim.runner import run_scenario
@@ -23,14 +23,6 @@ TRAINING = {"model": "tiny", "workers": [1, 4], "global_batch": 12, "max_micro_b
 CLUSTER = {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}]}
 
 
-@pytest.fixture(autouse=True)
-def _cold_restarts(monkeypatch):
-    """No warm spare processes here (the cluster's processes inherit this): on spares the group restarted
-    and read the newest checkpoint 30 ms before the damage landed (the action first waits up to 15 s for
-    uploads in flight), so there was nothing to quarantine. These tests are about the damage, not speed."""
-    monkeypatch.setenv("SPOTFILL_WARM_SPARES", "0")
-
-
 def _run(tmp_path, name, training, events):
     scenario = {"cluster": CLUSTER, "training": {**TRAINING, **training}, "events": events}
     with contextlib.redirect_stdout(io.StringIO()):
@@ -39,7 +31,7 @@ def _run(tmp_path, name, training, events):
 
 def test_restore_goes_past_a_corrupted_checkpoint_and_quarantines_it(tmp_path):
     report = _run(tmp_path, "corrupt", {"steps": 80, "checkpoint_every": 20, "keep_checkpoints": 3},
-                  [{"at_step": 45, "action": "kill_node", "node": 1}, {"at_step": 45, "action": "corrupt_checkpoint"}])
+                  [{"at_step": 45, "action": "corrupt_checkpoint"}, {"at_step": 45, "action": "kill_node", "node": 1}])
     assert report["ok"], digest(report)
     corrupt = next(e for e in report["events"] if e["action"] == "corrupt_checkpoint")
     assert corrupt["fired"] and corrupt["tag"].startswith("step-") and corrupt["step"] >= 40, corrupt
@@ -56,7 +48,7 @@ def test_restore_goes_past_a_corrupted_checkpoint_and_quarantines_it(tmp_path):
 
 def test_no_intact_checkpoint_fails_the_job_naming_the_damaged_tag(tmp_path):
     report = _run(tmp_path, "allbad", {"steps": 60, "checkpoint_every": 20, "keep_checkpoints": 1},
-                  [{"at_step": 25, "action": "kill_node", "node": 1}, {"at_step": 25, "action": "corrupt_checkpoint"}])
+                  [{"at_step": 25, "action": "corrupt_checkpoint"}, {"at_step": 25, "action": "kill_node", "node": 1}])
     corrupt = next(e for e in report["events"] if e["action"] == "corrupt_checkpoint")
     assert not report["ok"], digest(report)
     assert "no intact checkpoint" in report["error"] and corrupt["tag"] in report["error"], report["error"]
