@@ -85,7 +85,7 @@ HOOKS = [
     (_ray_constants, "WORKER_PROCESS_SETUP_HOOK_ENV_VAR", None),
     (ElasticScalingPolicy, "make_decision_for_running_worker_group", ("worker_group_state", "worker_group_status")),
     (_state.GlobalState, "available_resources_per_node", ()),
-    (_state.GlobalState, "actor_table", ("actor_id",)),
+    (_state.GlobalState, "actor_table", ("actor_id", "job_id", "actor_state_name")),
     (_kv, "_internal_kv_get", ("key",)),
     (_kv, "_internal_kv_put", ("key", "value")),
     (_kv, "_internal_kv_list", ("prefix",)),
@@ -323,6 +323,20 @@ def gcs_actor_alive(actor_id: str, timeout=None) -> bool:
     except Exception as exc:
         raise RayStateApiException(f"GCS actor lookup failed: {exc}") from exc
     return bool(info) and info.get("State") != "DEAD"
+
+
+def gcs_actors(states: tuple[str, ...] = ("ALIVE", "PENDING_CREATION")) -> list[dict]:
+    """The cluster's actors in `states`, read from the GCS's actor table (one call per state): no State API,
+    so no dashboard round trip (the fill-in arbiter reads this every second). Each: {"actor_id",
+    "class_name", "state", "node_id" ("" while it has none), "start_time" (unix s, None until known)}."""
+    out = []
+    for state in states:
+        for actor_id, a in _state.state.actor_table(None, actor_state_name=state).items():
+            node = (a.get("Address") or {}).get("NodeID") or ""
+            start = a.get("StartTime") or 0
+            out.append({"actor_id": actor_id, "class_name": a.get("ActorClassName", ""), "state": a.get("State"),
+                        "node_id": "" if set(node) <= {"f"} else node, "start_time": start / 1000.0 or None})
+    return out
 
 
 class GcsCheckedPlacementGroupCleaner(_pg_cleaner.PlacementGroupCleaner):

@@ -105,11 +105,21 @@ def test_restarted_workers_start_importing_when_their_process_starts(scenario_ru
 
 def test_the_group_after_a_hard_loss_starts_on_warm_spares(scenario_run):
     """The surviving node's workers had its raylet start spare processes (train.worker_loop's spares): the
-    group after the hard loss runs on processes that existed before the loss (cold ones start after it)."""
+    group after the hard loss runs on processes that existed before the loss (cold ones start after it).
+    They warmed up in SCHED_IDLE (train.spares) and run training with no thread left there."""
     report, out = scenario_run
     kill = next(p for p in report["preemptions"] if p["action"] == "kill_node")
     resume = next(e for e in read_events(str(out / "events.jsonl"), {"resume"}) if e["t"] > kill["at"])
     assert resume["process_started_t"] < kill["at"] <= resume["loop_entered_t"], (kill, resume)
+    assert resume["warm_idle"] is True and resume["idle_threads"] == 0, resume
+
+
+def test_workers_run_as_many_torch_threads_as_cpus_they_asked_for(scenario_run):
+    """The warm hook imports torch before Ray sets OMP_NUM_THREADS for the worker's task: without spotfill
+    setting it first, every worker ran one intra-op thread per core of the machine (2 here)."""
+    _, out = scenario_run
+    ready = list(read_events(str(out / "events.jsonl"), {"start", "resume"}))
+    assert ready and all(e["torch_threads"] == 1 for e in ready), [e.get("torch_threads") for e in ready]
 
 
 def test_elastic_loss_curve_matches_fixed_size(scenario_run, tmp_path):

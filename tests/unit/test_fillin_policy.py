@@ -115,6 +115,20 @@ def test_arbiter_restart_rebuilds_leases_from_what_tenants_hold():
     assert decide_claim(snap, "j", 2, 1, T0) == decide_claim(snap, "j", 2, 1, T0)
 
 
+def test_a_new_lease_starts_when_its_holder_began_holding_not_when_first_seen():
+    # the harvest ledger counts a lent GPU from the lend (T0 - 3), a replica deployed before the arbiter
+    # knew its tenant from its start (T0 - 8); a holder's start is never taken as later than now
+    holdings = [Holding("serve:x", "serve", "a", 1, key="lent", since=T0 - 3.0, lent=True),
+                Holding("serve:x", "serve", "b", 1, key="early", since=T0 - 8.0),
+                Holding("serve:x", "serve", "c", 1, key="clock", since=T0 + 5.0),
+                Holding("serve:x", "serve", "d", 1, key="unknown")]
+    leases, decisions = rebuild_leases(holdings, [], T0)
+    assert {le.lease_id: le.granted_at for le in leases} == {"lent": T0 - 3.0, "early": T0 - 8.0, "clock": T0,
+                                                             "unknown": T0}
+    # the lend was logged when it was made; a holding nobody lent is adopted (and said so)
+    assert sorted(d.lease_id for d in decisions if d.action == "adopt") == ["clock", "early", "unknown"]
+
+
 def test_training_waiting_below_min_lends_then_claims_back_when_capacity_returns():
     job = TrainingJob("j", 3, 4, restarting=True)
     lost = Snapshot((Node("a", 2, 2),), (job,))

@@ -11,7 +11,7 @@ import spotfill
 
 PURE = [
     "spotfill.planning.planner", "spotfill.planning.hardware", "spotfill.planning.sizing", "spotfill.cli.plan",
-    "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.presets", "spotfill.sim.scenario",
+    "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.spares", "spotfill.train.presets", "spotfill.sim.scenario",
     "spotfill.sim.outcomes", "spotfill.config", "spotfill.telemetry.ledger", "spotfill.telemetry.diagnosis",
     "spotfill.telemetry.html", "spotfill.telemetry.report", "spotfill.telemetry.live",
     "spotfill.telemetry.throughput", "spotfill.telemetry.progress", "spotfill.telemetry.liveview",

@@ -53,3 +53,20 @@ def test_zero_elastic_layout_is_recorded_only_for_zero12_engines_saving_it():
     assert zero_elastic_layout(Engine(DeepSpeedZeroOptimizer(True)))
     assert not zero_elastic_layout(Engine(DeepSpeedZeroOptimizer(False)))
     assert not zero_elastic_layout(Engine(object()))      # ZeRO-0 / ZeRO-3 optimizers
+
+
+def test_workers_that_import_torch_at_start_get_ray_s_omp_num_threads_first(monkeypatch):
+    # Ray sets OMP_NUM_THREADS as the worker's task starts, after the hook imported torch: spotfill sets it
+    # in the environment the process starts with, to what Ray would (floor of the worker's CPUs, >= 1)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv(HOOK_VAR, raising=False)
+    assert worker_env_vars({}, warm_imports=True)["OMP_NUM_THREADS"] == "1"
+    assert worker_env_vars({}, warm_imports=True, cpus_per_worker=4.5)["OMP_NUM_THREADS"] == "4"
+    assert worker_env_vars({}, warm_imports=True, cpus_per_worker=0)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in worker_env_vars({}, warm_imports=False)    # Ray sets it in time there
+    # the user's value wins
+    assert worker_env_vars({"OMP_NUM_THREADS": "8"}, warm_imports=True)["OMP_NUM_THREADS"] == "8"
+    job = {"env_vars": {"OMP_NUM_THREADS": "6"}}
+    assert "OMP_NUM_THREADS" not in worker_env_vars({}, warm_imports=True, job_runtime_env=job)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "OMP_NUM_THREADS" not in worker_env_vars({}, warm_imports=True)

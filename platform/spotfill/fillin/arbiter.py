@@ -72,6 +72,7 @@ class Arbiter:
         self.asked_at: dict[str, float] = {}                  # tenant -> when it was last scaled up
         self.reasserted: dict[str, float] = {}                # serve tenant -> when its count was last re-sent
         self.promised: dict[str, list[tuple[str, int]]] = {}   # tenant -> (node, GPUs) lent, not yet taken
+        self.lent_at: dict[str, list[float]] = {}               # tenant -> when each unit not yet taken was lent
         self.leases: tuple[Lease, ...] = ()
         self.reclaiming: dict[str, float] = {}                # lease id -> since
         self.decisions = DecisionLog()
@@ -218,7 +219,7 @@ class Arbiter:
                          now)
         self._record(lost)
         known = tuple(le for le in self.leases if le.node_id in alive)
-        holdings = [h for h in holdings if h.node_id in alive]
+        holdings = self._lent_holdings([h for h in holdings if h.node_id in alive], known, now)
         leases, changes = rebuild_leases(holdings, known, now)
         self._record(changes)
         ended, self.orders = lease_ended(list(lost) + list(changes), before, self.orders, now)
@@ -237,6 +238,19 @@ class Arbiter:
         if self.autoscaled and not self.launch_nodes:
             snap = replace(snap, hosts=self._hosts(snap, before, now))
         return snap
+
+    def _lent_holdings(self, holdings: list, known: tuple[Lease, ...], now: float) -> list:
+        """A holding with no lease yet took the oldest unit lent to its tenant (Serve places a replica on a
+        node of its choosing): its lease starts at that lend. Lends nobody took within START_PATIENCE_S are
+        forgotten (the arbiter stops asking for them then)."""
+        ids = {le.lease_id for le in known}
+        out = []
+        for h in holdings:
+            lent = self.lent_at.get(h.tenant, [])
+            while lent and now - lent[0] > START_PATIENCE_S:
+                lent.pop(0)
+            out.append(replace(h, since=lent.pop(0), lent=True) if lent and h.key not in ids else h)
+        return out
 
     def _still_pending(self, job: str) -> int:
         """GPUs held for `job`'s new group that it does not hold yet: the group's size minus the GPUs in use
@@ -332,6 +346,8 @@ class Arbiter:
             lends = self._grow(tenant, snap, now, cap_gpus=share)
             if lends:
                 self.promised.setdefault(tenant.tenant, []).extend((d.node_id, d.gpus) for d in lends if d.node_id)
+                self.lent_at.setdefault(tenant.tenant, []).extend(
+                    now for d in lends for _ in range(max(1, d.gpus // tenant.spec.gpus_per_replica)))
                 snap = _minus_free(snap, [(d.node_id, d.gpus) for d in lends if d.node_id])
 
     def _grow(self, tenant: ServeTenant, snap: Snapshot, now: float, cap_gpus: int | None = None) -> list:

@@ -308,13 +308,17 @@ class Holding:
     key: str                        # stable id of the holder (replica actor id, placement group id)
     reclaim_method: str = "serve_scale"
     grace_s: float = 3.0
+    since: float | None = None      # since when it holds them, where known (the lend it took, or its start)
+    lent: bool = False              # it took a GPU the arbiter lent (else: it held one the arbiter had not)
 
 
 def rebuild_leases(holdings: Iterable[Holding], known: Iterable[Lease], now: float
                    ) -> tuple[tuple[Lease, ...], tuple[Decision, ...]]:
     """Leases from what tenants are seen holding: a known lease keeps its history (grant time,
     reclaiming); a holding with no lease record (the arbiter restarted) is adopted; a known lease with no
-    holding left is dropped (its tenant let go). The lease id is the holder's key."""
+    holding left is dropped (its tenant let go). The lease id is the holder's key. A new lease starts when
+    its holder started holding (`since`, never later than now): the GPU-seconds ledger counts a lent GPU as
+    fill-in's from the lend on, not from the tick that first saw its replica."""
     by_id = {le.lease_id: le for le in known}
     leases, decisions = [], []
     seen = set()
@@ -325,7 +329,9 @@ def rebuild_leases(holdings: Iterable[Holding], known: Iterable[Lease], now: flo
             leases.append(replace(old, node_id=h.node_id, gpus=h.gpus))
             continue
         leases.append(Lease(h.key, h.tenant, h.kind, h.node_id, h.gpus, h.reclaim_method, h.grace_s,
-                            granted_at=now))
+                            granted_at=min(now, h.since) if h.since else now))
+        if h.lent:
+            continue                # the lend taking effect: decided (and logged) when it was made
         decisions.append(Decision("adopt", h.tenant, h.gpus, at=now, node_id=h.node_id, lease_id=h.key,
                                   reason="tenant holds GPUs with no lease record (deployed before it registered, "
                                          "replaced a lost replica, or the arbiter restarted): adopted"))

@@ -61,14 +61,14 @@ class ServeTenant:
     def holdings(self) -> list[Holding]:
         """Replicas of the deployment that hold a GPU (alive, or starting on a node), one Holding each (its
         actor id is the lease id)."""
-        from ray.util.state import list_actors
+        from spotfill.ray_compat import gcs_actors
 
         name = f"ServeReplica:{self.spec.app}:{self.spec.deployment}"
-        actors = list_actors(filters=[("class_name", "=", name)], limit=1000, raise_on_missing_output=False)
-        # a replica still starting already holds its GPU once it has a node: it is lent, and reclaimable
-        return [Holding(self.tenant, self.spec.kind, a.node_id, self.spec.gpus_per_replica, key=a.actor_id,
-                        reclaim_method="serve_scale", grace_s=self.spec.grace_s) for a in actors
-                if a.state in ("ALIVE", "PENDING_CREATION") and a.node_id]
+        # a replica still starting already holds its GPU once it has a node: it is lent, and reclaimable.
+        # Read from the GCS, not the State API: no dashboard round trip every tick
+        return [Holding(self.tenant, self.spec.kind, a["node_id"], self.spec.gpus_per_replica, key=a["actor_id"],
+                        reclaim_method="serve_scale", grace_s=self.spec.grace_s, since=a["start_time"])
+                for a in gcs_actors(("ALIVE", "PENDING_CREATION")) if a["class_name"] == name and a["node_id"]]
 
     def set_replicas(self, n: int) -> bool:
         """Ask Serve for `n` replicas (0..max_replicas). False (logged) when Serve refused or is absent:

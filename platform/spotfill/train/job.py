@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -34,12 +35,18 @@ def ray_train_env() -> dict[str, str]:
 
 
 def worker_env_vars(base: dict[str, str] | None = None, warm_imports: bool = False,
-                    job_runtime_env: dict | None = None) -> dict[str, str]:
+                    job_runtime_env: dict | None = None, cpus_per_worker: float = 1.0) -> dict[str, str]:
     """Environment for the training workers: the job's own, plus this environment's JIT op cache folder
     (DeepSpeed ops built by another virtual environment must not be loaded or rebuilt here). With
     `warm_imports` (spotfill runs), each worker process starts importing torch, DeepSpeed and Ray Train's
     torch backend the moment it starts (spotfill.train.warm, as the processes' setup hook) -- unless the
-    job's runtime_env (`job_runtime_env`) or `base` already names one."""
+    job's runtime_env (`job_runtime_env`) or `base` already names one.
+
+    The hook imports torch before Ray sets OMP_NUM_THREADS for the worker's task (Ray sets it, when unset,
+    to the worker's CPUs as the task starts: too late, torch's OpenMP runtime read it at import). So it is
+    set here, as Ray would: floor(`cpus_per_worker`), at least 1. Without it each worker ran one intra-op
+    thread per core of its node (2 here where it asked for 1 CPU), and stalled whenever another process
+    took one of them. A value the user set (`base`, the job's runtime_env, this environment) is kept."""
     from spotfill.train.engine import jit_cache_dir
     env = dict(base or {})
     env.setdefault("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or jit_cache_dir())
@@ -47,6 +54,10 @@ def worker_env_vars(base: dict[str, str] | None = None, warm_imports: bool = Fal
         from spotfill.ray_compat import worker_setup_hook_env
         from spotfill.train.warm import HOOK
         env = worker_setup_hook_env(HOOK, env, job_runtime_env)
+        users = ((job_runtime_env or {}).get("env_vars") or {}).get("OMP_NUM_THREADS") or os.environ.get(
+            "OMP_NUM_THREADS")
+        if users is None:
+            env.setdefault("OMP_NUM_THREADS", str(max(1, math.floor(cpus_per_worker))))
     return env
 
 
@@ -127,7 +138,8 @@ class TrainingJob:
                 worker_runtime_env={"env_vars": worker_env_vars({**constants.storage_endpoint_env(),  # no secrets
                                                                  **self.runtime_env.get("env_vars", {})},
                                                                 warm_imports=spotfill,
-                                                                job_runtime_env=_job_runtime_env())},
+                                                                job_runtime_env=_job_runtime_env(),
+                                                                cpus_per_worker=c.cpus_per_worker)},
                 # every controller state change (failures it saw, sizes it chose) into events.jsonl
                 # and, on a cluster with fill-in, claim the GPUs first (a missing arbiter never blocks)
                 # and, on spotfill runs, a teardown that does not wait on workers of a dead node

@@ -134,12 +134,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
                           startup_s=round(time.time() - t_start, 3), precision=precision, **flops, **device,
                           **_start_marks(t_start, t_restored, t_imported, t_engine))
 
-    # Spares for the next group, once a restart would have a checkpoint to resume from (before the first
-    # one it starts over from step 0): after a resume's first step (which ends a recovery: it should not
-    # share the CPUs with the spares' imports), on a fresh start at the first periodic checkpoint's step.
-    # Their imports cost a few CPU-seconds once per node and group, not on every step.
+    # Spares for the next group, after this group's first step (which ends a start or a recovery: the
+    # spares' imports must not share the CPUs with it). They warm up in SCHED_IDLE (train.spares), on CPU
+    # time the steps leave unused, once per node and group.
     spares = t.elastic_restarts == "spotfill" and constants.WARM_SPARES > 0
-    spare_step = start_step + 1 if plan.tag else min(t.checkpoint_every, t.steps)
+    spare_step = start_step + 1
 
     def make(step: int):
         return read_step(reader, step, rank_positions(step, shape, rank), shape.accum, job.data.seed)
@@ -187,8 +186,11 @@ def _start_marks(entered: float, restored: float, imported: float, engine: float
     started = _process_start_time()
     if started is not None:
         marks["process_started_t"] = round(started, 3)
+    import torch
+
+    from spotfill.train.spares import idle_threads
     from spotfill.train.warm import marks as warm_marks
-    return {**marks, **warm_marks}
+    return {**marks, **warm_marks, "idle_threads": idle_threads(), "torch_threads": torch.get_num_threads()}
 
 
 def _process_start_time() -> float | None:
@@ -229,10 +231,14 @@ def _prestart_spares(count: int) -> None:
     Ray kills them with the job. A failure costs nothing but the head start: it is logged."""
     import threading
 
+    import ray
+
     from spotfill.ray_compat import prestart_workers
+    from spotfill.train.spares import offer
 
     def run():
         try:
+            offer(ray.get_runtime_context().get_node_id(), count)    # they warm up in SCHED_IDLE
             prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
         except Exception as exc:  # noqa: BLE001 -- the next group starts cold processes, as stock Ray does
             log.warning("spare worker processes not started (%s: %s); the next worker group starts cold",

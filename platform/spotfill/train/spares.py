@@ -1,0 +1,139 @@
+"""Warm spare worker processes warm up at idle CPU priority (pure: the os module only, no Ray).
+
+A training worker asks its node's raylet for spare worker processes (train.worker_loop `_prestart_spares`)
+while its group trains. Their setup hook (train.warm) imports torch, DeepSpeed and Ray Train: seconds of CPU
+that, at the priority of every other Ray worker, the running group's steps lost (a tiny model stepped at
+0.72 of its speed while spares warmed). So the requester first leaves one token per spare in a node-local
+directory, and a starting process that claims a token (`claim`) is a spare: it does its warm-up in the
+SCHED_IDLE class (`idle_while`), which the kernel runs only on CPU time the group leaves unused, and puts
+every thread back to normal scheduling once the warm-up ends, before it can run a training worker.
+
+A process started for an actor (no token left) warms up at normal priority, as before: that is a start or a
+restart, with no group stepping on the node. A process that claims a token meant for another (the raylet
+started both at once) only warms up later when the CPU is busy; nothing else changes.
+
+SCHED_IDLE is used only where this process may leave it again (Linux; an unprivileged thread may need
+RLIMIT_NICE for that): `idle_while` tries the round trip on a throwaway thread first and, if refused, warms
+up at normal priority rather than leave a training worker in SCHED_IDLE.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+import time
+import uuid
+
+TOKEN_TTL_S = 60.0        # a token no process claimed by then is stale (the raylet started none for it)
+
+
+def token_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "spotfill-spares")
+
+
+def offer(node_id: str, count: int, now: float | None = None, directory: str | None = None) -> list[str]:
+    """Leave `count` tokens for spare processes about to start on node `node_id`; returns their paths."""
+    directory = directory or token_dir()
+    os.makedirs(directory, exist_ok=True)
+    now = time.time() if now is None else now
+    paths = []
+    for _ in range(max(0, int(count))):
+        path = os.path.join(directory, f"{node_id}.{now:.3f}.{uuid.uuid4().hex[:8]}")
+        with open(path, "w"):
+            pass
+        paths.append(path)
+    return paths
+
+
+def claim(node_id: str, now: float | None = None, directory: str | None = None) -> bool:
+    """Take one token left for node `node_id` (True: this process is a spare). Stale tokens are removed.
+    Each token is taken by one process at most (the unlink that succeeds)."""
+    directory = directory or token_dir()
+    now = time.time() if now is None else now
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return False
+    for name in names:
+        node, _, rest = name.partition(".")
+        try:
+            offered = float(rest.rsplit(".", 1)[0])
+        except ValueError:
+            continue
+        stale = now - offered > TOKEN_TTL_S
+        if node != node_id and not stale:
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            continue              # another process took it first
+        if not stale:
+            return True
+    return False
+
+
+def _round_trip_allowed() -> bool:
+    """Can a thread of this process enter SCHED_IDLE and leave it again? Tried on a throwaway thread."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    ok: list[bool] = []
+
+    def probe():
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            ok.append(os.sched_getscheduler(0) == os.SCHED_OTHER)
+        except OSError:
+            ok.append(False)
+    t = threading.Thread(target=probe, name="spotfill-sched-probe")
+    t.start()
+    t.join()
+    return bool(ok and ok[0])
+
+
+def _threads() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]                # no /proc: the calling thread
+
+
+def idle_threads() -> int:
+    """How many threads of this process are in SCHED_IDLE (a training worker must have none)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return 0
+    n = 0
+    for tid in _threads():
+        with contextlib.suppress(OSError):
+            n += os.sched_getscheduler(tid) == os.SCHED_IDLE
+    return n
+
+
+def normal_scheduling() -> int:
+    """Put every SCHED_IDLE thread of this process back in SCHED_OTHER; returns how many were moved."""
+    moved = 0
+    for tid in _threads():
+        with contextlib.suppress(OSError):
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                moved += 1
+    return moved
+
+
+@contextlib.contextmanager
+def idle_while(enabled: bool):
+    """Run the block with the calling thread (and the threads it starts) in SCHED_IDLE when `enabled` and
+    the round trip is allowed; afterwards every SCHED_IDLE thread of the process is back in SCHED_OTHER.
+    Yields whether SCHED_IDLE was used."""
+    use = bool(enabled) and _round_trip_allowed()
+    if use:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            use = False
+    try:
+        yield use
+    finally:
+        if use:
+            normal_scheduling()
