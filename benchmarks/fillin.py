@@ -21,6 +21,10 @@ training restarts at full size (2) on the slots it takes back from Serve -- the 
   and stands in for clients that would be on other machines, so the scenario runner starts it at nice 19
   too (its threads only; the training driver's own threads keep their priority). Serve's controller and
   HTTP proxy keep their priority.
+- training_steady_step_ratio: median step time without fill-in / with it, over the steps from
+  STEADY_AFTER past the kill to the end (training_steady_step_ms): the cost of fill-in to a training
+  group at full size, apart from start-up and recovery, whose CPU use differs between the runs and whose
+  share of the run swung training_tokens_ratio from 0.63 to 1.29 across runs on the 2-core machine.
 - training_tokens_ratio_no_load: the same with Serve fill-in deployed and lent GPUs but no request sent
   (load_rps 0, a third run): what Serve's processes and the arbiter cost training, apart from the load.
 - handback_by_workload: the same hand-backs per fill-in workload, from a fourth run where a Ray Data batch
@@ -61,6 +65,7 @@ def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool
 
 
 JOBS_ROWS, JOBS_PROMPTS, JOBS_TRIAL_STEPS = 9216, 256, 1000
+STEADY_AFTER = 200      # steady_step_ms: steps this far past the kill
 
 
 def _process_class(p, me: int) -> str | None:
@@ -123,6 +128,18 @@ class CpuSampler:
         return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
+def steady_step_ms(run_dir: str, after_step: int) -> float | None:
+    """Median step time (ms, the step events' own step_s) of the steps after `after_step`: training at
+    full size long after the restart, apart from start-up and recovery (whose CPU use differs between
+    the runs: Serve's replicas start, the restart's imports)."""
+    import statistics
+
+    from spotfill.telemetry.events import read_events
+    steps = [e["step_s"] for e in read_events(os.path.join(run_dir, "events.jsonl"), {"step"})
+             if e["step"] > after_step and e.get("step_s")]
+    return round(1000 * statistics.median(steps), 3) if steps else None
+
+
 def _kill_step(run_dir: str, at: float) -> int | None:
     """The step training had reached when the kill fired."""
     from spotfill.telemetry.events import read_events
@@ -154,6 +171,7 @@ def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: fl
             "batch": fill.get("batch"), "sweep": fill.get("sweep"),
             "serve": fill.get("serve"), "seconds": report.get("seconds"), "run_dir": out,
             "kill_step": next((_kill_step(out, p["at"]) for p in report.get("preemptions") or []), None),
+            "steady_step_ms": steady_step_ms(out, kill_at + STEADY_AFTER),
             "invariants": {k: v["ok"] for k, v in (report.get("invariants") or {}).items()},
             "cpu_seconds": cpu.summary()}
 
@@ -165,6 +183,10 @@ def handback_by_workload(leases: list[dict]) -> dict[str, list[float]]:
         if le.get("ended_by") == "reclaim" and le.get("cause") == "training_claim" and le.get("reclaim_s") is not None:
             out.setdefault(le.get("workload") or "?", []).append(le["reclaim_s"])
     return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a and b else None
 
 
 def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None) -> dict:
@@ -191,6 +213,10 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None) -> 
             "training_slowdown": round(1 - a / b, 4) if a and b else None,
             "training_tokens_s_with_fillin_no_load": c,
             "training_tokens_ratio_no_load": round(c / b, 4) if c and b else None,
+            "training_steady_step_ms": {"with_fillin": with_fill["steady_step_ms"],
+                                        "without": without["steady_step_ms"],
+                                        "with_fillin_no_load": no_load["steady_step_ms"]},
+            "training_steady_step_ratio": _ratio(without["steady_step_ms"], with_fill["steady_step_ms"]),
             "cpu_seconds": {"with_fillin": with_fill["cpu_seconds"], "without": without["cpu_seconds"],
                             "with_fillin_no_load": no_load["cpu_seconds"]},
             "serve": with_fill["serve"], "leases": with_fill["leases"],

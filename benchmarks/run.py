@@ -36,7 +36,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
 }
 DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "fillin")
 TARGETS = {("checkpoint", "stall_ratio"): ("<=", 0.10), ("checkpoint", "upload_ratio"): (">=", 0.70),
-           ("overhead", "ratio"): (">=", 0.95), ("recovery", "speedup"): (">=", 8.0),
+           ("overhead", "ratio"): (">=", 0.97), ("recovery", "speedup"): (">=", 8.0),
            ("recovery", "speedup_vs_tuned"): (">=", 2.0),
            ("preemption", "lost_steps"): ("<=", 0),
            ("fillin", "handback_s_max"): ("<=", 5.0), ("fillin", "harvest_ratio"): (">=", 0.9),
