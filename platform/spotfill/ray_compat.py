@@ -132,6 +132,9 @@ HOOKS = [
     (_TuneTrial, "PAUSED", None),
     (_TuneTrial, "should_recover", ()),
     (_TuneController, "_unstage_trial_with_resources", ("trial",)),
+    # a stopping trial actor is killed after TUNE_FORCE_TRIAL_CLEANUP_S -- unless it counts as started, then
+    # only after the controller's _actor_force_cleanup_timeout (10 s, not configurable): tune_force_cleanup_after
+    (_TuneController, "_cleanup_stopping_actors", ("force_all",)),
     # warm spare worker processes (prestart_workers): the raylet's PrestartWorkers RPC
     (_nm_grpc, "NodeManagerServiceStub", None),
     (_nm_grpc.NodeManagerServiceStub, "__init__", ("channel",)),
@@ -508,6 +511,33 @@ def guard_jit_op_builds(retries: int = 3) -> None:
     load._spotfill_guarded = True
     _cpp_ext.FileBaton = OwnedFileBaton
     _cpp_ext.load = load
+
+
+def _tune_controller_sets(attr: str) -> bool:
+    import inspect
+    try:
+        return f"self.{attr}" in inspect.getsource(_TuneController.__init__)
+    except (OSError, TypeError):
+        return False
+
+
+if not _tune_controller_sets("_actor_force_cleanup_timeout"):
+    raise RayCompatError(f"spotfill needs TuneController._actor_force_cleanup_timeout (checked against ray "
+                         f"{RAY_VERSION_CHECKED}); installed ray {ray.__version__} does not set it")
+
+
+def tune_force_cleanup_after(controller, seconds: float) -> None:
+    """Kill a stopping trial actor `seconds` after Tune asked it to stop, whatever it is doing. Ray 2.60's
+    TuneController waits TUNE_FORCE_TRIAL_CLEANUP_S, and then, for an actor that started (created, even if
+    its setup still runs), up to a fixed `_actor_force_cleanup_timeout` of 10 s more for its `stop()` --
+    which is queued behind the actor's constructor or its current `train()` call. A fill-in trial starved of
+    CPU held its GPU that long past a reclaim, beyond its grace (fillin/sweep.py). `controller`: as for
+    tune_unstage_trial."""
+    ctrl = getattr(controller, "_tune_controller", controller)
+    if not hasattr(ctrl, "_actor_force_cleanup_timeout"):
+        raise RayCompatError(f"spotfill needs TuneController._actor_force_cleanup_timeout (checked against ray "
+                             f"{RAY_VERSION_CHECKED}); installed ray {ray.__version__} does not have it")
+    ctrl._actor_force_cleanup_timeout = seconds
 
 
 def tune_unstage_trial(controller, trial) -> bool:

@@ -188,6 +188,50 @@ def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_
     print(f"\nFixedGrant drop -> placement groups removed: {seen['handback_s']:.2f}s")
 
 
+def test_a_trial_still_in_its_setup_gives_its_gpu_back_within_the_grace(env):
+    """A grant drop while the trial's actor is still in its setup (a CPU-starved fill-in process took 25 s
+    there): Tune queues the actor's stop() behind the setup and, for an actor already created, waited a fixed
+    10 s before killing it -- the GPU stayed held past the grace and the arbiter stopped the whole driver."""
+    import ray
+
+    from spotfill.fillin.grant import FixedGrant
+    from spotfill.fillin.sweep import run_sweep
+
+    raw = sweep_config(env, "slow-setup", trials=1)
+    raw["sweep"].update(steps=8, checkpoint_every=4)
+    cfg = make_cfg(raw)
+    grant = FixedGrant(1, grace_s=5.0)
+    job_id = ray.get_runtime_context().get_job_id()
+    seen: dict = {}
+
+    def drive():
+        try:
+            wait_for(lambda: job_pgs(job_id), 60, "the trial's placement group", every=0.05)
+            time.sleep(1.5)                       # its actor is created and sleeps in setup (12 s)
+            t_drop = time.monotonic()
+            grant.set(0)
+            wait_for(lambda: not job_pgs(job_id), 30, "the trial's placement group removed", every=0.05)
+            seen["handback_s"] = time.monotonic() - t_drop
+            time.sleep(1.0)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            seen["error"] = exc
+        grant.set(1)
+
+    t = threading.Thread(target=drive, daemon=True)
+    t.start()
+    events: list = []
+    out = run_sweep(cfg, grant, setup_sleep_s=12.0,
+                    emit=lambda kind, **f: events.append({"kind": kind, **f}))
+    t.join(30)
+    assert "error" not in seen, seen.get("error")
+    assert any(e.get("action") == "deferred" for e in events), events     # stopped while starting
+    assert seen["handback_s"] < grant.grace_s, f"GPU held {seen['handback_s']:.1f}s after the drop"
+    assert out["completed"] == 1 and out["failed"] == 0, out
+    (res,) = out["results"]
+    assert res["history_ok"] is True and res["step"] == 8, res
+    print(f"\ndrop during setup -> placement group removed: {seen['handback_s']:.2f}s")
+
+
 def test_a_trial_whose_actor_is_killed_resumes_from_its_checkpoint_without_repeating_steps(env):
     from spotfill.fillin.grant import FixedGrant
     from spotfill.fillin.sweep import run_sweep

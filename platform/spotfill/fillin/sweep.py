@@ -12,7 +12,11 @@ Tune's pieces, as Ray 2.60 runs them (tune/execution/tune_controller.py):
   unit is free.
 - `reuse_actors=False` (a paused trial's actor would otherwise keep its GPU in Tune's actor cache) and
   TUNE_FORCE_TRIAL_CLEANUP_S (a stopped actor is killed after this many seconds, default 600) keep the
-  hand-back inside the grace.
+  hand-back inside the grace -- with the controller's own patience for an actor that has started (created:
+  its setup may still run) lowered to the same CLEANUP_S (ray_compat.tune_force_cleanup_after): Tune waits
+  up to a fixed 10 s for such an actor's `stop()`, which is queued behind its setup or its current
+  `train()` call; a trial starved of CPU by training (setup 25 s on a busy 2-core machine) held its GPU
+  past the grace and the arbiter stopped the whole driver.
 - A trial whose actor dies is restarted by Tune from its last checkpoint (`max_failures`).
 - A driver that dies (killed by force, crashed) leaves the experiment on storage (STORAGE/NAME): Tune
   saves its state -- every trial's status, last result and checkpoints, and the searcher's state -- at
@@ -110,6 +114,8 @@ def _trainable_class():
             self.eval_rows = np.arange(max(0, n - int(self.job["eval_rows"])), n)
             self.train_rows = max(1, n - len(self.eval_rows))
             self.first_step = None
+            if self.job.get("setup_sleep_s"):
+                time.sleep(float(self.job["setup_sleep_s"]))     # tests: a setup as slow as a CPU-starved one
 
         def _batch(self, step: int):
             import numpy as np
@@ -314,6 +320,7 @@ def _scheduler_class():
             self.control = control
             self.pausing: set[str] = set()       # pause requested, Tune has not stopped it yet
             self.errored: set[str] = set()
+            self.cleanup_set = False             # Tune's stop patience lowered (on the first controller step)
 
         def set_search_properties(self, metric, mode, **spec):
             return True
@@ -336,6 +343,11 @@ def _scheduler_class():
 
         def _apply(self, tc) -> Trial | None:
             c = self.control
+            if not self.cleanup_set:
+                # a trial told to stop (paused, deferred, done) is killed CLEANUP_S after, even while its
+                # setup or train() call still runs: Tune would wait up to 10 s more for its stop()
+                ray_compat.tune_force_cleanup_after(tc, float(CLEANUP_S))
+                self.cleanup_set = True
             with c.lock:
                 by_id = self._sync(tc)
                 plan = c.plan()
@@ -375,6 +387,7 @@ def _scheduler_class():
 
         def __setstate__(self, state):
             self.__dict__.update(state)
+            self.cleanup_set = False             # a restored scheduler runs in this driver's controller
             _rebind(self)
 
         def _restored(self, trial) -> None:
@@ -466,7 +479,8 @@ def _scheduler_class():
 
 
 def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: list | None = None,
-              clock: Callable[[], float] = time.monotonic, step_sleep_s: float = 0.0) -> dict:
+              clock: Callable[[], float] = time.monotonic, step_sleep_s: float = 0.0,
+              setup_sleep_s: float = 0.0) -> dict:
     """Run the sweep of `cfg` (spotfill.config.sweep.SweepJobConfig) on what `grant` lends; returns
     report.json's `fillin.sweep` section plus `results` (one entry per trial). Ray must be initialized.
 
@@ -485,7 +499,7 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     control = SweepControl(grant, configs, clock=clock, emit=emit)
     job = {"data": cfg.data.path, "model": s.model, "steps": s.steps, "batch": s.batch,
            "steps_per_report": s.steps_per_report, "eval_rows": s.eval_rows, "seed": s.seed,
-           "step_sleep_s": step_sleep_s}
+           "step_sleep_s": step_sleep_s, "setup_sleep_s": setup_sleep_s}
     control.job, control.experiment = dict(job), experiment_path(cfg.storage, cfg.name)
     resources = tune.PlacementGroupFactory([{"CPU": float(cfg.cluster.cpus_per_trial),
                                              cfg.cluster.gpu_resource: 1.0}])
