@@ -12,7 +12,7 @@ from spotfill.fillin.policy import DecisionLog, Lease, Node, Snapshot
 def arbiter(*tenants) -> Arbiter:
     a = Arbiter.__new__(Arbiter)          # no actor, no tick thread: only the lending bookkeeping
     a.tenants = {t.tenant: t for t in tenants}
-    a.promised, a.asked_at, a.decisions = {}, {}, DecisionLog()
+    a.promised, a.lent_at, a.asked_at, a.decisions = {}, {}, {}, DecisionLog()
     a.autoscaled = a.launch_nodes = False
     return a
 
