@@ -9,7 +9,7 @@ Two deployments:
     (OpenAI-compatible), `GET /v1/models`, `POST /generate` (plain JSON), `GET /healthz`. It watches how
     many Generator replicas run; with none (their GPUs went back to training) a request gets HTTP 503 with
     `Retry-After` at once instead of queueing in Serve's router. A forwarded request that no replica has
-    picked up within the generation bound is cancelled and also answered 503 (it was never admitted).
+    picked up when none runs any more is cancelled and also answered 503 (it was never admitted).
   * Generator (one lent GPU each, `gpu_resource`): loads the newest committed checkpoint, hot-reloads newer
     ones, and generates at most `max_tokens` tokens and for at most `max_generation_s`, so a request in
     flight when its replica is reclaimed finishes within the graceful-shutdown grace.
@@ -36,9 +36,17 @@ log = logging.getLogger("spotfill.serving")
 APP_NAME = "spotfill-serve"
 GENERATOR = "Generator"
 GRACEFUL = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 3.0}
-# autoscaling metrics from the replicas, not the Ingress's handle: with 0 replicas no queued-request metric
-# exists, so Serve's cold start never adds a replica the arbiter did not lend
+# running-request metrics from the replicas, not the Ingress's handle: a stopping replica's requests in
+# flight are not counted as load with no replica running
 NO_HANDLE_METRICS = {"RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE": "0"}
+# Serve's cold-start rule (Ray 2.60 ray/serve/autoscaling_policy.py, applied before any custom policy) scales
+# a deployment with no running replica to 1 while its handles report queued requests: requests the Ingress
+# forwarded in the ~0.1 s before it saw the last replica stop (measured: 3 of 4 scale-downs to 0 under load
+# got a replica back within 0.3 s). The Ingress cancels such requests at once (never admitted: 503) and the
+# arbiter asks for its own count again; these settings make the controller see the queue empty again within
+# about a second (handle report every 1 s instead of 10 s, points every 0.4 s) and let a lone spike of
+# queued requests not hold the rule on ("min" over a 2 s window instead of the mean over 30 s).
+COLD_START_METRICS = {"metrics_interval_s": 1.0, "look_back_period_s": 2.0, "aggregation_function": "min"}
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,12 @@ class Generator:
 api = FastAPI(title="spotfill fill-in generation")
 
 
+def _retrieve(task: asyncio.Future) -> None:
+    """Done-callback: a cancelled forward's exception is read here, not logged as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 def unavailable(message: str, retry_after_s: int) -> JSONResponse:
     return JSONResponse(status_code=503, headers={"Retry-After": str(retry_after_s)},
                         content={"error": {"message": message, "type": "unavailable", "code": 503}})
@@ -165,7 +179,7 @@ class Ingress:
         from spotfill.fillin.cpu_priority import lower_cpu_priority
         lower_cpu_priority(args.cpu_nice, idle=args.cpu_idle)
         self.generator, self.args, self.app_name = generator, args, app_name
-        self.live, self.zero_since = 0, time.monotonic()
+        self.live = 0
         self.admit_timeout_s = args.max_generation_s + 2.0
         threading.Thread(target=self._watch_replicas, daemon=True, name="replica-watch").start()
 
@@ -174,34 +188,32 @@ class Ingress:
             try:
                 app = serve.status().applications.get(self.app_name)
                 dep = app.deployments.get(GENERATOR) if app else None
-                live = int(dep.replica_states.get("RUNNING", 0)) if dep else 0
-                if live <= 0 < self.live:
-                    self.zero_since = time.monotonic()
-                self.live = live
+                self.live = int(dep.replica_states.get("RUNNING", 0)) if dep else 0
             except Exception as exc:  # noqa: BLE001 - the controller may be busy; keep the last count
                 log.debug("replica count unavailable: %s", exc)
             time.sleep(0.1)
 
     async def _forward(self, prompt: str, max_tokens: int, temperature: float, seed: int):
         """The Generator's answer, or a 503 when no replica runs. A request forwarded just as the last
-        replica stopped may sit in Serve's router with nowhere to go: once no replica has run for longer
-        than a request in flight can take (max_generation_s), it was never admitted -- cancel it, 503."""
+        replica stopped sits in Serve's router with nowhere to go: a request no replica has taken (Serve's
+        DeveloperAPI `_to_object_ref` resolves when the router assigns one) was never admitted -- once no
+        replica runs, or after `admit_timeout_s`, it is cancelled and answered 503. A request a replica took
+        is never cancelled: it finishes within max_generation_s, inside the stopping replica's grace."""
         if self.live <= 0:
             return None, unavailable("no generation replica: its GPUs went back to training; retry later",
                                      self.args.retry_after_s)
         response = self.generator.generate.remote(prompt, max_tokens, temperature, seed)
-        task = asyncio.ensure_future(response)
+        assigned = asyncio.ensure_future(response._to_object_ref())
+        assigned.add_done_callback(_retrieve)
         t0 = time.monotonic()
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.05)
-            now = time.monotonic()
-            orphaned = self.live <= 0 and now - max(t0, self.zero_since) > self.args.max_generation_s + 0.25
-            if not task.done() and (orphaned or now - t0 > self.admit_timeout_s):
+        while not assigned.done():
+            await asyncio.wait({assigned}, timeout=0.02)
+            if not assigned.done() and (self.live <= 0 or time.monotonic() - t0 > self.admit_timeout_s):
                 response.cancel()
-                task.cancel()
+                assigned.cancel()
                 return None, unavailable("no generation replica picked the request up; retry later",
                                          self.args.retry_after_s)
-        out = task.result()
+        out = await assigned.result()
         if "error" in out:
             return None, unavailable(out["error"], self.args.retry_after_s)
         return out, None
@@ -244,7 +256,8 @@ class Ingress:
 def keep_external_target(ctx):
     """Serve autoscaling policy of the fill-in Generator: no decision of its own -- the replica count stays
     what the arbiter set through the external scaler (Serve still scales a deployment with 0 running
-    replicas to 1 when requests wait for it; the Ingress answers 503 instead of forwarding then)."""
+    replicas to 1 when requests wait for it, before this policy runs; the Ingress answers 503 instead of
+    forwarding then, and the arbiter asks for its own count again)."""
     return ctx.target_num_replicas, {}
 
 
@@ -257,12 +270,12 @@ def build(args: ServeArgs):
     else:
         # Serve refuses num_replicas=0 (Ray 2.60: .options() and the config schema want > 0); an autoscaling
         # config may start at 0. Its policy keeps the count the external scaler (the arbiter) set. Serve's
-        # cold-start rule would still add a replica when requests wait at a handle while none runs: the
-        # handles report no such metric here (collected on the replicas), so none is added by Serve.
+        # cold-start rule still adds a replica when requests wait at a handle while none runs (see
+        # COLD_START_METRICS): the arbiter stops such a replica within a second (Arbiter._stop_extra_replicas).
         actor = {**actor, "runtime_env": {"env_vars": dict(NO_HANDLE_METRICS)}}
         generator = Generator.options(ray_actor_options=actor, autoscaling_config={
             "min_replicas": 0, "initial_replicas": 0, "max_replicas": args.max_replicas,
-            "policy": {"policy_function": keep_external_target}})
+            "policy": {"policy_function": keep_external_target}, **COLD_START_METRICS})
     generator = generator.bind(args)
     ingress_actor = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
     if args.replicas == 0:

@@ -38,6 +38,7 @@ from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.execution.worker_group import worker as _wg_worker
 from ray.train.v2._internal.execution.worker_group import worker_group as _wg
 from ray.util.state.exception import RayStateApiException
+from ray.serve.handle import DeploymentResponse as _DeploymentResponse
 from ray.tune.execution.tune_controller import TuneController as _TuneController
 from ray.tune.experiment import Trial as _TuneTrial
 from ray.tune.schedulers import TrialScheduler as _TrialScheduler
@@ -141,6 +142,9 @@ HOOKS = [
     (_nm_pb2, "PrestartWorkersRequest", None),
     (_grpc_utils, "init_grpc_channel", ("address",)),
     (common_pb2.Language, "Value", None),
+    # Serve's DeveloperAPI the fill-in Ingress (serving/app.py) uses to tell a request a replica took from
+    # one still waiting in the router (resolves on assignment)
+    (_DeploymentResponse, "_to_object_ref", ()),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)

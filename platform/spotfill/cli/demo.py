@@ -97,8 +97,9 @@ def run(args) -> int:
     scenario = load_scenario(args.scenario) if args.scenario else parse_scenario(builtin, "demo")
     if args.quick:
         t = scenario.training
-        # on an autoscaling cluster the replacement node must launch and training regrow before the end
-        t.steps = max(t.checkpoint_every, min(t.steps, 140 if scenario.cluster.autoscaler else 90))
+        # on an autoscaling cluster the replacement node must launch and training regrow before the end, and
+        # the batch job and the sweep (lent GPUs only while training runs there) finish
+        t.steps = max(t.checkpoint_every, min(t.steps, 180 if scenario.cluster.autoscaler else 90))
     from spotfill.sim.runner import run_scenario
     report = run_scenario(scenario, args.out, storage=args.storage)
     print(summarize(report))

@@ -321,8 +321,9 @@ class Arbiter:
             self._apply_reclaims(drains, now, cause="node_draining")
             self._apply_reclaims(reclaim_off_hosts(snap, now, self.idle_reclaim_s), now, cause="node_idle")
             self._force_overdue(snap, now)
-            if self.pending:                    # a claimed group is being placed: no replica may take its GPUs
-                self._stop_extra_replicas(now)
+            # a replica the arbiter did not lend (Serve's cold start) goes at once: it would hold a GPU a
+            # claimed group being placed waits for, or keep an idle node from scaling down
+            self._stop_extra_replicas(now, cause="training_claim" if self.pending else "not_lent")
             if not self.claims_in_flight:
                 self._grow_all(snap, now)
             self._save()
@@ -455,13 +456,14 @@ class Arbiter:
                 # the lease of this tenant that ends next is this reclaim (journal.lease_ended)
                 self.orders.append(ReclaimOrder(d.tenant, d.lease_id, requested_at or now, cause, d.reason, job))
 
-    def _stop_extra_replicas(self, now: float, job: str | None = None, requested_at: float | None = None) -> None:
-        """While training claims GPUs (or its claimed group is being placed): a Serve tenant running more
-        replicas than the arbiter set -- beyond those it was asked to stop and has not yet -- is asked for
-        the arbiter's count again at once (at most once a second). Serve adds a replica of its own when its
-        cold-start rule sees requests while none runs (the stopping replicas' requests in flight still
-        count): such a replica would hold a GPU training waits for. Each extra one is a reclaim for the
-        claim (its end is journaled as a hand-back from `requested_at`)."""
+    def _stop_extra_replicas(self, now: float, job: str | None = None, requested_at: float | None = None,
+                             cause: str = "training_claim") -> None:
+        """A Serve tenant running more replicas than the arbiter set -- beyond those it was asked to stop
+        and has not yet -- is asked for the arbiter's count again at once (at most once a second). Serve
+        adds a replica of its own when its cold-start rule sees requests queued while none runs (requests
+        the Ingress forwarded as the last replica stopped): such a replica would hold a GPU training waits
+        for, or keep a node fill-in gave back from going idle. Each extra one is a reclaim with `cause`
+        (during a training claim its end is journaled as a hand-back from `requested_at`)."""
         for name, tenant in self.tenants.items():
             if not isinstance(tenant, ServeTenant) or tenant.target is None:
                 continue
@@ -479,7 +481,7 @@ class Arbiter:
                                        f"{tenant.target} the arbiter set (its cold-start rule added one): asked "
                                        f"for {tenant.target} again" + (f" for {job}'s claim" if job else "")))
                           for le in newest])
-            self.orders += [ReclaimOrder(name, le.lease_id, requested_at or now, "training_claim",
+            self.orders += [ReclaimOrder(name, le.lease_id, requested_at or now, cause,
                                          "an extra replica Serve started by itself", job) for le in newest]
 
     # -- training's claim ---------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ copies the journal into its own events.jsonl (train/job.py, LeaseForwarder).
     lease      {lease_id, tenant, workload, node, gpus, start}
     reclaim    {lease_id, ..., start, end, requested_at, reclaim_s, cause, reason, job}
                the lease ended because spotfill took the GPUs back: `cause` training_claim (a training job's
-               claim; `reclaim_s` = that claim -> this GPU free, the hand-back), node_draining, or node_idle
-               (autoscaled cluster: training left the node, which is given back to scale down)
+               claim; `reclaim_s` = that claim -> this GPU free, the hand-back), node_draining, node_idle
+               (autoscaled cluster: training left the node, which is given back to scale down), or
+               not_lent (a replica Serve started by itself, its cold start, outside any claim)
     release    {lease_id, ..., end}                    the tenant let the GPUs go by itself
     lease_end  {lease_id, ..., end, reason}            the lease's node died with it
 
@@ -33,7 +34,7 @@ class ReclaimOrder:
     tenant: str
     lease_id: str                     # the lease the arbiter chose (Serve may stop another of the tenant's)
     requested_at: float               # training's claim began (or the drain was seen)
-    cause: str                        # "training_claim" | "node_draining" | "node_idle"
+    cause: str                        # "training_claim" | "node_draining" | "node_idle" | "not_lent"
     reason: str
     job: str | None = None
 

@@ -19,7 +19,7 @@ import os
 import tempfile
 import time
 
-from spotfill.sim.autoscaler_config import MARKET_LABEL, NodeTypeSpec, fake_cluster_config
+from spotfill.sim.autoscaler_config import HEAD_TYPE, MARKET_LABEL, NodeTypeSpec, fake_cluster_config
 from spotfill.sim.cluster import FAST_FAILURE_DETECTION, HEAD_DASHBOARD, LOOPBACK, LOOPBACK_NODE, free_port
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,11 @@ class AutoscalingCluster:
                 **LOOPBACK_NODE, **HEAD_DASHBOARD, "num_cpus": head_cpus, "gcs_server_port": port,
                 "dashboard_port": free_port(),
                 "autoscaling_config": self.config_file,
-                "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID},
+                # the head's node type as the provider lists it: autoscaler v2 reconciles Ray's nodes before
+                # the provider's instances, and a head node reported without its type (a race at start-up)
+                # failed every round after ("ALLOCATED update must have instance_type"; nothing launched)
+                "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID,
+                             "RAY_NODE_TYPE_NAME": HEAD_TYPE},
                 "labels": {MARKET_LABEL: "on-demand", "spotfill.io/role": "head"},
                 "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.started = time.time()

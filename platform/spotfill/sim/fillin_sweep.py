@@ -36,8 +36,10 @@ class SweepFillin(DriverFillin):
         gpus = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes) or 1
         cfg = {"name": self.name, "run_dir": self.run_dir, "storage": os.path.join(self.dir, "trials"),
                "data": {"path": self.data_dir},
-               "sweep": {"model": "tiny", "steps": spec["steps"], "batch": 8, "steps_per_report": 5,
-                         "checkpoint_every": 10, "eval_rows": 32, "search": GRID, "trials": spec["trials"]},
+               "sweep": {"model": "tiny", "steps": spec["steps"], "batch": 8,
+                         # a short trial still reports (and can pause) a few times
+                         "steps_per_report": max(1, min(5, spec["steps"] // 5)),
+                         "checkpoint_every": min(10, spec["steps"]), "eval_rows": 32, "search": GRID, "trials": spec["trials"]},
                "fillin": {"grant": "arbiter", "max_units": spec["max_units"] or gpus, "grace_s": 5.0},
                "cluster": {"gpu_resource": self.scenario.cluster.gpu_resource, "cpus_per_trial": 0}}
         path = os.path.join(self.dir, "sweep.yaml")

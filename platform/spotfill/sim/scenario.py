@@ -348,22 +348,24 @@ def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 
     }
 
 
-# The default `spotfill demo` story on an autoscaling cluster: DEFAULT_SCENARIO's training (and its Serve
-# fill-in) on a head-only cluster that Ray's autoscaler (v2, fake multi-node provider) scales with
+# The default `spotfill demo` story on an autoscaling cluster: DEFAULT_SCENARIO's training (and its three
+# fill-in tenants) on a head-only cluster that Ray's autoscaler (v2, fake multi-node provider) scales with
 # cluster.yaml-like spot and on-demand types of 3 GPU slots. Training asks for 4 workers: the autoscaler
 # launches 2 nodes (6 slots), and the 2 slots beyond training's max on the nodes training uses are lent to
-# Serve (fill-in never makes the autoscaler launch a node, nor keeps one from scaling down). Training starts
-# on 3 workers on node 0 and grows onto node 1, where Serve gets the other 2 slots. A spot notice takes
-# node 1: Serve's replicas there are reclaimed at once, training restarts, and the autoscaler replaces the
-# node (Serve fills the new node's spare slots); later a hard loss takes node 0. The fake autoscaler's
-# replacement is up before training restarts, so training restarts on it, not on slots taken back from
-# Serve. No node is added by the scenario.
+# Serve, the batch job and the sweep (fill-in never makes the autoscaler launch a node, nor keeps one from
+# scaling down). Training starts on 3 workers on node 0 and grows onto node 1, where fill-in gets the other
+# slots. A spot notice takes node 1: the leases there are reclaimed at once, training restarts, and the
+# autoscaler replaces the node (fill-in gets the new node's spare slots); later a hard loss takes node 0.
+# The fake autoscaler's replacement is up before training restarts, so training restarts on it, not on
+# slots taken back from fill-in. No node is added by the scenario.
 AUTOSCALING_SCENARIO = {
     **DEFAULT_SCENARIO,
-    # Serve only. A batch job and a sweep as two more tenants here finished in 2 of 4 quick runs on a 2-core
-    # machine: on an autoscaled cluster fill-in lends only on nodes training uses, so what they have not
-    # finished when training ends waits for the next run (docs/cluster-lifecycle.md); `--static` runs all three
-    "fillin": {"serve": {**DEFAULT_SCENARIO["fillin"]["serve"], "max_replicas": 1}, "cpu_idle": False},
+    # All three tenants, sized to finish while training runs: on an autoscaled cluster fill-in lends only on
+    # nodes training uses, so what they have not finished when training ends waits for the next run
+    # (docs/cluster-lifecycle.md)
+    "fillin": {**DEFAULT_SCENARIO["fillin"], "serve": {**DEFAULT_SCENARIO["fillin"]["serve"], "max_replicas": 1},
+               "batch": {"enabled": True, "rows": 48, "prompts": 8},
+               "sweep": {"enabled": True, "trials": 2, "steps": 10}},
     "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
         "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
             "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},
