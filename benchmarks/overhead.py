@@ -17,6 +17,11 @@ niceness 15, so on a machine other work keeps busy a plain loop at 0 would outru
             before spotfill (it also sizes the run to `seconds`) and once after; their mean is the baseline
             and the step window is the same.
 
+Both sides also time each micro-batch's forward+backward and optimizer step (`spotfill_ms`, `plain_ms`;
+`plain_optimizer` names what plain DeepSpeed built: FusedAdam for the config's "AdamW"), so a difference in
+what the two run shows where it is (spotfill's client optimizer, torch's AdamW, ran its unfused per-tensor
+loop on a CPU: 0.937 on the 57M model, all of it in the optimizer step).
+
 ratio = spotfill_tokens_s / plain_deepspeed_tokens_s (1.0 = no overhead). `per_step_overhead_ms` is the
 difference in mean step time: a fixed per-step cost matters on a tiny CPU model and vanishes on a GPU model
 whose step takes a second.
@@ -82,7 +87,7 @@ def plain_loop(job, steps: int | None = None, seconds: float | None = None, warm
                 model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                 config=ds_config(job, shape.micro_batch, shape.accum, "fp32", False))
             vocab = model.cfg.vocab_size
-            times, losses = [], []
+            times, losses, fbs, opts = [], [], [], []
             limit = steps if steps is not None else t.steps
             t_measure = None
             for step in range(limit):
@@ -90,22 +95,30 @@ def plain_loop(job, steps: int | None = None, seconds: float | None = None, warm
                 mbs = rank_micro_batches(step, shape, 0)
                 rows = reader.rows(stream_to_rows([g for mb in mbs for g in mb], reader.num_samples,
                                                   job.data.seed))
-                loss_sum = 0.0
+                loss_sum, fb, opt = 0.0, 0.0, 0.0
                 for mb in np.split(rows, len(mbs)):
+                    tm = time.perf_counter()
                     x = torch.from_numpy(mb[:, :-1])
                     y = torch.from_numpy(mb[:, 1:])
                     loss = F.cross_entropy(engine(x).float().reshape(-1, vocab), y.reshape(-1))
                     engine.backward(loss)
+                    tb = time.perf_counter()
                     engine.step()
+                    fb, opt = fb + tb - tm, opt + time.perf_counter() - tb
                     loss_sum += loss.item()
                 times.append(time.perf_counter() - ts)
+                fbs.append(fb)
+                opts.append(opt)
                 losses.append(loss_sum / shape.accum)
                 if step + 1 == warmup:
                     t_measure = time.perf_counter()
                 if steps is None and seconds is not None and t_measure is not None and \
                         time.perf_counter() - t_measure >= seconds:
                     break
-            return {"step_s": times, "loss": losses, "micro_batch": shape.micro_batch,
+            base = getattr(engine.optimizer, "optimizer", engine.optimizer)   # under ZeRO's wrapper
+            optimizer = type(base).__name__ + (" (fused)" if getattr(base, "defaults", {}).get("fused") else "")
+            return {"step_s": times, "forward_backward_s": fbs, "optimizer_s": opts, "optimizer": optimizer,
+                    "loss": losses, "micro_batch": shape.micro_batch,
                     "accum": shape.accum, "seq_len": reader.seq_len, "params": count_params(model),
                     "threads": torch.get_num_threads()}
     finally:
@@ -147,14 +160,25 @@ def steady_rates(step_events: list[dict], skip: int) -> dict:
             "steps": len(evs) - 1, "mean_step_s": wall / (len(evs) - 1),
             "mean_data_wait_s": sum(e["data_wait_s"] for e in evs[1:]) / (len(evs) - 1),
             "mean_compute_s": sum(e["compute_s"] for e in evs[1:]) / (len(evs) - 1),
+            "mean_forward_backward_s": _mean(e.get("forward_backward_s") for e in evs[1:]),
+            "mean_optimizer_s": _mean(e.get("optimizer_s") for e in evs[1:]),
             "mean_loop_s": sum(e["step_s"] for e in evs[1:]) / (len(evs) - 1)}
 
 
-def plain_rates(step_s: list[float], tokens_per_step: int, skip: int, upto: int | None = None) -> dict:
-    """The same window as steady_rates: steps skip+1 .. upto-2 (plain step times are whole iterations)."""
-    window = step_s[skip + 1:(upto - 1) if upto else None]
+def _mean(xs) -> float | None:
+    xs = list(xs)
+    return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)
+
+
+def plain_rates(run: dict, tokens_per_step: int, skip: int, upto: int | None = None) -> dict:
+    """The same window as steady_rates: steps skip+1 .. upto-2 (plain step times are whole iterations);
+    `run` is plain_loop's result."""
+    cut = slice(skip + 1, (upto - 1) if upto else None)
+    window = run["step_s"][cut]
     return {"tokens_s": tokens_per_step * len(window) / sum(window), "steps": len(window),
-            "mean_step_s": sum(window) / len(window)}
+            "mean_step_s": sum(window) / len(window),
+            "mean_forward_backward_s": _mean(run.get("forward_backward_s", [None])[cut]),
+            "mean_optimizer_s": _mean(run.get("optimizer_s", [None])[cut])}
 
 
 def worker_probe(gpu_resource: str = "GPU_SLOT") -> tuple[int, int]:
@@ -230,8 +254,8 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
             f"fit {fit_s:.1f}s")
 
         plain2 = run_plain_subprocess(job_for(steps, "plain2"), threads, steps=steps, niceness=niceness)
-        p1 = plain_rates(calib["step_s"], tokens_per_step, skip)
-        p2 = plain_rates(plain2["step_s"], tokens_per_step, skip, upto=steps)
+        p1 = plain_rates(calib, tokens_per_step, skip)
+        p2 = plain_rates(plain2, tokens_per_step, skip, upto=steps)
         plain_tokens_s = (p1["tokens_s"] + p2["tokens_s"]) / 2
         say(f"plain #2: {p2['tokens_s']:.0f} tokens/s")
     finally:
@@ -242,6 +266,9 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(os.path.join(constants.LOCAL_DIR, job_name), ignore_errors=True)  # workers' node-local dir
     plain_step = (p1["mean_step_s"] + p2["mean_step_s"]) / 2
+
+    def both(key: str) -> float | None:
+        return None if p1[key] is None or p2[key] is None else rnd((p1[key] + p2[key]) / 2 * 1e3, 3)
     return {
         "spotfill_tokens_s": rnd(ours["wall_tokens_s"], 1),
         "plain_deepspeed_tokens_s": rnd(plain_tokens_s, 1),
@@ -256,15 +283,23 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
         "spotfill_ms": {"step": rnd(ours["mean_step_s"] * 1e3, 3),
                         "loop_body": rnd(ours["mean_loop_s"] * 1e3, 3),
                         "data_wait": rnd(ours["mean_data_wait_s"] * 1e3, 3),
-                        "compute": rnd(ours["mean_compute_s"] * 1e3, 3)},
-        "plain_ms": {"step": rnd(plain_step * 1e3, 3),
+                        "compute": rnd(ours["mean_compute_s"] * 1e3, 3),
+                        "forward_backward": rnd(_ms(ours["mean_forward_backward_s"]), 3),
+                        "optimizer": rnd(_ms(ours["mean_optimizer_s"]), 3)},
+        "plain_ms": {"step": rnd(plain_step * 1e3, 3), "forward_backward": both("mean_forward_backward_s"),
+                     "optimizer": both("mean_optimizer_s"),
                      "runs": [rnd(p1["mean_step_s"] * 1e3, 3), rnd(p2["mean_step_s"] * 1e3, 3)]},
+        "plain_optimizer": plain2.get("optimizer"),
         "plain_tokens_s_runs": [rnd(p1["tokens_s"], 1), rnd(p2["tokens_s"], 1)],
         "spotfill_startup_s": start.get("startup_s"), "spotfill_fit_s": rnd(fit_s, 2),
         "final_loss": {"spotfill": report["training"]["final_loss"],
                        "plain": rnd(plain2["loss"][-1], 6)},
         "seconds": round(time.perf_counter() - t_start, 1),
     }
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else s * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,11 @@ GRACEFUL = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s":
 # running-request metrics from the replicas, not the Ingress's handle: a stopping replica's requests in
 # flight are not counted as load with no replica running
 NO_HANDLE_METRICS = {"RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE": "0"}
+# Serve's replicas and routers export their cached request metrics every 0.1 s by default (a timer in every
+# replica, all day, lent GPUs or not): once a second is enough for the dashboards (Ray 2.60:
+# serve/_private/replica.py, router.py _report_cached_metrics_forever)
+QUIET_METRICS = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+WATCH_CHECK_S = 1.0        # how often the Ingress checks its replica watch still runs (a local check)
 # Serve's cold-start rule (Ray 2.60 ray/serve/autoscaling_policy.py, applied before any custom policy) scales
 # a deployment with no running replica to 1 while its handles report queued requests: requests the Ingress
 # forwarded in the ~0.1 s before it saw the last replica stop (measured: 3 of 4 scale-downs to 0 under load
@@ -183,15 +188,27 @@ class Ingress:
         self.admit_timeout_s = args.max_generation_s + 2.0
         threading.Thread(target=self._watch_replicas, daemon=True, name="replica-watch").start()
 
+    def _set_live(self, live: int) -> None:
+        self.live = live
+
     def _watch_replicas(self) -> None:
+        """Keep `live` (running Generator replicas) current from the Serve controller's push of the running
+        set -- the long poll Serve's own routers use: an update as soon as a replica runs or is told to stop,
+        and no call at all while nothing changes (serve.status() every 0.1 s cost this replica and the
+        controller about 10% of a core on a 2-core node, beside training). A watch that ended (a new
+        controller) is started again; `live` keeps its last count meanwhile."""
+        from spotfill import ray_compat      # here: imported at this replica's lowered CPU priority
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True, name="replica-watch-loop").start()
+        watch = None
         while True:
-            try:
-                app = serve.status().applications.get(self.app_name)
-                dep = app.deployments.get(GENERATOR) if app else None
-                self.live = int(dep.replica_states.get("RUNNING", 0)) if dep else 0
-            except Exception as exc:  # noqa: BLE001 - the controller may be busy; keep the last count
-                log.debug("replica count unavailable: %s", exc)
-            time.sleep(0.1)
+            if watch is None or not watch.is_running:
+                try:
+                    ray_compat.check_serve_hooks()
+                    watch = ray_compat.watch_running_replicas(self.app_name, GENERATOR, self._set_live, loop)
+                except Exception as exc:  # noqa: BLE001 - the controller may be restarting; keep the last count
+                    log.warning("replica watch not started (retrying): %s", exc)
+            time.sleep(WATCH_CHECK_S)
 
     async def _forward(self, prompt: str, max_tokens: int, temperature: float, seed: int):
         """The Generator's answer, or a 503 when no replica runs. A request forwarded just as the last
@@ -263,7 +280,12 @@ def keep_external_target(ctx):
 
 def build(args: ServeArgs):
     """The application graph for these arguments."""
-    actor = {"num_cpus": 0}
+    from spotfill.ray_compat import check_serve_hooks
+    check_serve_hooks()                  # the Ingress's replica watch: fail at deploy if Ray moved a hook
+    env = dict(QUIET_METRICS)
+    if args.replicas == 0:
+        env.update(NO_HANDLE_METRICS)
+    actor = {"num_cpus": 0, "runtime_env": {"env_vars": dict(env)}}
     actor.update({"num_gpus": 1} if args.gpu_resource == "GPU" else {"resources": {args.gpu_resource: 1}})
     if args.replicas > 0:
         generator = Generator.options(num_replicas=args.replicas, ray_actor_options=actor)
@@ -272,14 +294,12 @@ def build(args: ServeArgs):
         # config may start at 0. Its policy keeps the count the external scaler (the arbiter) set. Serve's
         # cold-start rule still adds a replica when requests wait at a handle while none runs (see
         # COLD_START_METRICS): the arbiter stops such a replica within a second (Arbiter._stop_extra_replicas).
-        actor = {**actor, "runtime_env": {"env_vars": dict(NO_HANDLE_METRICS)}}
         generator = Generator.options(ray_actor_options=actor, autoscaling_config={
             "min_replicas": 0, "initial_replicas": 0, "max_replicas": args.max_replicas,
             "policy": {"policy_function": keep_external_target}, **COLD_START_METRICS})
     generator = generator.bind(args)
-    ingress_actor = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
-    if args.replicas == 0:
-        ingress_actor["runtime_env"] = {"env_vars": dict(NO_HANDLE_METRICS)}
+    ingress_actor = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001},
+                     "runtime_env": {"env_vars": dict(env)}}
     ingress = Ingress.options(ray_actor_options=ingress_actor)
     return ingress.bind(generator, args)
 

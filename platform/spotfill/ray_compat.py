@@ -683,3 +683,50 @@ def prestart_workers(num_workers: int, keep_alive_s: int, timeout_s: float = 5.0
         _nm_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=timeout_s)
     finally:
         channel.close()
+
+
+# -- Ray Serve: the running replicas of a deployment, pushed by the controller ------------------------------
+# Serve's routers learn a deployment's running replicas from the controller's long poll
+# (LongPollNamespace.DEPLOYMENT_TARGETS): one pending call per listener, answered when the set changes (a
+# replica starts running, or is told to stop and gets no new request). The fill-in Ingress listens to the
+# same push instead of calling serve.status() every 0.1 s. Importing ray.serve costs about 0.4 s on top of
+# this module, so these hooks are resolved and checked by check_serve_hooks() -- when serving/app.py is
+# imported (every Serve process of the app) and by tests/unit/test_ray_compat.py -- not by every process
+# that imports this module (training workers).
+def _serve_hooks() -> list:
+    from ray.serve._private import common as _serve_common, constants as _serve_constants
+    from ray.serve._private import long_poll as _serve_long_poll
+    return [
+        (_serve_long_poll, "LongPollClient", None),
+        (_serve_long_poll.LongPollClient, "__init__", ("host_actor", "key_listeners", "call_in_event_loop",
+                                                       "client_id")),
+        (_serve_long_poll.LongPollClient, "stop", ()),
+        (_serve_long_poll.LongPollNamespace, "DEPLOYMENT_TARGETS", None),
+        (_serve_common, "DeploymentID", None),
+        (_serve_common.DeploymentID, "__init__", ("name", "app_name")),
+        (_serve_common, "DeploymentTargetInfo", None),
+        (_serve_common.DeploymentTargetInfo, "__init__", ("is_available", "running_replicas")),
+        (_serve_constants, "SERVE_CONTROLLER_NAME", None),
+        (_serve_constants, "SERVE_NAMESPACE", None),
+    ]
+
+
+def check_serve_hooks() -> None:
+    """Resolve and check the private Serve hooks watch_running_replicas uses (RayCompatError if one moved)."""
+    for owner, name, params in _serve_hooks():
+        _require(owner, name, params)
+
+
+def watch_running_replicas(app: str, deployment: str, on_change, event_loop):
+    """Call `on_change(n)` with the number of running replicas of `app`'s `deployment` each time the Serve
+    controller announces a change (no call while nothing changes; none at all before the deployment's first
+    running replica). The callbacks run on `event_loop`, which must keep running. Returns the listener;
+    its `is_running` turns False when the controller went away (a new controller: watch again)."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    from ray.serve._private.long_poll import LongPollClient, LongPollNamespace
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    key = (LongPollNamespace.DEPLOYMENT_TARGETS, DeploymentID(name=deployment, app_name=app))
+    return LongPollClient(controller, {key: lambda info: on_change(len(info.running_replicas))},
+                          call_in_event_loop=event_loop,
+                          client_id=f"spotfill-replica-watch:{app}/{deployment}:{os.getpid()}")

@@ -152,6 +152,34 @@ def test_replica_processes_run_at_the_lowest_cpu_priority(env):
     metric("replica_nice", {a.class_name: sorted(set(thread_nice(a.pid).values())) for a in actors})
 
 
+def test_idle_serve_processes_leave_the_cpu_to_training(env):
+    """With nothing to do (no request, no replica change) fill-in's always-on Serve processes take next to
+    no CPU: the Ingress learns the running replicas from the controller's push (no serve.status() call every
+    0.1 s: 5-10% of a core here, and as much again in the controller answering it), the controller runs its
+    loop every 0.5 s and the replicas and proxy export metrics once a second (fillin/local.py,
+    serving/app.py). CPU seconds over WINDOW_S of each process, from /proc (psutil)."""
+    import psutil
+    from ray.util.state import list_actors
+
+    wait_for(lambda: replicas(env) == 2, 120, "2 Generator replicas on lent GPU slots")
+    time.sleep(3)                                             # past the last request and replica change
+    procs = {a.class_name.rsplit(":", 1)[-1]: psutil.Process(a.pid)
+             for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+             if a.class_name in ("ServeReplica:spotfill-serve:Ingress", "ServeController", "ProxyActor")}
+    assert set(procs) == {"Ingress", "ServeController", "ProxyActor"}, procs
+    window_s = 10.0
+
+    def cpu():
+        return {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
+    before = cpu()
+    time.sleep(window_s)
+    share = {k: round((v - before[k]) / window_s, 4) for k, v in cpu().items()}   # of one core
+    metric("idle_cpu_share_of_a_core", share)
+    assert share["Ingress"] < 0.02, share
+    assert share["ServeController"] < 0.03, share
+    assert share["ProxyActor"] < 0.03, share
+
+
 class Load:
     """Steady HTTP load: `workers` threads, each posting /generate back to back."""
 

@@ -10,6 +10,39 @@ def test_every_hook_resolves_with_its_signature():
         ray_compat._require(owner, name, params)
 
 
+def test_serve_hooks_resolve_and_the_watch_reads_the_running_replicas():
+    """The Ingress's replica watch (serving/app.py): Serve's long poll of DEPLOYMENT_TARGETS, whose update
+    is a DeploymentTargetInfo; the watch reports how many replicas it lists."""
+    import asyncio
+    from ray.serve._private.common import DeploymentID, DeploymentTargetInfo
+    from ray.serve._private.long_poll import LongPollNamespace
+
+    ray_compat.check_serve_hooks()
+    assert len(ray_compat._serve_hooks()) >= 8
+    seen, made = [], {}
+
+    class FakeClient:
+        def __init__(self, host_actor, key_listeners, call_in_event_loop, client_id):
+            made.update(host=host_actor, listeners=key_listeners, loop=call_in_event_loop)
+
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            import ray
+            import ray.serve._private.long_poll as long_poll
+            mp.setattr(long_poll, "LongPollClient", FakeClient)
+            mp.setattr(ray, "get_actor", lambda name, namespace: (name, namespace))
+            ray_compat.watch_running_replicas("app", "Generator", seen.append, loop)
+    finally:
+        loop.close()
+    assert made["host"] == ("SERVE_CONTROLLER_ACTOR", "serve") and made["loop"] is loop
+    ((key, listener),) = made["listeners"].items()
+    assert key == (LongPollNamespace.DEPLOYMENT_TARGETS, DeploymentID(name="Generator", app_name="app"))
+    listener(DeploymentTargetInfo(is_available=True, running_replicas=["r1", "r2"]))
+    listener(DeploymentTargetInfo(is_available=True, running_replicas=[]))
+    assert seen == [2, 0]
+
+
 def test_a_missing_hook_fails_loudly_naming_it():
     class Owner:
         def present(self, a, b):
@@ -61,14 +94,16 @@ try:
     refused = False
 except RuntimeError as exc:
     refused = "AdamW" in str(exc)
-print("RESULT", moved, "torch._inductor.compile_fx" in sys.modules, refused)
+fused = engine.optimizer.optimizer.defaults.get("fused")    # torch's fused AdamW under ZeRO-2's wrapper
+print("RESULT", moved, "torch._inductor.compile_fx" in sys.modules, refused, fused)
 """
 
 
 def test_engine_builds_and_steps_without_loading_torch_inductor(tmp_path):
     """DeepSpeed's Muon modules (torch.compile at import: torch._inductor) stay out of a spotfill worker:
-    a ZeRO-2 engine builds and takes a real step (its parameters move) without them, and a Muon optimizer
-    built anyway is refused with a clear message. Run in a fresh interpreter."""
+    a ZeRO-2 engine builds and takes a real step (its parameters move) without them, with torch's fused
+    AdamW as its optimizer (train.engine.client_optimizer), and a Muon optimizer built anyway is refused
+    with a clear message. Run in a fresh interpreter."""
     import socket
     import subprocess
     import sys
@@ -80,4 +115,4 @@ def test_engine_builds_and_steps_without_loading_torch_inductor(tmp_path):
     script.write_text(_ENGINE_STEP)
     proc = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=300)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
-    assert line == "RESULT True False True", (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert line == "RESULT True False True True", (proc.stdout[-2000:], proc.stderr[-3000:])

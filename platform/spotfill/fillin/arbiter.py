@@ -82,6 +82,7 @@ class Arbiter:
         self.nodes_seen: dict[str, dict] = {}                 # GPU node id -> {"gpus", "since"}
         self.orders: list[ReclaimOrder] = []                  # reclaims asked for, their lease not ended yet
         self.started = time.time()
+        self._saved: str | None = None                        # the state file's text as last written
         self.restored = self._load()
         self._stop = threading.Event()
         threading.Thread(target=self._loop, name="arbiter-tick", daemon=True).start()
@@ -121,11 +122,15 @@ class Arbiter:
                  "handbacks": self.handbacks[-200:], "journal_seq": self.journal.seq,
                  "journal": self.journal.items[-500:], "nodes_seen": self.nodes_seen,
                  "orders": [o.as_dict() for o in self.orders]}
+        text = json.dumps(state)
+        if text == self._saved:                # most ticks change nothing: no file write (the head's CPU)
+            return
         os.makedirs(os.path.dirname(self.state_path), exist_ok=True)
         tmp = f"{self.state_path}.tmp"
         with open(tmp, "w") as f:
-            json.dump(state, f)
+            f.write(text)
         os.replace(tmp, self.state_path)
+        self._saved = text
 
     def _record(self, decisions) -> None:
         for d in decisions:
