@@ -105,3 +105,18 @@ def test_a_notice_mid_run_saves_within_its_deadline_and_leaves():
     last = ckpt.saves[-1]
     assert (last["step"], last["kind"]) == (7, "emergency") and last["deadline"] == pytest.approx(deadline - 1.0)
     assert last["ledger"].segments.tolist() == [[0, 56, 1]]
+
+
+def test_each_node_has_its_own_local_root_even_when_node_ids_share_a_long_prefix():
+    """Ray's fake multi-node provider (the autoscaled demo) numbers its nodes in the last hex digits of one
+    fixed prefix: a root named by the first 12 digits was one folder for every node, and a node's restore
+    leader cleared it while another node's leader downloaded there ("downloaded with None bytes": an intact
+    checkpoint quarantined, training failed)."""
+    from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
+
+    from spotfill.train.worker_loop import node_local_root
+
+    ids = [FAKE_HEAD_NODE_ID[:-5] + str(i).zfill(5) for i in range(3)]
+    roots = [node_local_root("job", i) for i in ids]
+    assert len(set(roots)) == 3, roots
+    assert node_local_root("job", ids[1]) == roots[1]          # the same node finds its folder again

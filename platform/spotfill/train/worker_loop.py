@@ -98,7 +98,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     attempt = info["attempt"]
     shape = batch_shape(t.global_batch, world, t.max_micro_batch)
     store = CheckpointStore(open_storage(job.storage).child(job.name), keep_last=t.keep_checkpoints)
-    local_root = os.path.join(constants.LOCAL_DIR, job.name, f"node-{node_id[:12]}")
+    local_root = node_local_root(job.name, node_id)
     node_dir = os.path.join(local_root, "restore")
     warm = _warm_imports()      # DeepSpeed and torch._dynamo load while the checkpoint downloads
     t0 = time.perf_counter()
@@ -176,6 +176,13 @@ def train_loop_per_worker(loop_config: dict) -> None:
         prefetch.close()
         run.close()
     _finish(sink, rank, {"ok": True, "steps_completed": t.steps, "attempt": attempt})
+
+
+def node_local_root(job_name: str, node_id: str) -> str:
+    """This node's folder for the job (restore staging, snapshots, data cache), shared by its workers only.
+    Named by the whole node id: Ray's fake multi-node nodes (the autoscaled demo, one machine) share their
+    first 51 hex digits, and a prefix made every node's restore leader clear the others' downloads."""
+    return os.path.join(constants.LOCAL_DIR, job_name, f"node-{node_id}")
 
 
 def _start_marks(entered: float, restored: float, imported: float, engine: float) -> dict:
