@@ -37,11 +37,14 @@ SCENARIO = {
             "gpu_ondemand": {"gpus": 2, "market": "on-demand", "max_workers": 1, "priority": 0}}}},
     "training": {"model": "tiny", "workers": [1, 4], "steps": STEPS, "global_batch": 12, "max_micro_batch": 3,
                  "checkpoint_every": 20, "zero_stage": 2, "warmup_steps": 10},
+    # deadline 12 s: an emergency save must commit by deadline - 5 s (SPOTFILL_EMERGENCY_MARGIN_S), and Ray
+    # Train's watcher saw a notice here 2.4-4.6 s after the drain while the autoscaler started the replacement
+    # node's raylet on the same 2 cores: with 8 s, both saves were abandoned as "no time" (a real notice: 120 s)
     "events": [
         # node indices: launched nodes in launch order (the first two are the spot nodes of the first launch)
-        {"at_step": 20, "min_world": 4, "action": "drain_node", "node": 0, "deadline_s": 8},
+        {"at_step": 20, "min_world": 4, "action": "drain_node", "node": 0, "deadline_s": 12},
         {"at_step": 40, "min_world": 4, "action": "market", "node_type": "gpu_spot", "available": False},
-        {"at_step": 40, "min_world": 4, "action": "drain_node", "node": 1, "deadline_s": 8},
+        {"at_step": 40, "min_world": 4, "action": "drain_node", "node": 1, "deadline_s": 12},
     ],
 }
 

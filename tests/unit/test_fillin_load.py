@@ -42,7 +42,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if answer == 503:
             self.send_header("Retry-After", "1")
         self.end_headers()
-        self.wfile.write(b'{"choices": []}')
+        self.wfile.write(b'{"error": {"message": "no generation replica", "code": 503}}' if answer == 503
+                         else b'{"choices": []}')
 
     def log_message(self, *args):
         pass
@@ -67,3 +68,5 @@ def test_open_loop_load_against_a_real_server():
     assert s["requests_ok"] > 0 and s["requests_rejected_503"] > 0
     assert s["requests_failed"] >= 2 and {f["status"] for f in s["failures"]} == {500, None}
     assert s["requests_ok"] + s["requests_rejected_503"] + s["requests_failed"] == s["requests"]
+    # why each 503 was refused comes from its body, counted per reason
+    assert s["rejected_503_reasons"] == {"no generation replica": s["requests_rejected_503"]}, s

@@ -3,10 +3,13 @@ a flag raised on the last step finishes (final save, no PlannedExit), a notice m
 notice's deadline and leaves. No Ray: the collectives, checkpointer and sink are stand-ins."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
 
+from spotfill.config import constants
 from spotfill.config.job import JobConfig, from_mapping
 from spotfill.train import worker_loop
 from spotfill.train.sample_ledger import SampleLedger, runs
@@ -103,8 +106,25 @@ def test_a_notice_mid_run_saves_within_its_deadline_and_leaves():
     with pytest.raises(PlannedExit, match="preemption at step 7"):
         _run(comms, ckpt)
     last = ckpt.saves[-1]
-    assert (last["step"], last["kind"]) == (7, "emergency") and last["deadline"] == pytest.approx(deadline - 1.0)
+    # the checkpointer gets the notice's own deadline and keeps its margin once (it used to get the notice
+    # minus the policy's 1 s and keep its 5 s on top: a save with 5.4 s left was abandoned as "no time")
+    assert (last["step"], last["kind"]) == (7, "emergency") and last["deadline"] == pytest.approx(deadline, abs=0.01)
     assert last["ledger"].segments.tolist() == [[0, 56, 1]]
+
+
+@pytest.mark.parametrize("left_s,saves", [(constants.EMERGENCY_MARGIN_S + 0.5, True),
+                                          (constants.EMERGENCY_MARGIN_S - 1.0, False)])
+def test_the_policy_and_the_checkpointer_keep_one_margin_before_the_deadline(left_s, saves):
+    """A notice with more than the margin left saves (budget = left - margin, the checkpointer's own rule);
+    with less, the group leaves without a save, as the checkpointer would abandon it."""
+    comms, ckpt = Comms(), Checkpointer()
+    comms.peer_flags[7] = [0.5, 1.0, time.time() + left_s, 0.0]
+    with pytest.raises(PlannedExit) as exc:
+        _run(comms, ckpt)
+    emergency = [s for s in ckpt.saves if s["kind"] == "emergency"]
+    assert bool(emergency) == saves, exc.value
+    if saves:
+        assert emergency[0]["deadline"] - time.time() > constants.EMERGENCY_MARGIN_S
 
 
 def test_each_node_has_its_own_local_root_even_when_node_ids_share_a_long_prefix():

@@ -11,6 +11,8 @@ report.json's `fillin.serve` (pure: `summarize_requests`):
   requests_failed        anything else: another status, a connection error, or no answer within the
                          client timeout -- an admitted request that failed
   p50_ms / p99_ms        latency of the OK requests
+  rejected_503_reasons   each distinct reason the 503 bodies gave, with its count (why requests were
+                         refused: no replica, none picked it up, no checkpoint yet)
 
 `nice` (the scenario runner: 19): the generator's threads run at that CPU nice value. It stands in for
 clients that are elsewhere on a real cluster; on one machine it must not take CPU time from training
@@ -46,12 +48,32 @@ def summarize_requests(results: list[dict], rps: float | None = None, skipped: i
            "requests_rejected_503": len(rejected),
            "p50_ms": None if p50 is None else round(p50, 1), "p99_ms": None if p99 is None else round(p99, 1),
            "rejected_503_max_ms": round(max(r["latency_s"] for r in rejected) * 1000, 1) if rejected else None,
+           "rejected_503_reasons": rejection_reasons(rejected),
            "skipped_client_busy": skipped,
            "failures": [{"t": round(r["t"], 3), "status": r.get("status"), "error": r.get("error")}
                         for r in failed[:10]]}
     if rps is not None:
         out["load_rps"] = rps
     return out
+
+
+def rejection_reasons(rejected: list[dict]) -> dict[str, int]:
+    """{reason: count} over the 503 answers (their body's message; "?" where it had none)."""
+    out: dict[str, int] = {}
+    for r in rejected:
+        reason = r.get("reason") or "?"
+        out[reason] = out.get(reason, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _error_message(body: bytes) -> str | None:
+    """The message of a JSON error body ({"error": {"message": ...}} or {"error": "..."}), else None."""
+    try:
+        err = json.loads(body or b"{}").get("error")
+    except (ValueError, AttributeError):
+        return None
+    msg = err.get("message") if isinstance(err, dict) else err
+    return str(msg)[:160] if msg else None
 
 
 class ServeLoad:
@@ -102,6 +124,11 @@ class ServeLoad:
         except urllib.error.HTTPError as exc:
             rec["status"] = exc.code
             rec["retry_after"] = exc.headers.get("Retry-After")
+            if exc.code == 503:
+                try:
+                    rec["reason"] = _error_message(exc.read())
+                except OSError:
+                    rec["reason"] = None
         except Exception as exc:  # noqa: BLE001 - a connection error or timeout is a failed request
             rec["status"], rec["error"] = None, f"{type(exc).__name__}: {exc}"[:200]
         finally:

@@ -371,7 +371,9 @@ AUTOSCALING_SCENARIO = {
             "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},
             "gpu_ondemand": {"gpus": 3, "market": "on-demand", "max_workers": 1, "priority": 0}}}},
     "events": [
-        {"at_step": 30, "min_world": 4, "action": "drain_node", "node": 1, "deadline_s": 10},
+        # 15 s: the save commits by deadline - 5 s, and the notice reaches training seconds after the drain
+        # while the autoscaler starts the replacement node on the same cores
+        {"at_step": 30, "min_world": 4, "action": "drain_node", "node": 1, "deadline_s": 15},
         {"at_step": 100, "min_world": 4, "action": "kill_node", "node": 0},
     ],
 }

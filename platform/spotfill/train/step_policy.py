@@ -22,6 +22,8 @@ CONTINUE, SAVE, SAVE_AND_EXIT, EXIT, FINISH = "continue", "save", "save_and_exit
 
 # Seconds kept back from a preemption deadline for what follows the commit: the planned-exit event, the
 # worker group's teardown. Ray Train kills the workers at the deadline (FailureConfig.preemption_grace_s 0).
+# The worker loop passes the checkpointer's margin (constants.EMERGENCY_MARGIN_S): one margin for both, so
+# the step policy's "no time" and the checkpointer's budget are the same number.
 EMERGENCY_MARGIN_S = 1.0
 
 
@@ -43,6 +45,8 @@ class StepDecision:
     save_kind: str | None = None            # Checkpointer.save kind: periodic, emergency, grow, final
     save_deadline_unix_s: float | None = None  # notice deadline - margin: commit before this or abandon
     budget_s: float | None = None           # save_deadline_unix_s - now
+    notice_deadline_unix_s: float | None = None  # the notice's own deadline: what the checkpointer budgets
+                                            # against, with the same margin (not on top of this one)
     detail: str = ""                        # one line for the event log
 
     @property
@@ -82,21 +86,22 @@ class StepPolicy:
         detail = (f"{' and '.join(flags)} on the last step: finishing instead of restarting" if flags else "")
         deadline = self._save_deadline(f.deadline_unix_s) if f.preempt_votes > 0 else None
         return StepDecision(FINISH, "last step", "final", save_deadline_unix_s=deadline,
-                            budget_s=None if deadline is None else deadline - f.now, detail=detail)
+                            budget_s=None if deadline is None else deadline - f.now, detail=detail,
+                            notice_deadline_unix_s=f.deadline_unix_s if f.preempt_votes > 0 else None)
 
     def _emergency(self, f: StepFacts) -> StepDecision:
         deadline = self._save_deadline(f.deadline_unix_s)
         budget = None if deadline is None else deadline - f.now
         if budget is not None and budget <= 0:
             return StepDecision(EXIT, "preemption", None, save_deadline_unix_s=deadline, budget_s=budget,
-                                detail=f"no time to commit a checkpoint ({budget:.2f} s left after the "
+                                notice_deadline_unix_s=f.deadline_unix_s, detail=f"no time to commit a checkpoint ({budget:.2f} s left after the "
                                        f"{self.margin_s} s margin): leaving now")
         in_flight = "; a periodic upload is in flight (the emergency save may abandon it)" \
             if f.upload_in_flight else ""
         detail = ("no deadline given: emergency save without a budget" if budget is None
                   else f"emergency save within {budget:.2f} s") + in_flight
         return StepDecision(SAVE_AND_EXIT, "preemption", "emergency", save_deadline_unix_s=deadline,
-                            budget_s=budget, detail=detail)
+                            budget_s=budget, detail=detail, notice_deadline_unix_s=f.deadline_unix_s)
 
     def _save_deadline(self, notice_deadline_unix_s: float | None) -> float | None:
         return None if notice_deadline_unix_s is None else notice_deadline_unix_s - self.margin_s

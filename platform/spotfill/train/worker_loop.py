@@ -317,7 +317,8 @@ class _Executor:
         t = job.training
         self.sink, self.comms, self.engine, self.ckpt = sink, comms, engine, ckpt
         self.rank, self.world, self.attempt, self.global_batch = rank, world, attempt, t.global_batch
-        self.policy = StepPolicy(t.steps, t.checkpoint_every)
+        # one margin before a notice's deadline: the checkpointer's (its budget and the policy's agree)
+        self.policy = StepPolicy(t.steps, t.checkpoint_every, margin_s=constants.EMERGENCY_MARGIN_S)
         self.ledger, self.recorder = ledger, FeedRecorder()
         self.flags = comms.torch.zeros(4, dtype=comms.torch.float64, device=engine.device)
         self._grow = None
@@ -398,7 +399,7 @@ class _Executor:
         the ledger with the model state."""
         self.ledger = self.ledger.with_fed(*self.comms.gather_objects(self.recorder.take()))
         out = self.ckpt.save(self.engine, done, {"attempt": self.attempt, LEDGER_KEY: self.ledger.to_state()},
-                             kind=d.save_kind, deadline_unix_s=d.save_deadline_unix_s)
+                             kind=d.save_kind, deadline_unix_s=d.notice_deadline_unix_s)
         if self.rank == 0:  # sent now: a hard loss during the upload must find it on record
             summary = self.ledger.summary(owed=done * self.global_batch)
             self.sink.log.remote([{
