@@ -260,7 +260,9 @@ def test_a_grow_whose_slot_is_taken_falls_back_to_the_previous_size(cluster, dat
         assert error is None and report and report["ok"], (error, attempts)
         assert [a["world_size"] for a in attempts] == [3, 3], attempts
         assert len(grows) == 1 and attempts[1]["cause"] == "planned: grow", (grows, attempts)
-        assert attempts[1]["t"] - exit_t < 20, attempts      # fell back promptly, no hang
+        # fell back promptly, no hang (a hang is FIT_DEADLINE_S): the 8 s start timeout plus the controller's
+        # restart cycle, 21.5 s once on a slow 2-core run
+        assert attempts[1]["t"] - exit_t < 30, attempts
         assert report["training"]["samples"]["duplicates"] == 0 and report["training"]["samples"]["missing"] == 0
         assert ray.util.placement_group_table(taker)["state"] == "CREATED"
     finally:

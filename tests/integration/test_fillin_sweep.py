@@ -23,6 +23,10 @@ pytestmark = pytest.mark.timeout(400)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ_LEN = 32
 STEPS, PER_REPORT, CKPT_EVERY, SLEEP_S = 80, 4, 8, 0.3     # ~7 s per trial: both run at once
+# the pause-resume test's trials: twice as long, so the drop lands while both still have reports to go (with
+# 80 steps on a slow 2-core run, one trial was in its last train() call at the drop and finished instead
+# of pausing, and in another run one had finished before the second was placed)
+PAUSE_STEPS, LEFT_AT_DROP = 2 * STEPS, 3 * PER_REPORT
 
 
 def wait_for(check, timeout: float, what: str, every: float = 0.1):
@@ -59,10 +63,10 @@ def env(tmp_path_factory):
             cluster.shutdown()
 
 
-def sweep_config(env, name: str, grant: str = "fixed", trials: int = 2) -> dict:
+def sweep_config(env, name: str, grant: str = "fixed", trials: int = 2, steps: int = STEPS) -> dict:
     return {"name": name, "run_dir": str(env["root"] / name / "run"), "storage": str(env["root"] / name / "tune"),
             "data": {"path": env["data"]},
-            "sweep": {"model": "tiny", "steps": STEPS, "batch": 4, "steps_per_report": PER_REPORT,
+            "sweep": {"model": "tiny", "steps": steps, "batch": 4, "steps_per_report": PER_REPORT,
                       "checkpoint_every": CKPT_EVERY, "eval_rows": 32, "trials": trials,
                       "search": {"lr": [0.001, 0.003], "warmup_steps": [0, 4]}, "max_failures": 2},
             "fillin": {"grant": grant, "max_units": 2, "grace_s": 5.0},
@@ -132,7 +136,7 @@ def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_
     from spotfill.fillin.grant import FixedGrant
     from spotfill.fillin.sweep import run_sweep
 
-    cfg = make_cfg(sweep_config(env, "pause-resume"))
+    cfg = make_cfg(sweep_config(env, "pause-resume", steps=PAUSE_STEPS))
     grant = FixedGrant(0, grace_s=5.0)
     rec = recorder()
     job_id = ray.get_runtime_context().get_job_id()
@@ -145,7 +149,8 @@ def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_
             seen["pgs_at_zero"] = len(job_pgs(job_id))
             grant.set(2)
             wait_for(lambda: len(rec.trials()) == 2 and all(
-                not rec.of(t)[-1]["done"] for t in rec.trials()), 90, "both trials running at once")
+                rec.of(t)[-1]["step"] <= PAUSE_STEPS - LEFT_AT_DROP for t in rec.trials()), 90,
+                "both trials running at once, each with reports to go")
             seen["steps_before_drop"] = {t: max(r["step"] for r in rec.of(t)) for t in rec.trials()}
             t_drop = time.monotonic()
             grant.set(0)
@@ -178,12 +183,12 @@ def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_
         first, second = runs[0], runs[1]
         assert first[0]["restored_from"] is None and first[0]["first_step"] == 1
         paused_at = first[-1]["step"]
-        assert paused_at < STEPS, f"trial {tid} finished before the drop"
+        assert paused_at < PAUSE_STEPS, f"trial {tid} finished before the drop"
         # resumed from the pause checkpoint: the step count continues where the trial stopped
         assert second[0]["restored_from"] == paused_at, (first[-1], second[0])
         assert second[0]["first_step"] == paused_at + 1
         assert all(r["step"] > paused_at for r in second)
-        assert runs[-1][-1]["step"] == STEPS and runs[-1][-1]["history_ok"] is True
+        assert runs[-1][-1]["step"] == PAUSE_STEPS and runs[-1][-1]["history_ok"] is True
     assert all(r["history_ok"] for r in out["results"]) and len(out["results"]) == 2
     print(f"\nFixedGrant drop -> placement groups removed: {seen['handback_s']:.2f}s")
 
