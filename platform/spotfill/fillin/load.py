@@ -26,6 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 
@@ -59,11 +60,7 @@ def summarize_requests(results: list[dict], rps: float | None = None, skipped: i
 
 def rejection_reasons(rejected: list[dict]) -> dict[str, int]:
     """{reason: count} over the 503 answers (their body's message; "?" where it had none)."""
-    out: dict[str, int] = {}
-    for r in rejected:
-        reason = r.get("reason") or "?"
-        out[reason] = out.get(reason, 0) + 1
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    return dict(Counter(r.get("reason") or "?" for r in rejected).most_common())
 
 
 def _error_message(body: bytes) -> str | None:

@@ -94,7 +94,8 @@ class StepPolicy:
         budget = None if deadline is None else deadline - f.now
         if budget is not None and budget <= 0:
             return StepDecision(EXIT, "preemption", None, save_deadline_unix_s=deadline, budget_s=budget,
-                                notice_deadline_unix_s=f.deadline_unix_s, detail=f"no time to commit a checkpoint ({budget:.2f} s left after the "
+                                notice_deadline_unix_s=f.deadline_unix_s,
+                                detail=f"no time to commit a checkpoint ({budget:.2f} s left after the "
                                        f"{self.margin_s} s margin): leaving now")
         in_flight = "; a periodic upload is in flight (the emergency save may abandon it)" \
             if f.upload_in_flight else ""
