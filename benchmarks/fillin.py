@@ -32,6 +32,11 @@ training restarts at full size (2) on the slots it takes back from Serve -- the 
   (the kill fires once both hold a lent GPU): each must give its GPU back when training restarts, the
   batch job by stopping its Data job within its grace, the sweep by pausing its trial with a checkpoint;
   both then finish on what training leaves (their exactly-once invariants are checked in that run).
+- cpu_layout: where the runs' processes ran. On a cluster the head (Serve's controller and proxy, the arbiter,
+  the training driver) and each GPU node are machines of their own. Where this machine has enough cores (one
+  for the head, one per GPU slot: 5), every run gives the head and each node cores of their own
+  (sim.cpu_layout); otherwise ("shared") they all share every core, and each fill-in Ray process's idle CPU
+  (a few per cent of a core) comes out of training's: 0.876 on 2 cores, almost all control plane.
 - cpu_seconds: CPU seconds per process class over each run (psutil, sampled every second: Serve's
   controller, proxy and replicas, the arbiter, training workers, Ray's own processes, the bench driver
   with the HTTP load generator) -- where the machine's two cores went.
@@ -48,6 +53,9 @@ from spotfill.sim.runner import run_scenario
 from spotfill.sim.scenario import parse_scenario
 
 
+NODE_SLOTS = [2, 1, 1]     # GPU slots of the scenario's nodes
+
+
 def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool = False) -> dict:
     fillin: dict = {"serve": {"enabled": serve, "load_rps": load_rps, "max_replicas": 2}}
     if jobs:    # one lent GPU each, and big enough to be running when training claims them back after node
@@ -56,7 +64,7 @@ def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool
         fillin.update(batch={"enabled": True, "rows": JOBS_ROWS, "prompts": JOBS_PROMPTS, "max_units": 1},
                       sweep={"enabled": True, "trials": 1, "steps": JOBS_TRIAL_STEPS, "max_units": 1})
     return {
-        "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 1}, {"gpus": 1}]},
+        "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": n} for n in NODE_SLOTS]},
         "training": {"model": "tiny", "workers": [1, 2], "steps": steps, "global_batch": 12,
                      "max_micro_batch": 3, "checkpoint_every": 20},
         "fillin": fillin,
@@ -148,7 +156,7 @@ def _kill_step(run_dir: str, at: float) -> int | None:
 
 
 def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: float = 2.0,
-         jobs: bool = False) -> dict:
+         jobs: bool = False, cpu_layout: dict | None = None) -> dict:
     # with fill-in the runner's timeline waits until Serve answers (and the batch and sweep jobs hold their
     # GPUs): the kill fires then (or at kill_at, if later); the side without fill-in kills at the step the
     # first side's kill met
@@ -160,7 +168,7 @@ def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: fl
         + (", batch + sweep fill-in" if jobs else ""))
     with CpuSampler() as cpu:
         report = run_scenario(parse_scenario(_scenario(serve, steps, kill_at, load_rps, jobs), name), out,
-                              quiet=True, wait_for_fillin=serve or jobs)
+                              quiet=True, wait_for_fillin=serve or jobs, cpu_layout=cpu_layout)
     tr = report["training"]
     fill = report.get("fillin") or {}
     return {"ok": report["ok"], "tokens_per_s": tr.get("tokens_per_s"), "steps": tr.get("steps_completed"),
@@ -189,16 +197,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a and b else None
 
 
-def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None) -> dict:
+def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu_layout: str = "auto") -> dict:
+    """cpu_layout "auto": the head and each node on cores of their own where this machine has enough
+    (sim.cpu_layout: 1 + the nodes' GPU slots, 5 here), as on a cluster; "shared": all on every core."""
+    from spotfill.sim.cpu_layout import describe, plan_layout
+
     say = progress or (lambda msg: None)
-    with_fill = _run(True, quick, say)
+    layout = plan_layout(NODE_SLOTS) if cpu_layout == "auto" else None
+    say(f"cpu layout: {describe(layout)}")
+    with_fill = _run(True, quick, say, cpu_layout=layout)
     say(f"with fill-in: hand-backs {with_fill['handback_seconds']}, harvest {with_fill['harvest_ratio']}, "
         f"{with_fill['tokens_per_s']} tokens/s")
-    without = _run(False, quick, say, kill_at=with_fill["kill_step"])
+    without = _run(False, quick, say, kill_at=with_fill["kill_step"], cpu_layout=layout)
     say(f"without fill-in: {without['tokens_per_s']} tokens/s")
-    no_load = _run(True, quick, say, kill_at=with_fill["kill_step"], load_rps=0.0)
+    no_load = _run(True, quick, say, kill_at=with_fill["kill_step"], load_rps=0.0, cpu_layout=layout)
     say(f"with fill-in, no load: {no_load['tokens_per_s']} tokens/s")
-    jobs = _run(False, quick, say, kill_at=with_fill["kill_step"], jobs=True)
+    jobs = _run(False, quick, say, kill_at=with_fill["kill_step"], jobs=True, cpu_layout=layout)
     say(f"batch + sweep fill-in: hand-backs {jobs['handback_by_workload']}")
     a, b, c = with_fill["tokens_per_s"], without["tokens_per_s"], no_load["tokens_per_s"]
     by_workload = {**jobs["handback_by_workload"], **with_fill["handback_by_workload"]}
@@ -226,8 +240,13 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None) -> 
             "invariants_ok": with_fill["ok"] and without["ok"] and no_load["ok"] and jobs["ok"],
             "runs": {"with_fillin": with_fill, "without": without, "with_fillin_no_load": no_load,
                      "batch_and_sweep": jobs},
-            "notes": ["GPU slots are logical here: Serve's replicas and training share this machine's CPU "
-                      "cores, so training_slowdown includes CPU contention a GPU node would not have"]}
+            "cpu_layout": describe(layout),
+            "notes": ["GPU slots are logical here: with cpu_layout shared, Serve's replicas, the fill-in "
+                      "control plane and training share this machine's CPU cores, so training_slowdown "
+                      "includes CPU contention a cluster's separate machines would not have"
+                      if layout is None else
+                      "GPU slots are logical here; the head and each node ran on cores of their own "
+                      "(cpu_layout), as separate machines would"]}
 
 
 if __name__ == "__main__":

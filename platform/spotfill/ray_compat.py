@@ -217,21 +217,26 @@ FakeMultiNodeProvider = _fake_multinode.FakeMultiNodeProvider
 FAKE_HEAD_NODE_ID = _fake_multinode.FAKE_HEAD_NODE_ID
 
 
-def kill_node_workers(node) -> int:
-    """SIGKILL every worker process of a local test node (a ray._private.node.Node from
-    ray.cluster_utils.Cluster): the children of its raylet. A real node loss takes them with it at once;
-    removing a local node kills the raylet only, and its workers ran on (and stepped) until they noticed.
-    Returns how many were killed."""
-    import psutil
-
+def node_raylet_pids(node) -> list[int]:
+    """The raylet process id(s) of a local test node (a ray._private.node.Node from
+    ray.cluster_utils.Cluster); every worker of the node is a descendant of its raylet."""
     procs = getattr(node, "all_processes", None)
     if not isinstance(procs, dict):
         raise RayCompatError(f"spotfill needs ray._private.node.Node.all_processes (checked against ray "
                              f"{RAY_VERSION_CHECKED}); installed ray {ray.__version__} does not have it")
+    return [info.process.pid for info in procs.get("raylet", [])]
+
+
+def kill_node_workers(node) -> int:
+    """SIGKILL every worker process of a local test node: the children of its raylet. A real node loss takes
+    them with it at once; removing a local node kills the raylet only, and its workers ran on (and stepped)
+    until they noticed. Returns how many were killed."""
+    import psutil
+
     killed = 0
-    for info in procs.get("raylet", []):
+    for pid in node_raylet_pids(node):
         try:
-            children = psutil.Process(info.process.pid).children(recursive=True)
+            children = psutil.Process(pid).children(recursive=True)
         except psutil.Error:
             continue
         for child in children:

@@ -47,12 +47,20 @@ def free_port(preferred: int = 0) -> int:
 
 class EmbeddedCluster:
     def __init__(self, gpu_resource: str = "GPU_SLOT", head_cpus: int = 2,
-                 system_config: dict | None = None):
+                 system_config: dict | None = None, cpu_layout: dict | None = None):
+        """`cpu_layout` (sim.cpu_layout.plan_layout): the head's processes (and this driver's threads) run on
+        its "head" cores, the i-th node added on its "nodes"[i]; None: every process on every core."""
         from ray.cluster_utils import Cluster
 
         from spotfill.ray_compat import single_host_loopback
 
         self.gpu_resource = gpu_resource
+        self.cpu_layout = cpu_layout
+        self._driver_affinity = None
+        if cpu_layout is not None:    # before the head starts: its processes are this one's children
+            from spotfill.sim.cpu_layout import pin_threads, thread_affinities
+            self._driver_affinity = thread_affinities(os.getpid())
+            pin_threads(os.getpid(), cpu_layout["head"])
         self._loopback_before = single_host_loopback(True)   # the driver connects on 127.0.0.1 too
         # ... and so do the processes the nodes start: the dashboard's Serve module ray.init()s to reach the
         # Serve controller (the scale endpoint fill-in uses), and without this it rewrites the head's
@@ -76,6 +84,8 @@ class EmbeddedCluster:
         """Add a worker node; returns its index (position in the order nodes were added). launched_by:
         static (the scenario's cluster.nodes) or scenario (an add_node event)."""
         node = self.cluster.add_node(**LOOPBACK_NODE, num_cpus=gpus, resources={self.gpu_resource: gpus})
+        if self.cpu_layout is not None:
+            self._pin_node(node, len(self.nodes))
         self.nodes.append(node)
         self.node_ids.append(node.node_id)
         self.records.append({"id": node.node_id, "type": None, "market": "on-demand", "gpus": gpus,
@@ -83,6 +93,17 @@ class EmbeddedCluster:
                              "started": round(time.time(), 3)})
         log.info("node %d added (%d %s, id %s)", len(self.nodes) - 1, gpus, self.gpu_resource, node.node_id[:12])
         return len(self.nodes) - 1
+
+    def _pin_node(self, node, index: int) -> None:
+        """The node's raylet, whatever it started already and every thread of them onto the node's cores
+        (the workers it starts later inherit them from the raylet)."""
+        from spotfill.ray_compat import node_raylet_pids
+        from spotfill.sim.cpu_layout import pin_process_tree
+        layout = self.cpu_layout["nodes"]
+        if index >= len(layout):
+            raise ValueError(f"cpu_layout has cores for {len(layout)} nodes; node {index} was added")
+        n = pin_process_tree(node_raylet_pids(node), layout[index])
+        log.info("node %d runs on cores %s (%d processes pinned)", index, layout[index], n)
 
     def alive(self, index: int) -> bool:
         return 0 <= index < len(self.nodes) and self.nodes[index] is not None
@@ -131,6 +152,11 @@ class EmbeddedCluster:
         finally:
             self.cluster.shutdown()
             single_host_loopback(self._loopback_before)
+            for tid, cpus in (self._driver_affinity or {}).items():
+                try:
+                    os.sched_setaffinity(tid, cpus)
+                except OSError:        # a thread that has ended
+                    pass
             for k, v in self._env_before.items():
                 if v is None:
                     os.environ.pop(k, None)

@@ -53,12 +53,13 @@ class _Tail:
 
 
 def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, quiet: bool = False,
-                 wait_for_fillin: bool = False) -> dict:
+                 wait_for_fillin: bool = False, cpu_layout: dict | None = None) -> dict:
     """Run the scenario; unless `quiet`, show it live on stderr (telemetry.liveview: a panel on a TTY, one
     line per event elsewhere) with the runner's own actions among the events. `wait_for_fillin` (tests and
     benchmarks): no timeline event fires until Serve fill-in answers and had SETTLE_S to take the spare GPUs
     and batch and sweep fill-in hold lent GPUs, so node events meet them running whatever this machine's
-    speed."""
+    speed. `cpu_layout` (benchmarks; sim.cpu_layout.plan_layout over cluster.nodes): the head and each node
+    on cores of their own."""
     from spotfill.telemetry.liveview import LiveView
 
     view = None if quiet else LiveView(sys.stderr, steps_target=scenario.training.steps, job=scenario.name,
@@ -67,9 +68,9 @@ def run_scenario(scenario: Scenario, out_dir: str, storage: str | None = None, q
     # runner says what Serve fill-in does, and Serve writes them to its log files in the session anyway
     with _quiet_logger("ray.serve", logging.WARNING):
         if view is None:
-            return _run_scenario(scenario, out_dir, storage, None, wait_for_fillin)
+            return _run_scenario(scenario, out_dir, storage, None, wait_for_fillin, cpu_layout)
         with view:
-            return _run_scenario(scenario, out_dir, storage, view, wait_for_fillin)
+            return _run_scenario(scenario, out_dir, storage, view, wait_for_fillin, cpu_layout)
 
 
 def _gpu_capacity(resource: str):
@@ -77,7 +78,8 @@ def _gpu_capacity(resource: str):
     return ray.cluster_resources().get(resource, 0.0) if ray.is_initialized() else None
 
 
-def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, wait_for_fillin: bool = False) -> dict:
+def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, wait_for_fillin: bool = False,
+                  cpu_layout: dict | None = None) -> dict:
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths, worker_env
     from spotfill.train.job import TrainingJob
 
@@ -121,11 +123,13 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         env[CPU_NICE_ENV] = str(scenario.fillin.cpu_nice)     # fill-in processes renice themselves
         env[CPU_IDLE_ENV] = "1" if scenario.fillin.cpu_idle else "0"
     if scenario.cluster.autoscaler:
+        if cpu_layout is not None:
+            raise ValueError("cpu_layout applies to a static cluster.nodes list, not to an autoscaled cluster")
         cluster = _autoscaling_cluster(scenario, out_dir, say)
     else:
         say(f"starting an embedded Ray cluster: {len(scenario.cluster.nodes)} nodes x "
             f"{[n.get('gpus', 1) for n in scenario.cluster.nodes]} {scenario.cluster.gpu_resource}")
-        cluster = EmbeddedCluster(scenario.cluster.gpu_resource)
+        cluster = EmbeddedCluster(scenario.cluster.gpu_resource, cpu_layout=cpu_layout)
     fillin = None
     try:
         for node in scenario.cluster.nodes:
