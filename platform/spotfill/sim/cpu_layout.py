@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from spotfill.fillin.cpu_priority import thread_ids as _threads
+
 
 def plan_layout(node_slots: list[int], cores: list[int] | None = None) -> dict | None:
     """{"head": [core], "nodes": [[cores of node 0], ...]} from `cores` (this process's allowed cores by
@@ -35,13 +37,6 @@ def describe(layout: dict | None, cores: int | None = None) -> str:
         return f"shared: the head and every node run on all {cores or len(os.sched_getaffinity(0))} cores"
     nodes = ", ".join(f"node {i} {c}" for i, c in enumerate(layout["nodes"]))
     return f"apart: head {layout['head']}, {nodes}"
-
-
-def _threads(pid: int) -> list[int]:
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return [pid]
 
 
 def pin_threads(pid: int, cpus: list[int]) -> int:
