@@ -173,3 +173,27 @@ def test_local_writes_survive_a_concurrent_delete_pruning_their_directory(tmp_pa
         t.join()
     assert not errors, errors[:3]
     assert len(st.list("ck/")) == 2 * rounds
+
+
+def test_local_list_skips_an_object_that_vanishes_while_it_is_listed(tmp_path, monkeypatch):
+    """A writer's temp file is renamed into place (or an object deleted) between list's walk and its stat:
+    the listing must leave it out, as S3's would, not raise (a rank's marker write made rank 0's commit
+    of another tag fail with FileNotFoundError in CI). A snapshot being uploaded still raises."""
+    import spotfill.storage.base as base
+
+    st = open_storage(str(tmp_path / "store"))
+    for key in ("ck/t1/a", "ck/t1/gone", "ck/t2/b"):
+        st.put_bytes(key, b"12")
+    real_walk = os.walk
+
+    def walk_then_delete(top, **kw):
+        for root, dirs, files in real_walk(top, **kw):
+            if "gone" in files:
+                os.unlink(os.path.join(root, "gone"))       # vanishes after the walk named it
+            yield root, dirs, files
+
+    monkeypatch.setattr(base.os, "walk", walk_then_delete)
+    assert st.list("ck/") == {"ck/t1/a": 2, "ck/t2/b": 2}
+    write(str(tmp_path / "snap" / "gone"), b"1")
+    with pytest.raises(FileNotFoundError):
+        base.local_files(str(tmp_path / "snap"))

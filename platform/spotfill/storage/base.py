@@ -84,14 +84,27 @@ def sha256_file(path: str, bufsize: int = 4 << 20) -> str:
     return h.hexdigest()
 
 
-def local_files(local_dir: str) -> dict[str, int]:
-    """Files under `local_dir` (recursive, symlinks followed) as '/'-separated relpath -> size."""
+def local_files(local_dir: str, live: bool = False) -> dict[str, int]:
+    """Files under `local_dir` (recursive, symlinks followed) as '/'-separated relpath -> size.
+
+    live=True is for a directory other threads write and delete in (LocalStorage's objects): temp files
+    are left out before they are looked at, and a file removed between the walk and its stat (a temp
+    file renamed into place, an object deleted) is not listed, as S3's listing would not; otherwise
+    (a snapshot to upload) a vanished file raises."""
     out = {}
     for root, dirs, files in os.walk(local_dir, followlinks=True):
         dirs.sort()
         for name in sorted(files):
+            if live and TMP_MARK in name:
+                continue
             path = os.path.join(root, name)
-            out[os.path.relpath(path, local_dir).replace(os.sep, "/")] = os.path.getsize(path)
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                if not live:
+                    raise
+                continue
+            out[os.path.relpath(path, local_dir).replace(os.sep, "/")] = size
     return out
 
 
@@ -277,9 +290,7 @@ class LocalStorage(Storage):
         if not os.path.isdir(base):
             return {}
         out = {}
-        for rel, size in local_files(base).items():
-            if TMP_MARK in rel:
-                continue
+        for rel, size in local_files(base, live=True).items():
             key = join_key(os.path.relpath(base, self.root).replace(os.sep, "/")
                            if base != self.root else "", rel)
             if key.startswith(prefix):
