@@ -14,8 +14,13 @@ niceness 15, so on a machine other work keeps busy a plain loop at 0 would outru
             after the first `skip` steps, excluding the last step (its synchronous final checkpoint).
             `spotfill_step_tokens_s` is the same over the events' own step_s (loop body only).
   plain     the same steps in a plain loop (batch built inline, no Ray) in a fresh interpreter, run once
-            before spotfill (it also sizes the run to `seconds`) and once after; their mean is the baseline
-            and the step window is the same.
+            before the first spotfill run (it also sizes the run to `seconds`) and once after each; the
+            step window is the same.
+
+Rounds (`--rounds`, 1 quick, 2 otherwise): plain, spotfill, plain[, spotfill, plain ...]. Each round's ratio
+is its spotfill rate over the mean of the two plain runs around it (`rounds`), so the machine's drift over
+the bench (this one is shared: plain runs minutes apart differed by up to 9%) cancels; `ratio` is their
+median.
 
 Both sides also time each micro-batch's forward+backward and optimizer step (`spotfill_ms`, `plain_ms`;
 `plain_optimizer` names what plain DeepSpeed built: FusedAdam for the config's "AdamW"), so a difference in
@@ -198,7 +203,7 @@ def worker_probe(gpu_resource: str = "GPU_SLOT") -> tuple[int, int]:
 
 def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | None = None,
                    global_batch: int = 16, max_micro_batch: int = 8, skip: int = 5,
-                   progress=None) -> dict:
+                   progress=None, rounds: int | None = None) -> dict:
     """The CONTRACTS "overhead" section (plus details)."""
     import ray
     from ray.cluster_utils import Cluster
@@ -211,6 +216,7 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
 
     say = progress or (lambda msg: None)
     seconds = seconds or (15.0 if quick else 40.0)
+    rounds = rounds or (1 if quick else 2)
     t_start = time.perf_counter()
     work = tempfile.mkdtemp(prefix="spotfill-bench-overhead-")
     job_name = f"bench-overhead-{os.path.basename(work).rsplit('-', 1)[-1]}"
@@ -239,25 +245,26 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
         step_s = median(calib["step_s"][skip + 1:])
         steps = skip + 2 + max(10, math.ceil(seconds / step_s))
         tokens_per_step = global_batch * calib["seq_len"]
+        plains = [plain_rates(calib, tokens_per_step, skip)]
         say(f"plain #1: {tokens_per_step / step_s:.0f} tokens/s ({step_s * 1e3:.1f} ms/step); "
-            f"spotfill runs {steps} steps")
-
-        job = job_for(steps, "spotfill")
-        t0 = time.perf_counter()
-        report = TrainingJob(job).fit()
-        fit_s = time.perf_counter() - t0
-        events = list(read_events(os.path.join(job.run_dir, "events.jsonl")))
-        step_events = [e for e in events if e["kind"] == "step"]
-        start = next((e for e in events if e["kind"] == "start"), {})
-        ours = steady_rates(step_events, skip)
-        say(f"spotfill: {ours['wall_tokens_s']:.0f} tokens/s ({ours['mean_step_s'] * 1e3:.1f} ms/step), "
-            f"fit {fit_s:.1f}s")
-
-        plain2 = run_plain_subprocess(job_for(steps, "plain2"), threads, steps=steps, niceness=niceness)
-        p1 = plain_rates(calib, tokens_per_step, skip)
-        p2 = plain_rates(plain2, tokens_per_step, skip, upto=steps)
-        plain_tokens_s = (p1["tokens_s"] + p2["tokens_s"]) / 2
-        say(f"plain #2: {p2['tokens_s']:.0f} tokens/s")
+            f"spotfill runs {steps} steps, {rounds} round(s)")
+        fits = []
+        for r in range(rounds):   # spotfill, then plain again: each spotfill run between two plain ones
+            job = job_for(steps, f"spotfill{r}")
+            t0 = time.perf_counter()
+            report = TrainingJob(job).fit()
+            fit_s = time.perf_counter() - t0
+            events = list(read_events(os.path.join(job.run_dir, "events.jsonl")))
+            start = next((e for e in events if e["kind"] == "start"), {})
+            fits.append({"rates": steady_rates([e for e in events if e["kind"] == "step"], skip),
+                         "fit_s": fit_s, "startup_s": start.get("startup_s"), "report": report})
+            shutil.rmtree(os.path.join(constants.LOCAL_DIR, job_name), ignore_errors=True)
+            say(f"spotfill #{r + 1}: {fits[-1]['rates']['wall_tokens_s']:.0f} tokens/s "
+                f"({fits[-1]['rates']['mean_step_s'] * 1e3:.1f} ms/step), fit {fit_s:.1f}s")
+            last_plain = run_plain_subprocess(job_for(steps, f"plain{r + 2}"), threads, steps=steps,
+                                              niceness=niceness)
+            plains.append(plain_rates(last_plain, tokens_per_step, skip, upto=steps))
+            say(f"plain #{r + 2}: {plains[-1]['tokens_s']:.0f} tokens/s")
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -265,14 +272,21 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
             cluster.shutdown()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(os.path.join(constants.LOCAL_DIR, job_name), ignore_errors=True)  # workers' node-local dir
-    plain_step = (p1["mean_step_s"] + p2["mean_step_s"]) / 2
+    per_round = round_ratios([f["rates"]["wall_tokens_s"] for f in fits], [p["tokens_s"] for p in plains])
+    ours = {k: _mean(f["rates"][k] for f in fits) for k in fits[0]["rates"]}   # the mean over rounds
+    ours["steps"] = fits[0]["rates"]["steps"]
+    report, fit_s = fits[-1]["report"], fits[0]["fit_s"]
+    plain_tokens_s = _mean(p["tokens_s"] for p in plains)
+    plain_step = _mean(p["mean_step_s"] for p in plains)
 
     def both(key: str) -> float | None:
-        return None if p1[key] is None or p2[key] is None else rnd((p1[key] + p2[key]) / 2 * 1e3, 3)
+        value = _mean(p[key] for p in plains)
+        return None if value is None else rnd(value * 1e3, 3)
     return {
         "spotfill_tokens_s": rnd(ours["wall_tokens_s"], 1),
         "plain_deepspeed_tokens_s": rnd(plain_tokens_s, 1),
-        "ratio": rnd(ours["wall_tokens_s"] / plain_tokens_s, 4),
+        "ratio": rnd(median([r["ratio"] for r in per_round]), 4),
+        "rounds": [{k: rnd(v, 4 if k == "ratio" else 1) for k, v in r.items()} for r in per_round],
         "spotfill_step_tokens_s": rnd(ours["step_tokens_s"], 1),
         "step_ratio": rnd(ours["step_tokens_s"] / plain_tokens_s, 4),
         "per_step_overhead_ms": rnd((ours["mean_step_s"] - plain_step) * 1e3, 3),
@@ -288,14 +302,28 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
                         "optimizer": rnd(_ms(ours["mean_optimizer_s"]), 3)},
         "plain_ms": {"step": rnd(plain_step * 1e3, 3), "forward_backward": both("mean_forward_backward_s"),
                      "optimizer": both("mean_optimizer_s"),
-                     "runs": [rnd(p1["mean_step_s"] * 1e3, 3), rnd(p2["mean_step_s"] * 1e3, 3)]},
-        "plain_optimizer": plain2.get("optimizer"),
-        "plain_tokens_s_runs": [rnd(p1["tokens_s"], 1), rnd(p2["tokens_s"], 1)],
-        "spotfill_startup_s": start.get("startup_s"), "spotfill_fit_s": rnd(fit_s, 2),
+                     "runs": [rnd(p["mean_step_s"] * 1e3, 3) for p in plains]},
+        "plain_optimizer": last_plain.get("optimizer"),
+        "plain_tokens_s_runs": [rnd(p["tokens_s"], 1) for p in plains],
+        "spotfill_startup_s": fits[0]["startup_s"], "spotfill_fit_s": rnd(fit_s, 2),
         "final_loss": {"spotfill": report["training"]["final_loss"],
-                       "plain": rnd(plain2["loss"][-1], 6)},
+                       "plain": rnd(last_plain["loss"][-1], 6)},
         "seconds": round(time.perf_counter() - t_start, 1),
     }
+
+
+def round_ratios(spotfill_tokens_s: list[float], plain_tokens_s: list[float]) -> list[dict]:
+    """Round i's spotfill rate over the mean of the plain runs just before and just after it (plain runs
+    bracket every spotfill run: len(plain) == len(spotfill) + 1), so a drift of the machine's speed over
+    the bench (another tenant, a thermal or frequency change) cancels instead of landing on one side."""
+    if len(plain_tokens_s) != len(spotfill_tokens_s) + 1 or not spotfill_tokens_s:
+        raise ValueError(f"need one more plain run than spotfill runs (got {len(plain_tokens_s)} plain, "
+                         f"{len(spotfill_tokens_s)} spotfill)")
+    out = []
+    for i, ours in enumerate(spotfill_tokens_s):
+        plain = (plain_tokens_s[i] + plain_tokens_s[i + 1]) / 2
+        out.append({"spotfill_tokens_s": ours, "plain_tokens_s": plain, "ratio": ours / plain})
+    return out
 
 
 def _ms(s: float | None) -> float | None:
@@ -309,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--max-micro-batch", type=int, default=8)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, help="spotfill runs, each between two plain runs (default 1 "
+                        "quick, 2)")
     parser.add_argument("--json", help="also write the result to this file")
     parser.add_argument("--plain-spec", help=argparse.SUPPRESS)  # internal: run plain_loop from a spec
     args = parser.parse_args(argv)
@@ -320,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                             spec["warmup"])
     else:
         result = bench_overhead(args.quick, args.preset, args.seconds, args.global_batch,
-                                args.max_micro_batch,
+                                args.max_micro_batch, rounds=args.rounds,
                                 progress=lambda m: print(f"overhead: {m}", file=sys.stderr, flush=True))
     text = json.dumps(result, indent=2)
     if args.json:
