@@ -23,7 +23,8 @@ def test_a_drifting_machine_cancels_out_of_each_rounds_ratio():
     assert [r["plain_tokens_s"] for r in rounds] == pytest.approx([905, 733.05])
     # compared with all plain runs pooled, the same runs read 0.941 (drift charged to spotfill)
     pooled = sum(ours) / len(ours) / (sum(plain) / len(plain))
-    assert pooled == pytest.approx(773.775 / (2466.1 / 3)) and pooled < 0.95 - 0.005 < rounds[0]["ratio"]
+    assert pooled == pytest.approx(773.775 / (2466.1 / 3))
+    assert all(abs(r["ratio"] - 0.95) < 0.006 for r in rounds) and abs(pooled - 0.95) > 0.008
 
 
 @pytest.mark.parametrize("ours,plain", [([], [1.0]), ([1.0], [1.0]), ([1.0, 1.0], [1.0, 1.0])])
