@@ -56,6 +56,21 @@ def test_plain_lines_one_per_notable_event_and_a_step_line_every_few_seconds():
     assert "MFU" not in steps[1]                   # unknown on a CPU: not shown as a number
 
 
+def test_lease_lines_name_the_node_by_its_distinct_tail_and_say_why_a_lease_ended():
+    out = io.StringIO()
+    fake = "f" * 51 + "00001"                     # the fake autoscaler's ids share their first 51 digits
+    with LiveView(out, tty=False) as view:
+        view.feed([{"t": 1.0, "kind": "lease", "lease_id": "l1", "tenant": "serve:app", "node": fake, "gpus": 1},
+                   {"t": 2.0, "kind": "reclaim", "lease_id": "l1", "tenant": "serve:app", "node": fake, "gpus": 1,
+                    "reclaim_s": 1.384, "cause": "training_claim"},
+                   {"t": 3.0, "kind": "lease_end", "lease_id": "l2", "tenant": "batch:b", "node": "ab12" * 14,
+                    "gpus": 1, "reason": "node lost: the lease died with it"}])
+    text = out.getvalue()
+    assert "lent 1 GPU(s) on node ...fff00001 to serve" in text
+    assert "reclaim of serve's GPU(s) on node ...fff00001 in 1.38s: training_claim" in text
+    assert "lease_end of batch's GPU(s) on node ...ab12ab12: node lost: the lease died with it" in text
+
+
 def test_tty_panel_renders_the_live_numbers():
     from rich.console import Console
 

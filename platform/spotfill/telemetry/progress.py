@@ -24,6 +24,12 @@ PHASE_NAMES = {"data_wait_s": "data wait", "forward_backward_s": "forward+backwa
 NOTABLE_STATES = ("RESTARTING", "RESCHEDULING", "RESIZING", "ERRORED", "ABORTED")
 
 
+def node_tail(e: dict) -> str:
+    """A lease event's node as its id's last 8 hex digits: distinct for Ray's random ids and for the
+    fake autoscaler's, which share their first 48 (ff...f00001)."""
+    return "..." + str(e.get("node") or e.get("node_id") or "?")[-8:]
+
+
 def _clock(t: float | None) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t)) if t else "--:--:--"
 
@@ -128,10 +134,11 @@ class Progress:
             why = f": {e.get('failure')}" if e.get("failure") else ""
             return f"Ray Train controller {e.get('previous')} -> {e.get('state')}{why}"
         if kind == "lease":
-            return f"lent {e.get('gpus')} GPU(s) on {str(e.get('node') or e.get('node_id'))[:12]} to {workload_of(e)}"
+            return f"lent {e.get('gpus')} GPU(s) on node {node_tail(e)} to {workload_of(e)}"
         if kind in LEASE_END_KINDS:
             took = f" in {e['reclaim_s']:.2f}s" if e.get("reclaim_s") is not None else ""
-            return f"{kind} of {workload_of(e)}'s GPU(s){took}"
+            why = e.get("cause") or e.get("reason")
+            return f"{kind} of {workload_of(e)}'s GPU(s) on node {node_tail(e)}{took}" + (f": {why}" if why else "")
         if kind == "finish":
             self.state = "finished" if e.get("ok") else "failed"
             return ("training finished" if e.get("ok") else f"training failed: {e.get('reason')}") + \
