@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from spotfill.config.errors import ConfigError
-from spotfill.sim.scenario import DEFAULT_SCENARIO, chaos_scenario, parse_scenario
+from spotfill.sim.scenario import DEFAULT_SCENARIO, chaos_scenario, parse_scenario, pick_node
 
 
 def test_default_scenario_parses():
@@ -20,6 +20,9 @@ def test_default_scenario_parses():
     ([{"at_step": 3, "action": "kill_node", "node": 7}], "events[0].node"),
     ([{"at_step": 3, "action": "drain_node", "node": 0, "deadline": 5}], "events[0].deadline"),
     ([{"at_step": -1, "action": "add_node"}], "events[0].at_step"),
+    ([{"at_step": 3, "action": "kill_node", "node": "busiest"}], "events[0].node"),
+    # a pick reads the arbiter's view: without fill-in there is none
+    ([{"at_step": 3, "action": "kill_node", "node": "most_training"}], "events[0].node"),
 ])
 def test_bad_events_name_the_field(events, field):
     with pytest.raises(ConfigError) as err:
@@ -105,3 +108,29 @@ def test_serve_reads_the_runs_own_checkpoints():
     assert run_storage_uri("s3://bucket/pre/", "demo") == "s3://bucket/pre/demo"
     assert run_storage_uri("s3://b/p?endpoint_override=http%3A//127.0.0.1%3A9000", "x") == \
         "s3://b/p/x?endpoint_override=http%3A//127.0.0.1%3A9000"
+
+
+def test_node_picks_parse_with_fillin_and_describe_what_they_pick():
+    sc = parse_scenario({**DEFAULT_SCENARIO, "events": [
+        {"at_step": 5, "action": "kill_node", "node": "most_training"},
+        {"at_step": 9, "action": "drain_node", "node": "most_lent", "deadline_s": 15}]})
+    kill, drain = sc.events
+    assert (kill.node, drain.node) == ("most_training", "most_lent")
+    assert kill.describe() == "kill the node training uses most at step 5"
+    from dataclasses import replace
+    assert replace(drain, node=2, picked="most_lent").describe() == \
+        "drain node 2 (the node fill-in uses most) (deadline 15s) at step 9"
+
+
+def test_pick_node_follows_who_holds_the_gpus():
+    ids = ["a", "b", "c", None]                       # index 3: launched, id not known yet
+    owners = {"a": {"total": 3, "idle": 0, "training": 1, "reclaiming": 0, "serve": 1, "sweep": 1},
+              "b": {"total": 3, "idle": 0, "training": 3, "reclaiming": 0},
+              "c": {"total": 3, "idle": 1, "training": 0, "reclaiming": 2}}
+    alive = lambda i: True                            # noqa: E731
+    assert pick_node("most_training", owners, ids, alive) == 1
+    assert pick_node("most_lent", owners, ids, alive) == 0            # 2 lent; c's 2 reclaiming tie: lower index
+    assert pick_node("most_lent", owners, ids, lambda i: i != 0) == 2   # a dead: c, whose GPUs are still lent
+    assert pick_node("most_training", owners, ids, lambda i: i != 1) == 0
+    assert pick_node("most_lent", {"b": owners["b"]}, ids, alive) is None   # nothing lent anywhere
+    assert pick_node("most_training", {}, ids, alive) is None              # no view of the cluster

@@ -27,7 +27,9 @@ def summarize(report: dict) -> str:
              f"{tr['samples']['missing']} missing"]
     for p in report.get("preemptions", []):
         rec = f"{p['recovery_seconds']:.1f}s" if p.get("recovery_seconds") is not None else "n/a"
-        lines.append(f"{p['kind']} ({p['action']} node {p['node']}): lost {p['lost_steps']} steps, stepping "
+        picked = {"most_training": ", the node training used most", "most_lent": ", the node fill-in used most"
+                  }.get(p.get("picked") or "", "")
+        lines.append(f"{p['kind']} ({p['action']} node {p['node']}{picked}): lost {p['lost_steps']} steps, stepping "
                      f"again after {rec}, emergency checkpoint: {p['emergency_checkpoint']}")
     for e in report.get("events", []):
         if e["action"] == "add_node" and e.get("fired"):

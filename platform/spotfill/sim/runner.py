@@ -13,12 +13,13 @@ import shutil
 import sys
 import threading
 import time
+from dataclasses import replace
 
 from spotfill.config.job import JobConfig, PrepareConfig, from_mapping
 from spotfill.config.errors import ConfigError
 from spotfill.sim import fillin_batch, fillin_sweep
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
-from spotfill.sim.scenario import Event, Scenario
+from spotfill.sim.scenario import Event, Scenario, pick_node
 
 log = logging.getLogger(__name__)
 CORPUS_PACKAGES = ("json", "http", "logging", "urllib")
@@ -423,6 +424,20 @@ def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
     return {"tag": tag, "step": int(manifest["step"]), "file": rel, "t": round(time.time(), 3)}
 
 
+def _owners(say) -> dict[str, dict]:
+    """GPUs per node by owner (training, each fill-in kind, reclaiming, idle) from the fill-in arbiter, for
+    a scenario's node pick; {} (the pick finds nothing, the event is skipped and says so) without one."""
+    import ray
+
+    from spotfill.fillin.arbiter import get_arbiter
+    try:
+        arbiter = get_arbiter()
+        return ray.get(arbiter.status.remote(1), timeout=15)["nodes"] if arbiter is not None else {}
+    except Exception as exc:  # noqa: BLE001 - reported, and the event is skipped with its cause
+        say(f"the fill-in arbiter did not answer for a node pick: {type(exc).__name__}: {exc}")
+        return {}
+
+
 def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=None, gate=None) -> dict:
     """Run training and fire the timeline. `on_first_step` is called once training steps; while `gate()`
     is false no timeline event fires (Serve fill-in: the timeline waits until Serve answers, so every node
@@ -440,6 +455,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
     thread.start()
     pending = list(scenario.events)
     fired: list[tuple[Event, float]] = []
+    skipped: list[tuple[Event, str]] = []
     removals: list[tuple[float, int, bool]] = []
     n_added = len(scenario.cluster.nodes)
     corrupted: dict[int, dict] = {}
@@ -477,7 +493,15 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
             if not due or (ev.min_world and world < ev.min_world):
                 continue
             pending.remove(ev)
+            if isinstance(ev.node, str):
+                index = pick_node(ev.node, _owners(say), cluster.node_ids, cluster.alive)
+                if index is None:
+                    skipped.append((ev, f"no alive node had GPUs for the pick {ev.node!r}"))
+                    say(f"skipped: {ev.describe()} ({skipped[-1][1]})")
+                    continue
+                ev = replace(ev, node=index, picked=ev.node)
             if ev.node is not None and not cluster.alive(ev.node):
+                skipped.append((ev, f"node {ev.node} is not alive"))
                 say(f"skipped: {ev.describe()} (node {ev.node} is not alive)")
                 continue
             say(f"step {step}: {ev.describe()}")
@@ -520,17 +544,23 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
             out = node_event_outcome(events, t, ev.deadline_s if ev.action != "kill_node" else None)
             entry.update(out)
             entry["node_id"] = cluster.node_ids[ev.node]
+            if ev.picked:
+                entry["picked"] = ev.picked
             report["preemptions"].append({"kind": "hard" if ev.action == "kill_node" else "announced",
-                                          "action": ev.action, "node": ev.node, "node_id": entry["node_id"],
+                                          "action": ev.action, "node": ev.node, "picked": ev.picked,
+                                          "node_id": entry["node_id"],
                                           "at": round(t, 3), "world_size_before": world_at.get(ev.index), **out})
         elif ev.action == "add_node":
             entry.update(grow_outcome(events, t))
         elif ev.action == "corrupt_checkpoint":
             entry.update(corrupted.get(ev.index, {}))
         report["events"].append(entry)
+    for ev, why in skipped:
+        report["events"].append({"index": ev.index, "action": ev.action, "fired": False, "skipped": why})
     for ev in pending:
         report["events"].append({"index": ev.index, "action": ev.action, "fired": False,
                                  "skipped": "training finished before the trigger"})
+    report["events"].sort(key=lambda e: e["index"])
     if scenario.cluster.autoscaler:
         report["autoscaler"] = {"requests": requests}
     report["invariants"] = invariants(report, scenario.training.checkpoint_every)

@@ -8,6 +8,8 @@
 
 Actions: drain_node, remove_node, kill_node, add_node, storage_outage and corrupt_checkpoint (flip bytes in
 the largest file of the newest committed checkpoint; the next restore must quarantine it and go past it).
+A node event's `node` is an index, or (with fill-in on) a pick made when the event fires: `most_training`
+(the node where training holds the most GPUs) or `most_lent` (where fill-in holds the most).
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ TRIGGERS = {"at", "at_step"}
 # Any event may also wait until training runs on at least this many workers (e.g. grown onto new nodes).
 MODIFIERS = {"min_world"}
 MARKET_HOW = ("unfulfilled", "refuse")
+# `node` of a node event: an index, or one of these picks, made from the arbiter's GPUs-by-owner view when
+# the event fires (where Ray places workers and replicas is not known up front)
+NODE_PICKS = ("most_training", "most_lent")
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class Event:
     action: str
     at: float | None = None
     at_step: int | None = None
-    node: int | None = None
+    node: int | str | None = None
     deadline_s: float = 20.0
     remove: bool = True
     gpus: int = 2
@@ -49,15 +54,19 @@ class Event:
     available: bool = True
     how: str = "unfulfilled"
     min_world: int | None = None
+    picked: str | None = None           # the pick (NODE_PICKS) `node` was resolved from when it fired
 
     def describe(self) -> str:
         when = f"at step {self.at_step}" if self.at_step is not None else f"at {self.at:g}s"
         if self.min_world:
             when += f" once training runs {self.min_world} workers"
-        what = {"drain_node": f"drain node {self.node} (deadline {self.deadline_s:g}s)",
+        picks = {"most_training": "the node training uses most", "most_lent": "the node fill-in uses most"}
+        node = picks.get(self.node) if isinstance(self.node, str) else f"node {self.node}" + (
+            f" ({picks[self.picked]})" if self.picked else "")
+        what = {"drain_node": f"drain {node} (deadline {self.deadline_s:g}s)",
                 "add_node": f"add a node with {self.gpus} GPUs",
-                "kill_node": f"kill node {self.node}",
-                "remove_node": f"remove node {self.node}",
+                "kill_node": f"kill {node}",
+                "remove_node": f"remove {node}",
                 "storage_outage": f"storage outage for {self.duration_s:g}s",
                 "corrupt_checkpoint": "corrupt the newest committed checkpoint",
                 "market": f"{'open' if self.available else 'close'} the market for {self.node_type}"
@@ -208,7 +217,12 @@ def parse_event(i: int, raw: Any) -> Event:
     else:
         kwargs["at_step"] = _number(f"{path}.at_step", raw["at_step"], 1, integer=True)
     if "node" in raw:
-        kwargs["node"] = _number(f"{path}.node", raw["node"], 0, integer=True)
+        if isinstance(raw["node"], str):
+            if raw["node"] not in NODE_PICKS:
+                raise ConfigError(f"{path}.node", raw["node"], accepted=f"an integer >= 0 or one of {list(NODE_PICKS)}")
+            kwargs["node"] = raw["node"]
+        else:
+            kwargs["node"] = _number(f"{path}.node", raw["node"], 0, integer=True)
     if "deadline_s" in raw:
         kwargs["deadline_s"] = float(_number(f"{path}.deadline_s", raw["deadline_s"], 1))
     if "gpus" in raw:
@@ -248,7 +262,7 @@ def _check_node_refs(events: list[Event], n_nodes: int, node_types: list | None 
     if node_types:   # every launch (replacements too) takes a new index: no upper bound known up front
         known = 10 ** 6
     for e in events:
-        if e.node is not None and e.node >= known:
+        if isinstance(e.node, int) and e.node >= known:
             raise ConfigError(f"events[{e.index}].node", e.node,
                               accepted=f"0..{known - 1} (cluster.nodes plus added nodes)")
 
@@ -270,6 +284,11 @@ def parse_scenario(data: dict, name: str = "scenario") -> Scenario:
         cluster.nodes = []     # an autoscaling cluster starts head-only unless static nodes are listed
         cluster.validate("cluster")
     events = [parse_event(i, e) for i, e in enumerate(raw_events)]
+    if not (fillin.serve_enabled or fillin.batch_enabled or fillin.sweep_enabled):
+        for e in events:
+            if isinstance(e.node, str):
+                raise ConfigError(f"events[{e.index}].node", e.node, reason="a pick needs fill-in on (the "
+                                  "arbiter's view of who holds each node's GPUs)", accepted="a node index")
     node_types = cluster.node_types()
     _check_node_refs(events, len(cluster.nodes), node_types)
     total = sum(n.get("gpus", 1) for n in cluster.nodes) + sum(t.gpus * t.max_workers for t in node_types)
@@ -280,6 +299,25 @@ def parse_scenario(data: dict, name: str = "scenario") -> Scenario:
         raise ConfigError("training.workers", training.workers,
                           reason=f"min workers exceed the cluster's {total} GPUs")
     return Scenario(cluster, training, fillin, events, name)
+
+
+def pick_node(pick: str, owners: dict[str, dict], node_ids: list[str | None], alive) -> int | None:
+    """The scenario index of the alive node `pick` names, from GPUs by owner per node id (the arbiter's
+    `ownership` rows: training, serve / batch / sweep, reclaiming, idle): `most_training` -- the most GPUs
+    held by training; `most_lent` -- the most held by fill-in (reclaiming ones included). Ties go to the
+    lowest index; None when no alive node has any."""
+    def held(row: dict) -> int:
+        if pick == "most_training":
+            return int(row.get("training", 0))
+        return sum(int(v) for k, v in row.items() if k not in ("total", "idle", "training"))
+    best, best_held = None, 0
+    for index, node_id in enumerate(node_ids):
+        if node_id is None or node_id not in owners or not alive(index):
+            continue
+        n = held(owners[node_id])
+        if n > best_held:
+            best, best_held = index, n
+    return best
 
 
 def load_scenario(path: str) -> Scenario:
@@ -351,13 +389,19 @@ def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 
 # The default `spotfill demo` story on an autoscaling cluster: DEFAULT_SCENARIO's training (and its three
 # fill-in tenants) on a head-only cluster that Ray's autoscaler (v2, fake multi-node provider) scales with
 # cluster.yaml-like spot and on-demand types of 3 GPU slots. Training asks for 4 workers: the autoscaler
-# launches 2 nodes (6 slots), and the 2 slots beyond training's max on the nodes training uses are lent to
-# Serve, the batch job and the sweep (fill-in never makes the autoscaler launch a node, nor keeps one from
-# scaling down). Training starts on 3 workers on node 0 and grows onto node 1, where fill-in gets the other
-# slots. A spot notice takes node 1: the leases there are reclaimed at once, training restarts, and the
-# autoscaler replaces the node (fill-in gets the new node's spare slots); later a hard loss takes node 0.
-# The fake autoscaler's replacement is up before training restarts, so training restarts on it, not on
-# slots taken back from fill-in. No node is added by the scenario.
+# launches 2 nodes (6 slots); training runs 3 workers on one and 1 on the other, whose 2 other slots are lent
+# to Serve, the batch job and the sweep (fill-in never makes the autoscaler launch a node, nor keeps one from
+# scaling down). Then:
+# 1. the cloud runs out of capacity (both markets closed) and the node training uses most is lost outright:
+#    the autoscaler can replace nothing, so training restarts at 3 on the node it has left, on the GPUs it
+#    takes back from fill-in there (a hand-back from each tenant: a sweep trial pauses with a checkpoint,
+#    a batch wave stops, a Serve replica drains);
+# 2. capacity returns: the autoscaler replaces the node, training grows back to 4, fill-in gets the spare
+#    slots again (the paused trial resumes from its checkpoint);
+# 3. a spot notice for the node fill-in uses most: its leases are reclaimed at once, training takes an
+#    emergency checkpoint and restarts, and the autoscaler replaces the node.
+# Nodes are picked when the event fires (`most_training`, `most_lent`): where Ray places workers and
+# replicas is not known up front. No node is added by the scenario.
 AUTOSCALING_SCENARIO = {
     **DEFAULT_SCENARIO,
     # All three tenants, sized to finish while training runs: on an autoscaled cluster fill-in lends only on
@@ -371,9 +415,13 @@ AUTOSCALING_SCENARIO = {
             "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},
             "gpu_ondemand": {"gpus": 3, "market": "on-demand", "max_workers": 1, "priority": 0}}}},
     "events": [
+        {"at_step": 20, "min_world": 4, "action": "market", "node_type": "gpu_spot", "available": False},
+        {"at_step": 20, "min_world": 4, "action": "market", "node_type": "gpu_ondemand", "available": False},
+        {"at_step": 20, "min_world": 4, "action": "kill_node", "node": "most_training"},
+        {"at_step": 45, "action": "market", "node_type": "gpu_spot", "available": True},
+        {"at_step": 45, "action": "market", "node_type": "gpu_ondemand", "available": True},
         # 15 s: the save commits by deadline - 5 s, and the notice reaches training seconds after the drain
         # while the autoscaler starts the replacement node on the same cores
-        {"at_step": 30, "min_world": 4, "action": "drain_node", "node": 1, "deadline_s": 15},
-        {"at_step": 100, "min_world": 4, "action": "kill_node", "node": 0},
+        {"at_step": 100, "min_world": 4, "action": "drain_node", "node": "most_lent", "deadline_s": 15},
     ],
 }
