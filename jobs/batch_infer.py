@@ -37,6 +37,8 @@ def main(args) -> dict:
     cfg.generate.prompts = jobkit.absolute("generate.prompts", cfg.generate.prompts)
     from spotfill.fillin.batch import run_batch
 
+    jobkit.second_on_cpu()
+
     return run_batch(cfg, jobkit.runtime_env(), wait_timeout_s=args.wait_timeout)
 
 

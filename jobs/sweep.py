@@ -40,6 +40,8 @@ def main(args) -> dict:
     cfg.data.path = jobkit.absolute("data.path", cfg.data.path)
     from spotfill.fillin.sweep_job import run_sweep_job
 
+    jobkit.second_on_cpu()
+
     report = run_sweep_job(cfg, runtime_env=jobkit.runtime_env(), step_sleep_s=args.step_sleep_s)
     s = report["fillin"]["sweep"]
     return {"ok": report["ok"], "run_dir": cfg.run_dir, "report": os.path.join(cfg.run_dir, "report.json"),

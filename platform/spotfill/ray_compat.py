@@ -145,6 +145,10 @@ HOOKS = [
     # Serve's DeveloperAPI the fill-in Ingress (serving/app.py) uses to tell a request a replica took from
     # one still waiting in the router (resolves on assignment)
     (_DeploymentResponse, "_to_object_ref", ()),
+    # kill an actor known only by its id (a Ray Data pool actor never placed: kill_actor_id)
+    (_raylet.CoreWorker, "kill_actor", None),
+    (_raylet.ActorID, "from_hex", None),
+    (_worker, "global_worker", None),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
@@ -335,6 +339,13 @@ def gcs_actor_alive(actor_id: str, timeout=None) -> bool:
     except Exception as exc:
         raise RayStateApiException(f"GCS actor lookup failed: {exc}") from exc
     return bool(info) and info.get("State") != "DEAD"
+
+
+def kill_actor_id(actor_id: str) -> None:
+    """Kill the actor with this hex id, no restart (what ray.kill does with a handle). Ray's public kill
+    needs a handle or a name; a Ray Data actor pool's actors have neither outside Data's executor, and one
+    waiting for a GPU no one lent keeps the executor (and its iterator) waiting forever."""
+    _worker.global_worker.core_worker.kill_actor(_raylet.ActorID.from_hex(actor_id), True)
 
 
 def gcs_actors(states: tuple[str, ...] = ("ALIVE", "PENDING_CREATION")) -> list[dict]:

@@ -220,3 +220,56 @@ def test_a_killed_driver_is_rerun_without_duplicates_and_redoes_a_damaged_part(e
     assert summary["resumed"] and summary["units_skipped_at_start"] >= done, summary
     assert sorted(ids_in_output(output)) == expected_ids(EVAL_ROWS, PROMPTS)
     assert (summary["duplicates"], summary["missing"], summary["units_uncommitted"]) == (0, 0, 0)
+
+
+def _live_map_actors(job_id: str) -> list:
+    from ray.util.state import list_actors
+    return [a for a in list_actors(filters=[("job_id", "=", job_id), ("state", "!=", "DEAD")], limit=1000)
+            if "MapWorker" in (a.class_name or "")]
+
+
+def test_a_wave_whose_actor_waits_for_a_gpu_no_one_lent_ends_when_its_grant_falls(env, inputs, tmp_path):
+    """The GPU a wave was granted is gone before its pool actor is placed (seen in a demo: the node died with
+    the lease, and Ray Data started another actor, which waits for a slot). When the grant falls the wave
+    must end within its grace -- its waiting actor is killed -- not wait forever while Data's executor spins
+    a core; the job then completes exactly once on a later grant."""
+    import threading
+
+    import ray
+
+    from spotfill.fillin.batch import run_batch
+    from spotfill.fillin.batch_config import load_batch_config
+    from spotfill.fillin.grant import FixedGrant
+
+    @ray.remote(num_cpus=0, resources={"GPU_SLOT": 1})
+    class Squatter:                              # holds a slot: what the lent GPU's loss leaves the wave
+        def ping(self):
+            return 1
+
+    squatters = [Squatter.remote() for _ in range(2)]
+    ray.get([s.ping.remote() for s in squatters], timeout=60)
+    output = str(tmp_path / "out")
+    cfg = load_batch_config(write_config(tmp_path / "stuck.yaml", inputs, output, eval_rows=32, prompts=False,
+                                         grace_s=2.0), {"grant.units": 1})
+    grant, result = FixedGrant(1), {}
+    job_id = ray.get_runtime_context().get_job_id()
+    thread = threading.Thread(target=lambda: result.update(summary=run_batch(cfg, grant=grant)), daemon=True)
+    try:
+        thread.start()
+        wait_for(lambda: any(a.state == "PENDING_CREATION" for a in _live_map_actors(job_id)), 90,
+                 "the wave's actor waiting for a slot")
+        t0 = time.monotonic()
+        grant.set(0)
+        wait_for(lambda: not _live_map_actors(job_id), 30, "the stuck wave's actor gone")
+        ended_s = time.monotonic() - t0
+        assert thread.is_alive(), "the job waits for a new grant"
+    finally:
+        for s in squatters:
+            ray.kill(s)
+        grant.set(1)
+    thread.join(180)
+    summary = result["summary"]
+    assert ended_s <= 2.0 + 10.0, ended_s                         # grace, then the kill (not forever)
+    assert summary["stops"] and summary["stops"][0]["killed_actors"] >= 1, summary["stops"]
+    assert sorted(ids_in_output(output)) == expected_ids(32, 0)
+    assert (summary["duplicates"], summary["missing"]) == (0, 0)

@@ -122,6 +122,14 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     return OneLineParser(prog=prog, description=description)
 
 
+def second_on_cpu() -> dict:
+    """A fill-in driver (batch, sweep) runs second to training on its node's CPU, as its workers do: nice
+    `fillin.cpu_nice` (SPOTFILL_FILLIN_CPU_NICE, default 19) -- a Ray Data executor waiting for a GPU spins
+    a core -- but not SCHED_IDLE: the driver must see a reclaim and yield within its grace."""
+    from spotfill.fillin.cpu_priority import lower_cpu_priority
+    return lower_cpu_priority(idle=False)
+
+
 def run_main(main: Callable[[argparse.Namespace], dict], ap: argparse.ArgumentParser,
              argv: Sequence[str] | None = None) -> int:
     """Parse, run `main`, print its summary dict as one JSON line on stdout. Exit codes per CONTRACTS:

@@ -312,9 +312,14 @@ class BatchJob:
         thread = threading.Thread(target=consume, name="batch-wave", daemon=True)
         thread.start()
         stopped_at = more_since = None
+        killed: list[str] | None = None
         while thread.is_alive():
             thread.join(0.1)
-            if stopped_at is not None or not thread.is_alive():
+            if not thread.is_alive():
+                continue
+            if stopped_at is not None:
+                if killed is None and time.monotonic() - stopped_at > self.cfg.cluster.grace_s:
+                    killed = self._kill_stuck_actors(wave)
                 continue
             allowed = self.grant.allowed()
             if allowed < n:
@@ -337,7 +342,7 @@ class BatchJob:
             released_s = self._wait_released(stopped_at)
             stop_rec = {"at": time.time(), "done": wave["done"], "units": len(units),
                         "stop_s": round(time.monotonic() - stopped_at, 3), "released_s": released_s,
-}
+                        "killed_actors": len(killed or [])}
             wave["stopped"] = stop_rec
             self.stops.append(stop_rec)
             log.info("batch %s: wave stopped; its GPUs free %.2fs after the grant fell", self.cfg.name,
@@ -346,6 +351,30 @@ class BatchJob:
             log.warning("batch %s: wave ended with %s: %s (its uncommitted units are redone)", self.cfg.name,
                         type(errors[0]).__name__, errors[0])
         wave["ended"] = time.time()
+
+    def _kill_stuck_actors(self, wave: dict) -> list[str]:
+        """The wave was told to stop a grace ago and its reader still waits: its pool actor is not running a
+        unit that would end it (one waits for a GPU no one lent -- its node died with the lease, Data
+        started another -- while Data's executor spins a core). Kill the wave's map actors: the reader then
+        fails at once and the wave's uncommitted units are redone. Returns the ids killed."""
+        from spotfill.ray_compat import kill_actor_id
+        try:
+            actors = self._wave_actors()
+        except Exception as exc:  # noqa: BLE001 - the state API is best effort; tried again next wave
+            log.warning("batch %s: cannot list the stuck wave's actors: %s", self.cfg.name, exc)
+            return []
+        killed = []
+        for a in actors:
+            try:
+                kill_actor_id(a.actor_id)
+                killed.append(a.actor_id)
+            except Exception as exc:  # noqa: BLE001 - gone meanwhile
+                log.debug("kill %s: %s", a.actor_id, exc)
+        log.warning("batch %s: wave %d did not stop %.0fs after its grant fell (%d of %d unit(s) done; "
+                    "actors %s): killed %d map actor(s), its uncommitted units are redone", self.cfg.name,
+                    len(self.waves), self.cfg.cluster.grace_s, wave["done"], wave["units"],
+                    sorted({str(a.state) for a in actors}) or "none", len(killed))
+        return killed
 
     def _wave_actors(self) -> list:
         from ray.util.state import list_actors
