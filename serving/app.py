@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from spotfill.config.errors import ConfigError
 
@@ -43,6 +44,9 @@ NO_HANDLE_METRICS = {"RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE": "0"}
 # replica, all day, lent GPUs or not): once a second is enough for the dashboards (Ray 2.60:
 # serve/_private/replica.py, router.py _report_cached_metrics_forever)
 QUIET_METRICS = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+# a replica that died (its node was lost outright) or cannot be reached under a request: the request was
+# not answered and nothing was generated, so it is sent once more to another replica, else answered 503
+REPLICA_LOST = (RayActorError, ActorUnavailableError)
 WATCH_CHECK_S = 1.0        # how often the Ingress checks its replica watch still runs (a local check)
 # Serve's cold-start rule (Ray 2.60 ray/serve/autoscaling_policy.py, applied before any custom policy) scales
 # a deployment with no running replica to 1 while its handles report queued requests: requests the Ingress
@@ -219,6 +223,19 @@ class Ingress:
         if self.live <= 0:
             return None, unavailable("no generation replica: its GPUs went back to training; retry later",
                                      self.args.retry_after_s)
+        try:
+            return await self._forward_once(prompt, max_tokens, temperature, seed)
+        except REPLICA_LOST:
+            pass                                 # its node died under it (a hard loss): nothing was generated
+        try:
+            if self.live > 0:
+                return await self._forward_once(prompt, max_tokens, temperature, seed)
+        except REPLICA_LOST:
+            pass
+        return None, unavailable("the replica generating it was lost with its node before it answered; "
+                                 "retry later", self.args.retry_after_s)
+
+    async def _forward_once(self, prompt: str, max_tokens: int, temperature: float, seed: int):
         response = self.generator.generate.remote(prompt, max_tokens, temperature, seed)
         assigned = asyncio.ensure_future(response._to_object_ref())
         assigned.add_done_callback(_retrieve)
