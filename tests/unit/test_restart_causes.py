@@ -84,3 +84,27 @@ def test_controller_callback_reports_changes_not_repeats():
     cb.after_controller_state_update(state("RUNNING"), state("RUNNING", training_failed_error="boom"))
     assert [(p, s) for p, s, _ in sent] == [("INITIALIZING", "SCHEDULING"), ("RUNNING", "RUNNING")]
     assert sent[0][2] == {"num_workers": 4} and sent[1][2] == {"error": "boom"}
+
+
+def test_only_a_running_groups_failure_with_its_placement_group_removed_is_a_cleaner_teardown():
+    """After a node loss Ray Train removes the old group's placement group itself and schedules a new group;
+    that group's start failing (SCHEDULING -> RESCHEDULING) was read as a cleaner teardown because the old
+    group's removed placement group was still the one on record (seen in a demo)."""
+    from types import SimpleNamespace
+
+    from spotfill.train.restarts import PLACEMENT_GROUP_REMOVED
+    from spotfill.train.sink import RestartCauseCallback
+
+    def state(name, **extra):
+        return SimpleNamespace(_state_type=SimpleNamespace(state_name=name), **extra)
+
+    sent = []
+    cb = RestartCauseCallback("sink", "ns")
+    cb._sink = SimpleNamespace(controller_state=SimpleNamespace(
+        remote=lambda st, prev, t, **fields: sent.append((prev, st, fields))))
+    cb._placement_group = object()
+    cb._placement_group_removed = lambda: True           # the group on record: removed
+    cb.after_controller_state_update(state("SCHEDULING"), state("RESCHEDULING", training_failed_error="timeout"))
+    cb.after_controller_state_update(state("RUNNING"), state("RESTARTING", training_failed_error=NODE_LOST))
+    assert sent[0][2]["error"] == "timeout"
+    assert sent[1][2]["error"].startswith(PLACEMENT_GROUP_REMOVED) and NODE_LOST in sent[1][2]["error"]

@@ -126,7 +126,7 @@ class EventSink:
 class RestartCauseCallback(ControllerCallback, WorkerGroupCallback):
     """Runs inside Ray Train's controller: sends each controller state change (with the failure Ray Train
     saw, the preemption it was told of, the size it decided) to the run's event sink, fire-and-forget.
-    A failure that finds the group's placement group already removed (the controller alive) is a
+    A running group's failure that finds its placement group already removed (the controller alive) is a
     placement-group cleaner teardown. Public DeveloperAPI callbacks only (RunConfig(callbacks=[...]))."""
 
     def __init__(self, sink_name: str, namespace: str):
@@ -153,7 +153,10 @@ class RestartCauseCallback(ControllerCallback, WorkerGroupCallback):
         fields: dict = {}
         if error is not None:
             fields["error"] = str(error)
-            if self._placement_group_removed():
+            # only a running group's failure: a group that failed to start (SCHEDULING -> RESCHEDULING) is
+            # not the one whose placement group this callback holds -- that one Ray Train removed itself
+            # when it shut the previous group down (a node loss then read as a cleaner teardown)
+            if previous == "RUNNING" and self._placement_group_removed():
                 fields["error"] = f"{PLACEMENT_GROUP_REMOVED}\n{error}"
         decision = getattr(current_state, "scaling_decision", None)
         if decision is not None and hasattr(decision, "num_workers"):
