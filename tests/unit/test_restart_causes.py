@@ -108,3 +108,12 @@ def test_only_a_running_groups_failure_with_its_placement_group_removed_is_a_cle
     cb.after_controller_state_update(state("RUNNING"), state("RESTARTING", training_failed_error=NODE_LOST))
     assert sent[0][2]["error"] == "timeout"
     assert sent[1][2]["error"].startswith(PLACEMENT_GROUP_REMOVED) and NODE_LOST in sent[1][2]["error"]
+
+
+def test_a_heading_line_is_kept_with_what_it_introduces():
+    f = classify_failure("Training failed due to controller error:\n  Worker group startup failed: placement "
+                         "group not ready within 30.0s")
+    assert f.kind == "worker error"
+    assert f.detail == ("Training failed due to controller error: Worker group startup failed: placement group "
+                        "not ready within 30.0s")
+    assert classify_failure("one line only").detail == "one line only"

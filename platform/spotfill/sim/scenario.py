@@ -409,15 +409,15 @@ AUTOSCALING_SCENARIO = {
     # (docs/cluster-lifecycle.md)
     "fillin": {**DEFAULT_SCENARIO["fillin"], "serve": {**DEFAULT_SCENARIO["fillin"]["serve"], "max_replicas": 1},
                "batch": {"enabled": True, "rows": 48, "prompts": 8},
-               "sweep": {"enabled": True, "trials": 2, "steps": 10}},
+               "sweep": {"enabled": True, "trials": 3, "steps": 16}},
     "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
         "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
             "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},
             "gpu_ondemand": {"gpus": 3, "market": "on-demand", "max_workers": 1, "priority": 0}}}},
     "events": [
-        {"at_step": 20, "min_world": 4, "action": "market", "node_type": "gpu_spot", "available": False},
-        {"at_step": 20, "min_world": 4, "action": "market", "node_type": "gpu_ondemand", "available": False},
-        {"at_step": 20, "min_world": 4, "action": "kill_node", "node": "most_training"},
+        {"at_step": 25, "min_world": 4, "action": "market", "node_type": "gpu_spot", "available": False},
+        {"at_step": 25, "min_world": 4, "action": "market", "node_type": "gpu_ondemand", "available": False},
+        {"at_step": 25, "min_world": 4, "action": "kill_node", "node": "most_training"},
         {"at_step": 45, "action": "market", "node_type": "gpu_spot", "available": True},
         {"at_step": 45, "action": "market", "node_type": "gpu_ondemand", "available": True},
         # 15 s: the save commits by deadline - 5 s, and the notice reaches training seconds after the drain

@@ -41,7 +41,9 @@ def classify_failure(error_text: str) -> Failure:
     text = error_text or ""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     kind = next((k for k, marks in _KINDS if any(m in text for m in marks)), "worker error")
-    telling = next((ln for ln in lines if _EXCEPTION_LINE.match(ln)), lines[0] if lines else "")
+    telling = next((ln for ln in lines if _EXCEPTION_LINE.match(ln)), None)
+    if telling is None:     # no exception line: the first line, and what it introduces ("...error:" + next)
+        telling = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
     return Failure(kind, telling[:300])
 
 
