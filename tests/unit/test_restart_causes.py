@@ -62,20 +62,30 @@ def test_a_run_torn_down_under_its_live_controller_is_named_so():
     assert attempt_cause(False, None, f)["cause"] == "unplanned: placement group removed (cleaner teardown)"
 
 
+def _state(name, **extra):
+    from types import SimpleNamespace
+    return SimpleNamespace(_state_type=SimpleNamespace(state_name=name), **extra)
+
+
+def _callback():
+    """A RestartCauseCallback whose sink records (previous, state, fields) of each report."""
+    from types import SimpleNamespace
+
+    from spotfill.train.sink import RestartCauseCallback
+    sent = []
+    cb = RestartCauseCallback("sink", "ns")
+    cb._sink = SimpleNamespace(controller_state=SimpleNamespace(
+        remote=lambda st, prev, t, **fields: sent.append((prev, st, fields))))
+    return cb, sent
+
+
 def test_controller_callback_reports_changes_not_repeats():
     """The controller calls back on every poll; a state that did not change (RUNNING while it runs,
     INITIALIZING while it waits for nodes) is not an event -- unless it carries a failure."""
     from types import SimpleNamespace
 
-    from spotfill.train.sink import RestartCauseCallback
-
-    def state(name, **extra):
-        return SimpleNamespace(_state_type=SimpleNamespace(state_name=name), **extra)
-
-    sent = []
-    cb = RestartCauseCallback("sink", "ns")
-    cb._sink = SimpleNamespace(controller_state=SimpleNamespace(
-        remote=lambda st, prev, t, **fields: sent.append((prev, st, fields))))
+    cb, sent = _callback()
+    state = _state
     cb.after_controller_state_update(state("INITIALIZING"), state("INITIALIZING"))
     cb.after_controller_state_update(state("INITIALIZING"), state("INITIALIZING"))
     cb.after_controller_state_update(state("INITIALIZING"), state("SCHEDULING",
@@ -90,18 +100,10 @@ def test_only_a_running_groups_failure_with_its_placement_group_removed_is_a_cle
     """After a node loss Ray Train removes the old group's placement group itself and schedules a new group;
     that group's start failing (SCHEDULING -> RESCHEDULING) was read as a cleaner teardown because the old
     group's removed placement group was still the one on record (seen in a demo)."""
-    from types import SimpleNamespace
-
     from spotfill.train.restarts import PLACEMENT_GROUP_REMOVED
-    from spotfill.train.sink import RestartCauseCallback
 
-    def state(name, **extra):
-        return SimpleNamespace(_state_type=SimpleNamespace(state_name=name), **extra)
-
-    sent = []
-    cb = RestartCauseCallback("sink", "ns")
-    cb._sink = SimpleNamespace(controller_state=SimpleNamespace(
-        remote=lambda st, prev, t, **fields: sent.append((prev, st, fields))))
+    cb, sent = _callback()
+    state = _state
     cb._placement_group = object()
     cb._placement_group_removed = lambda: True           # the group on record: removed
     cb.after_controller_state_update(state("SCHEDULING"), state("RESCHEDULING", training_failed_error="timeout"))
