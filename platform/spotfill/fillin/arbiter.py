@@ -589,11 +589,14 @@ class Arbiter:
 
     def reclaimable(self) -> dict:
         """GPUs per node that training gets back by claiming them: every lease on a node that is alive and
-        not draining, reclaiming or not ({node_id: {gpu_resource: gpus}})."""
+        not draining, reclaiming or not ({node_id: {gpu_resource: gpus}}). Read from a fresh snapshot, not
+        the last tick's leases: a unit a tenant took since then is neither free in Ray's view nor a lease
+        yet, and a restart sized in that moment came out a worker short (seen in a demo: 2 instead of 3)."""
         with self.lock:
-            usable = {n.node_id for n in self._nodes() if n.alive and not n.draining}
+            snap = self._snapshot(time.time())
+            usable = {n.node_id for n in snap.nodes if n.alive and not n.draining}
             out: dict[str, dict[str, float]] = {}
-            for le in self.leases:
+            for le in snap.leases:
                 if le.node_id in usable:
                     row = out.setdefault(le.node_id, {self.gpu_resource: 0.0})
                     row[self.gpu_resource] += le.gpus
