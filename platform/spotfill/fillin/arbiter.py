@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -61,6 +62,7 @@ class Arbiter:
         self.training_seen: dict[str, float] = {}             # node id -> last time training held GPUs on it
         self.training_anywhere = 0.0                          # last time training held GPUs on any node
         self.lease_ended_on: dict[str, float] = {}            # node id -> last time a lease on it ended
+        self._last_hosts: frozenset[str] = frozenset()        # the nodes fill-in could lend on, last tick
         self.state_path = state_path or os.path.join(tempfile.gettempdir(), "spotfill-arbiter", "state.json")
         self.lock = threading.RLock()
         self.jobs: dict[str, TrainingJob] = {}
@@ -287,7 +289,18 @@ class Arbiter:
                     if node_id in alive:
                         self.training_seen[node_id] = now
         self.training_seen = {k: v for k, v in self.training_seen.items() if k in alive}
-        return training_hosts(self.training_seen, now, self.idle_reclaim_s)
+        hosts = set(training_hosts(self.training_seen, now, self.idle_reclaim_s))
+        # a host whose training count cannot be read yet (a lease there ended within the view's lag) stays a
+        # host meanwhile, for at most the lag: the idle clock must not run out on a view known to lag. A
+        # demo's node where training had just started, beside a sweep trial that had just ended, was
+        # reclaimed "idle" 10 s after the last sighting before the restart. A node that was no host stays
+        # none (no lend right after an idle reclaim), and leases that keep ending (Serve's cold start) keep
+        # a node training left a host no longer than idle_reclaim_s + the lag.
+        hosts |= {n for n in self._last_hosts
+                  if n in alive and now - self.lease_ended_on.get(n, 0.0) <= RESOURCE_VIEW_LAG_S
+                  and now - self.training_seen.get(n, -math.inf) <= self.idle_reclaim_s + RESOURCE_VIEW_LAG_S}
+        self._last_hosts = frozenset(hosts)
+        return self._last_hosts
 
     @staticmethod
     def _holdings(tenant: ServeTenant):
