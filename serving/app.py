@@ -223,15 +223,13 @@ class Ingress:
         if self.live <= 0:
             return None, unavailable("no generation replica: its GPUs went back to training; retry later",
                                      self.args.retry_after_s)
-        try:
-            return await self._forward_once(prompt, max_tokens, temperature, seed)
-        except REPLICA_LOST:
-            pass                                 # its node died under it (a hard loss): nothing was generated
-        try:
-            if self.live > 0:
+        for attempt in range(2):                 # a replica lost under it (a hard loss) generated nothing
+            if attempt and self.live <= 0:
+                break
+            try:
                 return await self._forward_once(prompt, max_tokens, temperature, seed)
-        except REPLICA_LOST:
-            pass
+            except REPLICA_LOST:
+                continue
         return None, unavailable("the replica generating it was lost with its node before it answered; "
                                  "retry later", self.args.retry_after_s)
 
