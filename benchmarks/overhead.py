@@ -1,6 +1,6 @@
-"""Training overhead: spotfill's elastic Ray Train loop vs a plain `deepspeed.initialize` loop, same run.
+"""Training overhead: spotfill's elastic Ray Train loop vs a plain `deepspeed.initialize` loop, side by side.
 
-    python benchmarks/overhead.py [--preset tiny] [--seconds 30] [--quick] [--json PATH]
+    python benchmarks/overhead.py [--preset tiny] [--seconds 30] [--quick] [--rounds N] [--json PATH]
 
 Both sides train the same model on the same prepared data (spotfill's prepare() of the stdlib `json`
 package's sources), with the same global batch, micro-batch and accumulation, the same DeepSpeed config
@@ -10,17 +10,18 @@ niceness 15, so on a machine other work keeps busy a plain loop at 0 would outru
 
   spotfill  TrainingJob.fit() on a local Ray cluster (ray.cluster_utils.Cluster: a head and one node with
             {"GPU_SLOT": 1}; cluster.gpu_resource=GPU_SLOT, workers [1, 1], one checkpoint at the end).
-            Steady-state tokens/s comes from RUN_DIR/events.jsonl: the wall time between the step events
-            after the first `skip` steps, excluding the last step (its synchronous final checkpoint).
-            `spotfill_step_tokens_s` is the same over the events' own step_s (loop body only).
-  plain     the same steps in a plain loop (batch built inline, no Ray) in a fresh interpreter, run once
-            before the first spotfill run (it also sizes the run to `seconds`) and once after each; the
-            step window is the same.
+  plain     the same steps in a plain loop (batch built inline, no Ray) in a fresh interpreter, started
+            first (its first steps size the run).
 
-Rounds (`--rounds`, 1 quick, 2 otherwise): plain, spotfill, plain[, spotfill, plain ...]. Each round's ratio
-is its spotfill rate over the mean of the two plain runs around it (`rounds`), so the machine's drift over
-the bench (this one is shared: plain runs minutes apart differed by up to 9%) cancels; `ratio` is their
-median.
+Time slices: the two processes run at the same time but take turns. The bench stops one with SIGSTOP and
+lets the other run for a slice (`slice_s`: 2 s, or 10 plain steps where a step is longer), then swaps:
+plain, spotfill, plain, ... plain (`--rounds` spotfill slices, sized from `seconds`). A slice's rate counts
+only the steps that ran wholly inside it (from each side's own step end times: spotfill's step events,
+the plain loop's clock), so a step cut by a stop is left out. Round i's ratio is spotfill slice i's rate
+over the mean of the plain slices just before and after it; `ratio` is their median. Both sides see the
+same machine within seconds of each other: this machine's speed drifts by up to 14% between runs minutes
+apart, which separate runs (the earlier method) charged to one side or the other. Spotfill's start-up, its
+first `skip` steps and its final synchronous checkpoint run outside the slices.
 
 Both sides also time each micro-batch's forward+backward and optimizer step (`spotfill_ms`, `plain_ms`;
 `plain_optimizer` names what plain DeepSpeed built: FusedAdam for the config's "AdamW"), so a difference in
@@ -34,19 +35,25 @@ whose step takes a second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `spotfill` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import REPO, median, quiet_deepspeed, rnd, single_rank_dist, subprocess_env  # noqa: E402
+
+SLICE_MIN_S = 2.0     # a time slice lasts at least this long,
+SLICE_STEPS = 10      # and at least this many plain steps
 
 
 def job_config(preset: str, data: str, storage: str, run_dir: str, steps: int, global_batch: int,
@@ -65,9 +72,11 @@ def job_config(preset: str, data: str, storage: str, run_dir: str, steps: int, g
 
 
 # -- plain DeepSpeed ------------------------------------------------------------------------------
-def plain_loop(job, steps: int | None = None, seconds: float | None = None, warmup: int = 5) -> dict:
-    """Train `steps` steps (or until `seconds` pass after `warmup` steps) in a plain deepspeed.initialize
-    loop, world size 1, in this process. Returns per-step wall times and the batch shape."""
+def plain_loop(job, steps: int | None = None, warmup: int = 5, ready_path: str | None = None,
+               stop_path: str | None = None, calib_s: float = 2.0) -> dict:
+    """Train in a plain deepspeed.initialize loop, world size 1, in this process: `steps` steps, or until
+    `stop_path` exists (checked once `ready_path` is written: `calib_s` after `warmup` steps, with the
+    median step time so far). Returns per-step wall times, end times (unix s) and the batch shape."""
     import deepspeed
     import numpy as np
     import torch
@@ -92,9 +101,9 @@ def plain_loop(job, steps: int | None = None, seconds: float | None = None, warm
                 model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                 config=ds_config(job, shape.micro_batch, shape.accum, "fp32", False))
             vocab = model.cfg.vocab_size
-            times, losses, fbs, opts = [], [], [], []
+            times, ends, losses, fbs, opts = [], [], [], [], []
             limit = steps if steps is not None else t.steps
-            t_measure = None
+            t_measure, ready = None, ready_path is None
             for step in range(limit):
                 ts = time.perf_counter()
                 mbs = rank_micro_batches(step, shape, 0)
@@ -112,78 +121,149 @@ def plain_loop(job, steps: int | None = None, seconds: float | None = None, warm
                     fb, opt = fb + tb - tm, opt + time.perf_counter() - tb
                     loss_sum += loss.item()
                 times.append(time.perf_counter() - ts)
+                ends.append(time.time())
                 fbs.append(fb)
                 opts.append(opt)
                 losses.append(loss_sum / shape.accum)
                 if step + 1 == warmup:
                     t_measure = time.perf_counter()
-                if steps is None and seconds is not None and t_measure is not None and \
-                        time.perf_counter() - t_measure >= seconds:
+                if not ready and t_measure is not None and time.perf_counter() - t_measure >= calib_s:
+                    _write_json(ready_path, {"step_s": median(times[warmup:])})
+                    ready = True
+                elif stop_path is not None and ready and os.path.exists(stop_path):
                     break
             base = getattr(engine.optimizer, "optimizer", engine.optimizer)   # under ZeRO's wrapper
             optimizer = type(base).__name__ + (" (fused)" if getattr(base, "defaults", {}).get("fused") else "")
-            return {"step_s": times, "forward_backward_s": fbs, "optimizer_s": opts, "optimizer": optimizer,
-                    "loss": losses, "micro_batch": shape.micro_batch,
+            return {"step_s": times, "end_t": ends, "forward_backward_s": fbs, "optimizer_s": opts,
+                    "optimizer": optimizer, "loss": losses, "micro_batch": shape.micro_batch,
                     "accum": shape.accum, "seq_len": reader.seq_len, "params": count_params(model),
                     "threads": torch.get_num_threads()}
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def run_plain_subprocess(job, threads: int, steps: int | None = None, seconds: float | None = None,
-                         warmup: int = 5, timeout_s: float = 600, niceness: int = 0) -> dict:
-    """plain_loop in a fresh interpreter with `threads` torch/OpenMP threads, at CPU `niceness`."""
-    work = tempfile.mkdtemp(prefix="spotfill-bench-plainrun-")
-    try:
-        spec, out = os.path.join(work, "spec.json"), os.path.join(work, "out.json")
+def _write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+class PlainProcess:
+    """plain_loop in a fresh interpreter with `threads` torch/OpenMP threads, at CPU `niceness`, stepping
+    until stop(): ready() waits for its calibration (the median step time after warm-up)."""
+
+    def __init__(self, job, threads: int, niceness: int = 0, warmup: int = 5, calib_s: float = 2.0):
         import dataclasses
-        with open(spec, "w") as f:
-            json.dump({"job": dataclasses.asdict(job), "steps": steps, "seconds": seconds,
-                       "warmup": warmup}, f)
+        self._work = tempfile.mkdtemp(prefix="spotfill-bench-plainrun-")
+        spec, self._out = os.path.join(self._work, "spec.json"), os.path.join(self._work, "out.json")
+        self._ready, self._stop = os.path.join(self._work, "ready.json"), os.path.join(self._work, "stop")
+        _write_json(spec, {"job": dataclasses.asdict(job), "warmup": warmup, "calib_s": calib_s,
+                           "ready": self._ready, "stop": self._stop})
         env = subprocess_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.overhead", "--plain-spec", spec,
-                               "--json", out], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout_s, preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
-        if proc.returncode != 0:
-            raise RuntimeError(f"plain DeepSpeed loop failed ({proc.returncode}): {proc.stderr[-1500:]}")
-        with open(out) as f:
+        self._log = open(os.path.join(self._work, "log.txt"), "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.overhead", "--plain-spec", spec,
+                                      "--json", self._out], cwd=REPO, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT,
+                                     preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
+        self.pid = self.proc.pid
+
+    def ready(self, timeout_s: float = 300) -> float:
+        """The plain loop's median step time (s) once it has calibrated."""
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(self._ready):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"plain DeepSpeed loop failed ({self.proc.returncode}): {self._tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"plain DeepSpeed loop not ready after {timeout_s:.0f}s: {self._tail()}")
+            time.sleep(0.1)
+        with open(self._ready) as f:
+            return json.load(f)["step_s"]
+
+    def stop(self, timeout_s: float = 300) -> dict:
+        """Let it run (SIGCONT), tell it to stop after its step, and return plain_loop's result."""
+        open(self._stop, "w").close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise RuntimeError(f"plain DeepSpeed loop did not stop in {timeout_s:.0f}s")
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"plain DeepSpeed loop failed ({self.proc.returncode}): {self._tail()}")
+        with open(self._out) as f:
             return json.load(f)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+    def _tail(self) -> str:
+        self._log.flush()
+        with open(self._log.name, errors="replace") as f:
+            return f.read()[-1500:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self._work, ignore_errors=True)
 
 
-# -- spotfill -------------------------------------------------------------------------------------
-def steady_rates(step_events: list[dict], skip: int) -> dict:
-    """tokens/s from step events (sorted by step): wall time between events `skip`..n-2 (the last step
-    holds the final synchronous checkpoint), and the same tokens over the events' own step_s."""
-    evs = sorted(step_events, key=lambda e: e["step"])[skip:-1]
-    if len(evs) < 3:
-        raise RuntimeError(f"too few steady steps to measure ({len(evs)})")
-    tokens = sum(e["tokens"] for e in evs[1:])
-    wall = evs[-1]["t"] - evs[0]["t"]
-    return {"wall_tokens_s": tokens / wall, "step_tokens_s": tokens / sum(e["step_s"] for e in evs[1:]),
-            "steps": len(evs) - 1, "mean_step_s": wall / (len(evs) - 1),
-            "mean_data_wait_s": sum(e["data_wait_s"] for e in evs[1:]) / (len(evs) - 1),
-            "mean_compute_s": sum(e["compute_s"] for e in evs[1:]) / (len(evs) - 1),
-            "mean_forward_backward_s": _mean(e.get("forward_backward_s") for e in evs[1:]),
-            "mean_optimizer_s": _mean(e.get("optimizer_s") for e in evs[1:]),
-            "mean_loop_s": sum(e["step_s"] for e in evs[1:]) / (len(evs) - 1)}
+# -- time slices ----------------------------------------------------------------------------------
+def window_rate(ends: list[float], start: float, stop: float, tokens_per_step: int) -> tuple[float, int] | None:
+    """tokens/s of the steps that ran wholly inside [start, stop]: those whose own start (the previous
+    step's end) and end both lie in it; (rate, steps), or None with fewer than 2 such steps. A step cut
+    by the window's edge (or a SIGSTOP) is left out, whatever its length."""
+    inside = [t for t in sorted(ends) if start <= t <= stop]
+    if len(inside) < 3:
+        return None
+    return tokens_per_step * (len(inside) - 1) / (inside[-1] - inside[0]), len(inside) - 1
 
 
-def _mean(xs) -> float | None:
-    xs = list(xs)
-    return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)
+def steps_in(ends: list[float], windows: list[tuple[float, float]]) -> list[int]:
+    """Indices of the steps (by their end times, in step order) that ran wholly inside one of `windows`:
+    the step's end and the previous step's end in the same window."""
+    out = []
+    for i in range(1, len(ends)):
+        if any(a <= ends[i - 1] and ends[i] <= b for a, b in windows):
+            out.append(i)
+    return out
 
 
-def plain_rates(run: dict, tokens_per_step: int, skip: int, upto: int | None = None) -> dict:
-    """The same window as steady_rates: steps skip+1 .. upto-2 (plain step times are whole iterations);
-    `run` is plain_loop's result."""
-    cut = slice(skip + 1, (upto - 1) if upto else None)
-    window = run["step_s"][cut]
-    return {"tokens_s": tokens_per_step * len(window) / sum(window), "steps": len(window),
-            "mean_step_s": sum(window) / len(window),
-            "mean_forward_backward_s": _mean(run.get("forward_backward_s", [None])[cut]),
-            "mean_optimizer_s": _mean(run.get("optimizer_s", [None])[cut])}
+class Slicer:
+    """Takes turns between two processes with SIGSTOP/SIGCONT: plain, spotfill, ..., plain. Each slice's
+    window is recorded (unix s). `spotfill_done()` ends the turns early (after a plain slice) once spotfill
+    nears its last steps. Both processes are left running, whatever happens."""
+
+    def __init__(self, plain_pid: int, spotfill_pid: int, slice_s: float, rounds: int):
+        self.pids = {"plain": plain_pid, "spotfill": spotfill_pid}
+        self.slice_s, self.rounds = slice_s, rounds
+        self.windows: dict[str, list[tuple[float, float]]] = {"plain": [], "spotfill": []}
+
+    def run(self, spotfill_done) -> None:
+        try:
+            for side in ("plain", "spotfill"):
+                os.kill(self.pids[side], signal.SIGSTOP)
+            for r in range(self.rounds):
+                self._slice("plain")
+                self._slice("spotfill")
+                if spotfill_done():
+                    break
+            self._slice("plain")
+        finally:
+            for pid in self.pids.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+    def _slice(self, side: str) -> None:
+        pid = self.pids[side]
+        os.kill(pid, signal.SIGCONT)
+        start = time.time()
+        time.sleep(self.slice_s)
+        stop = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        self.windows[side].append((start, stop))
 
 
 def worker_probe(gpu_resource: str = "GPU_SLOT") -> tuple[int, int]:
@@ -216,12 +296,11 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
 
     say = progress or (lambda msg: None)
     seconds = seconds or (15.0 if quick else 40.0)
-    rounds = rounds or (1 if quick else 2)
     t_start = time.perf_counter()
     work = tempfile.mkdtemp(prefix="spotfill-bench-overhead-")
     job_name = f"bench-overhead-{os.path.basename(work).rsplit('-', 1)[-1]}"
     data = os.path.join(work, "data")
-    cluster = None
+    cluster, plain = None, None
     try:
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
         cluster.add_node(num_cpus=1, resources={"GPU_SLOT": 1})
@@ -239,76 +318,118 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
             return job_config(preset, data, os.path.join(work, f"ckpt-{tag}"), os.path.join(work, tag),
                               steps, global_batch, max_micro_batch, name=job_name)
 
-        # plain #1: also sizes the run so the steady window lasts about `seconds`
-        calib = run_plain_subprocess(job_for(10 ** 6, "plain1"), threads, seconds=seconds, warmup=skip + 1,
-                                     niceness=niceness)
-        step_s = median(calib["step_s"][skip + 1:])
-        steps = skip + 2 + max(10, math.ceil(seconds / step_s))
-        tokens_per_step = global_batch * calib["seq_len"]
-        plains = [plain_rates(calib, tokens_per_step, skip)]
-        say(f"plain #1: {tokens_per_step / step_s:.0f} tokens/s ({step_s * 1e3:.1f} ms/step); "
-            f"spotfill runs {steps} steps, {rounds} round(s)")
-        fits = []
-        for r in range(rounds):   # spotfill, then plain again: each spotfill run between two plain ones
-            job = job_for(steps, f"spotfill{r}")
-            t0 = time.perf_counter()
-            report = TrainingJob(job).fit()
-            fit_s = time.perf_counter() - t0
-            events = list(read_events(os.path.join(job.run_dir, "events.jsonl")))
-            start = next((e for e in events if e["kind"] == "start"), {})
-            fits.append({"rates": steady_rates([e for e in events if e["kind"] == "step"], skip),
-                         "fit_s": fit_s, "startup_s": start.get("startup_s"), "report": report})
-            shutil.rmtree(os.path.join(constants.LOCAL_DIR, job_name), ignore_errors=True)
-            say(f"spotfill #{r + 1}: {fits[-1]['rates']['wall_tokens_s']:.0f} tokens/s "
-                f"({fits[-1]['rates']['mean_step_s'] * 1e3:.1f} ms/step), fit {fit_s:.1f}s")
-            last_plain = run_plain_subprocess(job_for(steps, f"plain{r + 2}"), threads, steps=steps,
-                                              niceness=niceness)
-            plains.append(plain_rates(last_plain, tokens_per_step, skip, upto=steps))
-            say(f"plain #{r + 2}: {plains[-1]['tokens_s']:.0f} tokens/s")
+        plain = PlainProcess(job_for(10 ** 7, "plain"), threads, niceness, warmup=skip + 1)
+        step_s = plain.ready()
+        os.kill(plain.pid, signal.SIGSTOP)      # spotfill starts up alone
+        slice_s = max(SLICE_MIN_S, SLICE_STEPS * step_s)
+        rounds = rounds or max(3, math.ceil(seconds / slice_s))
+        # spotfill's steps: its warm-up, the slices (25% slack for a slower side) and the final checkpoint
+        steps = skip + 3 + math.ceil(1.25 * rounds * slice_s / step_s) + 5
+        say(f"plain: {step_s * 1e3:.1f} ms/step; spotfill runs {steps} steps; {rounds} rounds of "
+            f"{slice_s:.1f} s slices")
+        job = job_for(steps, "spotfill")
+        slicer_out: dict = {}
+        turns = threading.Thread(target=_take_turns, args=(job.run_dir, plain.pid, slice_s, rounds, skip,
+                                                           steps, slicer_out), daemon=True)
+        turns.start()
+        report = TrainingJob(job).fit()
+        turns.join(timeout=60)
+        plain_run = plain.stop()
+        if "error" in slicer_out:
+            raise RuntimeError(f"time slices failed: {slicer_out['error']}")
+        events = list(read_events(os.path.join(job.run_dir, "events.jsonl")))
+        result = slice_results(events, plain_run, slicer_out["windows"], global_batch)
+        say(f"spotfill {result['spotfill_tokens_s']:.0f} tokens/s vs plain {result['plain_deepspeed_tokens_s']:.0f}"
+            f" over {len(result['rounds'])} rounds: ratio {result['ratio']:.3f}")
     finally:
+        if plain is not None:
+            plain.close()
         if ray.is_initialized():
             ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(os.path.join(constants.LOCAL_DIR, job_name), ignore_errors=True)  # workers' node-local dir
-    per_round = round_ratios([f["rates"]["wall_tokens_s"] for f in fits], [p["tokens_s"] for p in plains])
-    ours = {k: _mean(f["rates"][k] for f in fits) for k in fits[0]["rates"]}   # the mean over rounds
-    ours["steps"] = fits[0]["rates"]["steps"]
-    report, fit_s = fits[-1]["report"], fits[0]["fit_s"]
-    plain_tokens_s = _mean(p["tokens_s"] for p in plains)
-    plain_step = _mean(p["mean_step_s"] for p in plains)
+    start = next((e for e in events if e["kind"] == "start"), {})
+    return {**result, "model": preset, "params": plain_run["params"], "global_batch": global_batch,
+            "micro_batch": plain_run["micro_batch"], "accum": plain_run["accum"], "seq_len": plain_run["seq_len"],
+            "world_size": 1, "torch_threads": threads, "cpu_niceness": niceness, "steps": steps, "skip": skip,
+            "slice_s": rnd(slice_s, 3), "plain_optimizer": plain_run.get("optimizer"),
+            "spotfill_startup_s": start.get("startup_s"),
+            "final_loss": {"spotfill": report["training"]["final_loss"], "plain": rnd(plain_run["loss"][-1], 6)},
+            "seconds": round(time.perf_counter() - t_start, 1)}
 
-    def both(key: str) -> float | None:
-        value = _mean(p[key] for p in plains)
-        return None if value is None else rnd(value * 1e3, 3)
+
+def _take_turns(run_dir: str, plain_pid: int, slice_s: float, rounds: int, skip: int, steps: int,
+                out: dict) -> None:
+    """The slicer's thread: wait for spotfill's rank 0 to pass its first `skip` steps (its pid from the
+    start event), then take turns; out["windows"] or out["error"]."""
+    try:
+        path = os.path.join(run_dir, "events.jsonl")
+        deadline = time.monotonic() + 600
+        pid, last = None, 0
+        while time.monotonic() < deadline and (pid is None or last <= skip + 1):
+            pid, last = _progress(path, pid, last)
+            time.sleep(0.05)
+        if pid is None or last <= skip + 1:
+            raise RuntimeError("spotfill's worker did not reach its steady steps in 600 s")
+        slicer = Slicer(plain_pid, pid, slice_s, rounds)
+        slicer.run(lambda: _progress(path, pid, last)[1] >= steps - 3)
+        out["windows"] = slicer.windows
+    except Exception as exc:  # noqa: BLE001 -- reported by bench_overhead after fit() returns
+        out["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _progress(path: str, pid: int | None, last: int) -> tuple[int | None, int]:
+    """(rank 0's pid, the newest step) from the run's events so far; a second worker group is an error."""
+    from spotfill.telemetry.events import read_events
+    if not os.path.exists(path):
+        return pid, last
+    for e in read_events(path):
+        if e["kind"] in ("start", "resume"):
+            if pid is not None and e.get("pid") != pid:
+                raise RuntimeError("spotfill's worker group restarted during the bench")
+            pid = e.get("pid")
+        elif e["kind"] == "step":
+            last = max(last, e["step"])
+    return pid, last
+
+
+def slice_results(events: list[dict], plain_run: dict, windows: dict, global_batch: int) -> dict:
+    """Rates per slice and per round (round_ratios), and each side's step breakdown over the steps that ran
+    inside its slices."""
+    steps = sorted((e for e in events if e["kind"] == "step"), key=lambda e: e["step"])
+    tokens = global_batch * plain_run["seq_len"]
+    sf_ends, pl_ends = [e["t"] for e in steps], plain_run["end_t"]
+    sf = [window_rate(sf_ends, a, b, tokens) for a, b in windows["spotfill"]]
+    pl = [window_rate(pl_ends, a, b, tokens) for a, b in windows["plain"]]
+    if any(r is None for r in sf + pl):
+        raise RuntimeError(f"a slice held fewer than 2 whole steps (spotfill {sf}, plain {pl})")
+    per_round = round_ratios([r[0] for r in sf], [r[0] for r in pl])
+    sf_idx, pl_idx = steps_in(sf_ends, windows["spotfill"]), steps_in(pl_ends, windows["plain"])
+    ours = [steps[i] for i in sf_idx]
+    sf_rate, pl_rate = _mean(r[0] for r in sf), _mean(r[0] for r in pl)
+
+    def plain_ms(key: str) -> float:
+        return rnd(_mean(plain_run[key][i] for i in pl_idx) * 1e3, 3)
+
+    def ours_ms(key: str) -> float | None:
+        return rnd(_ms(_mean(e.get(key) for e in ours)), 3)
+    loop_s = _mean(e["step_s"] for e in ours)
     return {
-        "spotfill_tokens_s": rnd(ours["wall_tokens_s"], 1),
-        "plain_deepspeed_tokens_s": rnd(plain_tokens_s, 1),
+        "spotfill_tokens_s": rnd(sf_rate, 1),
+        "plain_deepspeed_tokens_s": rnd(pl_rate, 1),
         "ratio": rnd(median([r["ratio"] for r in per_round]), 4),
         "rounds": [{k: rnd(v, 4 if k == "ratio" else 1) for k, v in r.items()} for r in per_round],
-        "spotfill_step_tokens_s": rnd(ours["step_tokens_s"], 1),
-        "step_ratio": rnd(ours["step_tokens_s"] / plain_tokens_s, 4),
-        "per_step_overhead_ms": rnd((ours["mean_step_s"] - plain_step) * 1e3, 3),
-        "model": preset, "params": calib["params"], "global_batch": global_batch,
-        "micro_batch": calib["micro_batch"], "accum": calib["accum"], "seq_len": calib["seq_len"],
-        "world_size": 1, "torch_threads": threads, "cpu_niceness": niceness, "steps": steps, "skip": skip,
-        "steady_steps": ours["steps"],
-        "spotfill_ms": {"step": rnd(ours["mean_step_s"] * 1e3, 3),
-                        "loop_body": rnd(ours["mean_loop_s"] * 1e3, 3),
-                        "data_wait": rnd(ours["mean_data_wait_s"] * 1e3, 3),
-                        "compute": rnd(ours["mean_compute_s"] * 1e3, 3),
-                        "forward_backward": rnd(_ms(ours["mean_forward_backward_s"]), 3),
-                        "optimizer": rnd(_ms(ours["mean_optimizer_s"]), 3)},
-        "plain_ms": {"step": rnd(plain_step * 1e3, 3), "forward_backward": both("mean_forward_backward_s"),
-                     "optimizer": both("mean_optimizer_s"),
-                     "runs": [rnd(p["mean_step_s"] * 1e3, 3) for p in plains]},
-        "plain_optimizer": last_plain.get("optimizer"),
-        "plain_tokens_s_runs": [rnd(p["tokens_s"], 1) for p in plains],
-        "spotfill_startup_s": fits[0]["startup_s"], "spotfill_fit_s": rnd(fit_s, 2),
-        "final_loss": {"spotfill": report["training"]["final_loss"],
-                       "plain": rnd(last_plain["loss"][-1], 6)},
-        "seconds": round(time.perf_counter() - t_start, 1),
+        "spotfill_step_tokens_s": rnd(tokens / loop_s, 1),
+        "step_ratio": rnd(tokens / loop_s / pl_rate, 4),
+        "per_step_overhead_ms": rnd((tokens / sf_rate - tokens / pl_rate) * 1e3, 3),
+        "steady_steps": len(ours), "plain_steady_steps": len(pl_idx),
+        "spotfill_ms": {"step": rnd(tokens / sf_rate * 1e3, 3), "loop_body": rnd(loop_s * 1e3, 3),
+                        "data_wait": ours_ms("data_wait_s"), "compute": ours_ms("compute_s"),
+                        "forward_backward": ours_ms("forward_backward_s"), "optimizer": ours_ms("optimizer_s")},
+        "plain_ms": {"step": rnd(tokens / pl_rate * 1e3, 3), "loop_body": plain_ms("step_s"),
+                     "forward_backward": plain_ms("forward_backward_s"), "optimizer": plain_ms("optimizer_s")},
     }
 
 
@@ -326,6 +447,11 @@ def round_ratios(spotfill_tokens_s: list[float], plain_tokens_s: list[float]) ->
     return out
 
 
+def _mean(xs) -> float | None:
+    xs = list(xs)
+    return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)
+
+
 def _ms(s: float | None) -> float | None:
     return None if s is None else s * 1e3
 
@@ -333,12 +459,12 @@ def _ms(s: float | None) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/overhead.py", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--seconds", type=float, help="steady-state seconds per side (default 15 quick, 40)")
+    parser.add_argument("--seconds", type=float, help="seconds of time slices per side (default 15 quick, 40)")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--max-micro-batch", type=int, default=8)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rounds", type=int, help="spotfill runs, each between two plain runs (default 1 "
-                        "quick, 2)")
+    parser.add_argument("--rounds", type=int, help="spotfill time slices, each between two plain ones (default: "
+                        "as many as --seconds fills, at least 3)")
     parser.add_argument("--json", help="also write the result to this file")
     parser.add_argument("--plain-spec", help=argparse.SUPPRESS)  # internal: run plain_loop from a spec
     args = parser.parse_args(argv)
@@ -346,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         from spotfill.config.job import JobConfig, from_mapping
         with open(args.plain_spec) as f:
             spec = json.load(f)
-        result = plain_loop(from_mapping(JobConfig, spec["job"]), spec["steps"], spec["seconds"],
-                            spec["warmup"])
+        result = plain_loop(from_mapping(JobConfig, spec["job"]), warmup=spec["warmup"], ready_path=spec["ready"],
+                            stop_path=spec["stop"], calib_s=spec["calib_s"])
     else:
         result = bench_overhead(args.quick, args.preset, args.seconds, args.global_batch,
                                 args.max_micro_batch, rounds=args.rounds,

@@ -1,4 +1,4 @@
-"""The overhead benchmark's interleaved rounds: each spotfill run is compared with the plain runs around it,
+"""The overhead benchmark's rounds: each spotfill time slice is compared with the plain slices around it,
 on hand-made rates whose machine speed drifts over the bench."""
 from __future__ import annotations
 

@@ -140,3 +140,18 @@ def test_each_node_has_its_own_local_root_even_when_node_ids_share_a_long_prefix
     roots = [node_local_root("job", i) for i in ids]
     assert len(set(roots)) == 3, roots
     assert node_local_root("job", ids[1]) == roots[1]          # the same node finds its folder again
+
+
+def test_a_world_of_one_rank_exchanges_nothing():
+    # no process group is initialised here: any torch.distributed collective would raise
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    comms = worker_loop._Comms(1)
+    flags = torch.tensor([2.5, 1.0, 1700000000.0, 3.0], dtype=torch.float64)
+    assert comms.gather_flags(flags) == [[2.5, 1.0, 1700000000.0, 3.0]]
+    feeds = np.arange(6).reshape(2, 3)
+    assert comms.gather_objects(feeds)[0] is feeds and len(comms.gather_objects(feeds)) == 1
+    assert comms.bcast({"attempt": 4}) == {"attempt": 4}
+    comms.barrier()
+    with pytest.raises((RuntimeError, ValueError)):
+        worker_loop._Comms(2).gather_flags(flags)     # two ranks do need the process group

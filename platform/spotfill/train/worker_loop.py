@@ -56,22 +56,31 @@ class _Comms:
         self.dist, self.torch, self.world = dist, torch, world
         self._gathered: list | None = None
 
+    # A world of one rank has no peer to exchange with: each collective returns its own value (a gloo
+    # all_gather at world size 1 cost 0.11 ms of a 25 ms tiny-model step).
     def bcast(self, obj):
+        if self.world == 1:
+            return obj
         buf = [obj]
         self.dist.broadcast_object_list(buf, src=0)
         return buf[0]
 
     def barrier(self):
-        self.dist.barrier()
+        if self.world > 1:
+            self.dist.barrier()
 
     def gather_flags(self, flags) -> list[list[float]]:
         """Every rank's flags row; the step's one collective and its one host sync."""
+        if self.world == 1:
+            return [flags.tolist()]
         if self._gathered is None:
             self._gathered = [self.torch.empty_like(flags) for _ in range(self.world)]
         self.dist.all_gather(self._gathered, flags)
         return self.torch.stack(self._gathered).tolist()
 
     def gather_objects(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
         out = [None] * self.world
         self.dist.all_gather_object(out, obj)
         return out
@@ -131,7 +140,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
                           from_world_size=plan.world_size or None, universal=plan.universal,
                           zero_elastic=plan.elastic,
                           restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
-                          startup_s=round(time.time() - t_start, 3), precision=precision, **flops, **device,
+                          startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision,
+                          **flops, **device,
                           **_start_marks(t_start, t_restored, t_imported, t_engine))
 
     # Spares for the next group, after this group's first step (which ends a start or a recovery: the
