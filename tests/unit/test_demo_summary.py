@@ -35,3 +35,17 @@ def test_summary_has_batch_and_sweep_lines():
     assert ("sweep fill-in: 2 of 2 trials completed, 1 paused and 1 resumed from their checkpoints; "
             "best {'lr': 0.001} (eval_loss 4.500)") in lines
     assert any(ln.startswith("fill-in leases: 1, given back: batch 1 (to training 0.50s)") for ln in lines)
+
+
+def test_summary_says_a_notice_that_restarted_nothing():
+    report = {
+        "training": {"steps_completed": 10, "steps_target": 10, "final_loss": 3.0, "world_size_timeline": [[0, 4]],
+                     "samples": {"consumed": 120, "duplicates": 0, "missing": 0}},
+        "preemptions": [{"kind": "announced", "action": "drain_node", "node": 2, "picked": "most_lent",
+                         "affected": False, "lost_steps": 0, "recovery_seconds": None, "emergency_checkpoint": False,
+                         "steps_after": 1}],
+        "checkpoints": {"committed": 1, "stall_seconds_max": 0.1}, "ok": True, "seconds": 5}
+    lines = summarize(report).splitlines()
+    assert ("announced (drain_node node 2, the node fill-in used most): training did not restart after it "
+            "(1 step(s) ran after it, then training finished)") in lines
+    assert not any("stepping again after n/a" in ln for ln in lines)

@@ -76,6 +76,13 @@ def test_event_after_the_last_restart_affected_nothing():
     assert node_event_outcome(_timeline(), fired_at=140.0)["affected"] is False
 
 
+def test_an_event_training_outran_says_how_many_steps_ran_after_it():
+    # fired while the last attempt stepped: steps 79 and 80 (t 132.9, 133.0) ran after it, then the finish
+    out = node_event_outcome(_timeline(), fired_at=132.85)
+    assert out["affected"] is False and out["steps_after"] == 2
+    assert node_event_outcome(_timeline(), fired_at=140.0)["steps_after"] == 0
+
+
 def test_grow_outcome():
     out = grow_outcome(_timeline(), fired_at=112.0)
     assert out["grew"] and out["world_size_after"] == 4 and out["lost_steps"] == 0

@@ -29,6 +29,10 @@ def summarize(report: dict) -> str:
         rec = f"{p['recovery_seconds']:.1f}s" if p.get("recovery_seconds") is not None else "n/a"
         picked = {"most_training": ", the node training used most", "most_lent": ", the node fill-in used most"
                   }.get(p.get("picked") or "", "")
+        if not p.get("affected", True):
+            lines.append(f"{p['kind']} ({p['action']} node {p['node']}{picked}): training did not restart after it "
+                         f"({p.get('steps_after', 0)} step(s) ran after it, then training finished)")
+            continue
         lines.append(f"{p['kind']} ({p['action']} node {p['node']}{picked}): lost {p['lost_steps']} steps, stepping "
                      f"again after {rec}, emergency checkpoint: {p['emergency_checkpoint']}")
     for e in report.get("events", []):
@@ -101,7 +105,7 @@ def run(args) -> int:
         t = scenario.training
         # on an autoscaling cluster the replacement node must launch and training regrow before the end, and
         # the batch job and the sweep (lent GPUs only while training runs there) finish
-        t.steps = max(t.checkpoint_every, min(t.steps, 180 if scenario.cluster.autoscaler else 90))
+        t.steps = max(t.checkpoint_every, min(t.steps, 300 if scenario.cluster.autoscaler else 90))
     from spotfill.sim.runner import run_scenario
     report = run_scenario(scenario, args.out, storage=args.storage)
     print(summarize(report))

@@ -404,6 +404,11 @@ def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 
 # replicas is not known up front. No node is added by the scenario.
 AUTOSCALING_SCENARIO = {
     **DEFAULT_SCENARIO,
+    # Training on 3 workers after the loss steps ~11 steps/s here: from the markets' reopening (step 45) it
+    # must outlast the autoscaler's launch (6-11 s measured) and the grow, or the story's last part -- grown
+    # back to 4, then the spot notice -- has no steps left to happen in (a quick run of 180 steps grew back
+    # at its step 179 and the notice came after its last step)
+    "training": {**DEFAULT_SCENARIO["training"], "steps": 360},
     # All three tenants, sized to finish while training runs: on an autoscaled cluster fill-in lends only on
     # nodes training uses, so what they have not finished when training ends waits for the next run
     # (docs/cluster-lifecycle.md)
