@@ -262,7 +262,8 @@ class Slicer:
         start = time.time()
         time.sleep(self.slice_s)
         stop = time.time()
-        os.kill(pid, signal.SIGSTOP)
+        with contextlib.suppress(ProcessLookupError):   # it ended in its turn (spotfill after its last step)
+            os.kill(pid, signal.SIGSTOP)
         self.windows[side].append((start, stop))
 
 
@@ -398,7 +399,8 @@ def _progress(path: str, pid: int | None, last: int) -> tuple[int | None, int]:
 def slice_results(events: list[dict], plain_run: dict, windows: dict, global_batch: int) -> dict:
     """Rates per slice and per round (round_ratios), and each side's step breakdown over the steps that ran
     inside its slices."""
-    steps = sorted((e for e in events if e["kind"] == "step"), key=lambda e: e["step"])
+    # the last step holds the final synchronous checkpoint: not a step of the loop's steady state
+    steps = sorted((e for e in events if e["kind"] == "step"), key=lambda e: e["step"])[:-1]
     tokens = global_batch * plain_run["seq_len"]
     sf_ends, pl_ends = [e["t"] for e in steps], plain_run["end_t"]
     sf = [window_rate(sf_ends, a, b, tokens) for a, b in windows["spotfill"]]

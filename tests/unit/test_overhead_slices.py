@@ -99,3 +99,17 @@ def test_the_slicer_follows_rank_0_and_refuses_a_restarted_group(tmp_path):
     with pytest.raises(RuntimeError, match="restarted"):
         _progress(path, 4242, 7)
     log.close()
+
+
+def test_a_process_that_ends_in_its_own_turn_ends_the_turns_cleanly():
+    plain = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"])
+    spotfill = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(0.3)"])   # its last step
+    try:
+        slicer = Slicer(plain.pid, spotfill.pid, slice_s=1.0, rounds=5)
+        slicer.run(lambda: spotfill.poll() is not None)
+        assert [len(slicer.windows[s]) for s in ("plain", "spotfill")] == [2, 1]
+        assert spotfill.wait(timeout=5) == 0
+    finally:
+        for p in (plain, spotfill):
+            p.kill()
+            p.wait()
