@@ -366,34 +366,38 @@ def _take_turns(run_dir: str, plain_pid: int, slice_s: float, rounds: int, skip:
     """The slicer's thread: wait for spotfill's rank 0 to pass its first `skip` steps (its pid from the
     start event), then take turns; out["windows"] or out["error"]."""
     try:
-        path = os.path.join(run_dir, "events.jsonl")
+        run = RunProgress(os.path.join(run_dir, "events.jsonl"))
         deadline = time.monotonic() + 600
-        pid, last = None, 0
-        while time.monotonic() < deadline and (pid is None or last <= skip + 1):
-            pid, last = _progress(path, pid, last)
+        while time.monotonic() < deadline and (run.poll().pid is None or run.last <= skip + 1):
             time.sleep(0.05)
-        if pid is None or last <= skip + 1:
+        if run.pid is None or run.last <= skip + 1:
             raise RuntimeError("spotfill's worker did not reach its steady steps in 600 s")
-        slicer = Slicer(plain_pid, pid, slice_s, rounds)
-        slicer.run(lambda: _progress(path, pid, last)[1] >= steps - 3)
+        slicer = Slicer(plain_pid, run.pid, slice_s, rounds)
+        slicer.run(lambda: run.poll().last >= steps - 3)
         out["windows"] = slicer.windows
     except Exception as exc:  # noqa: BLE001 -- reported by bench_overhead after fit() returns
         out["error"] = f"{type(exc).__name__}: {exc}"
 
 
-def _progress(path: str, pid: int | None, last: int) -> tuple[int | None, int]:
-    """(rank 0's pid, the newest step) from the run's events so far; a second worker group is an error."""
-    from spotfill.telemetry.events import read_events
-    if not os.path.exists(path):
-        return pid, last
-    for e in read_events(path):
-        if e["kind"] in ("start", "resume"):
-            if pid is not None and e.get("pid") != pid:
-                raise RuntimeError("spotfill's worker group restarted during the bench")
-            pid = e.get("pid")
-        elif e["kind"] == "step":
-            last = max(last, e["step"])
-    return pid, last
+class RunProgress:
+    """Rank 0's pid and the newest step of a spotfill run, from its events as they are written (each poll
+    reads only the new lines); a second worker group is an error: its steps are not comparable."""
+
+    def __init__(self, path: str):
+        from spotfill.telemetry.events import EventTail
+        self._tail = EventTail(path)
+        self.pid: int | None = None
+        self.last = 0
+
+    def poll(self) -> "RunProgress":
+        for e in self._tail.poll():
+            if e["kind"] in ("start", "resume"):
+                if self.pid is not None and e.get("pid") != self.pid:
+                    raise RuntimeError("spotfill's worker group restarted during the bench")
+                self.pid = e.get("pid")
+            elif e["kind"] == "step":
+                self.last = max(self.last, e["step"])
+        return self
 
 
 def slice_results(events: list[dict], plain_run: dict, windows: dict, global_batch: int) -> dict:
@@ -470,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the result to this file")
     parser.add_argument("--plain-spec", help=argparse.SUPPRESS)  # internal: run plain_loop from a spec
     args = parser.parse_args(argv)
+    for name in ("seconds", "rounds", "global_batch", "max_micro_batch"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')} {value}: must be a positive number")
     if args.plain_spec:
         from spotfill.config.job import JobConfig, from_mapping
         with open(args.plain_spec) as f:

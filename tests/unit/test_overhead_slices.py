@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.overhead import Slicer, _progress, steps_in, window_rate  # noqa: E402
+from benchmarks.overhead import RunProgress, Slicer, steps_in, window_rate  # noqa: E402
 
 
 def test_a_step_cut_by_a_stop_is_left_out_of_the_next_turn():
@@ -90,14 +90,15 @@ def test_slicer_ends_early_after_a_plain_turn_and_never_leaves_a_process_stopped
 def test_the_slicer_follows_rank_0_and_refuses_a_restarted_group(tmp_path):
     from spotfill.telemetry.events import EventLog
     path = str(tmp_path / "events.jsonl")
-    assert _progress(path, None, 0) == (None, 0)             # no events yet
+    run = RunProgress(path)
+    assert (run.poll().pid, run.last) == (None, 0)             # no events yet
     log = EventLog(path)
     log.write("start", step=0, pid=4242)
     log.write_many([{"t": 1.0 + i, "kind": "step", "step": i} for i in range(1, 8)])
-    assert _progress(path, None, 0) == (4242, 7)
+    assert (run.poll().pid, run.last) == (4242, 7)
     log.write("resume", step=5, pid=4343)                     # another process: its steps are not comparable
     with pytest.raises(RuntimeError, match="restarted"):
-        _progress(path, 4242, 7)
+        run.poll()
     log.close()
 
 
@@ -113,3 +114,11 @@ def test_a_process_that_ends_in_its_own_turn_ends_the_turns_cleanly():
         for p in (plain, spotfill):
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--seconds", "-3"], ["--global-batch", "0"]])
+def test_bench_options_refuse_non_positive_values(argv, capsys):
+    from benchmarks.overhead import main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and "must be a positive number" in capsys.readouterr().err

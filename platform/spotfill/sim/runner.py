@@ -20,6 +20,7 @@ from spotfill.config.errors import ConfigError
 from spotfill.sim import fillin_batch, fillin_sweep
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
 from spotfill.sim.scenario import Event, Scenario, pick_node
+from spotfill.telemetry.events import EventTail
 
 log = logging.getLogger(__name__)
 CORPUS_PACKAGES = ("json", "http", "logging", "urllib")
@@ -34,21 +35,15 @@ def default_corpus() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(_json.__file__)))
 
 
-class _Tail:
-    """Reads new lines of events.jsonl as they are written."""
+class _Tail(EventTail):
+    """The run's events so far (`events`), read as they are written."""
 
     def __init__(self, path: str):
-        self.path, self.offset, self.events = path, 0, []
+        super().__init__(path)
+        self.events: list[dict] = []
 
     def poll(self) -> list[dict]:
-        if not os.path.exists(self.path):
-            return []
-        with open(self.path) as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        end = chunk.rfind("\n") + 1
-        self.offset += len(chunk[:end].encode())
-        new = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+        new = super().poll()
         self.events.extend(new)
         return new
 

@@ -63,6 +63,31 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
+class EventTail:
+    """Reads the events appended to an events.jsonl since the last poll, from byte `offset` (where a run's
+    events begin: a run dir may hold older ones). A line still being written waits for the next poll; a
+    line that is not JSON is skipped, as read_events skips a torn last line."""
+
+    def __init__(self, path: str, offset: int = 0):
+        self.path, self.offset = path, offset
+
+    def poll(self) -> list[dict]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in chunk[:end].decode("utf-8", "replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+
 def read_events(path: str, kinds: set[str] | None = None) -> Iterator[dict]:
     if not os.path.exists(path):
         return

@@ -13,13 +13,13 @@ here, library warnings) goes to `console_log` instead of through the panel.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import time
 from typing import Callable
 
+from spotfill.telemetry.events import EventTail
 from spotfill.telemetry.progress import Progress, _clock, _fmt
 
 PREFIX = "[spotfill]"
@@ -191,25 +191,12 @@ class EventFollower:
 
     def __init__(self, path: str, view: LiveView, poll_s: float = 0.5, offset: int = 0):
         self.path, self.view, self.poll_s = path, view, poll_s
-        self._offset = offset              # where this run's events begin (a run dir may hold older ones)
+        self._tail = EventTail(path, offset)   # offset: where this run's events begin
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spotfill-live-view", daemon=True)
 
     def poll(self) -> list[dict]:
-        if not os.path.exists(self.path):
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        end = chunk.rfind(b"\n") + 1           # a line still being written waits for the next poll
-        self._offset += end
-        out = []
-        for line in chunk[:end].decode("utf-8", "replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
+        return self._tail.poll()
 
     def _run(self) -> None:
         while not self._stop.is_set():
