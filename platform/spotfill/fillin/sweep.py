@@ -203,6 +203,8 @@ class SweepControl:
         self.experiment = ""                     # STORAGE/NAME
         self.restored_ids: set[str] = set()      # trial ids an earlier driver created (restore)
         self.restored_pending: set[str] = set()  # restored unfinished trials that have not reported yet
+        self.restore_trials: dict[str, dict] = {}   # restore: the trials of the saved experiment state
+        self.restore_handed_out = 0                 # restore: the configurations those trials account for
 
     def __getstate__(self) -> dict:
         # Tune pickles its config (searcher, scheduler) into the experiment folder; the grant, the lock and
@@ -225,33 +227,25 @@ class SweepControl:
             return sp.plan(self.grant.allowed(), views, self.unstarted)
 
 
-def _check_same_sweep(state: dict, c: SweepControl) -> None:
-    """The saved searcher state of the experiment to restore (GrantSearcher.save) is this sweep's."""
+def _check_same_sweep(check, c: SweepControl) -> int:
+    """The experiment to restore (sweep_state.check_experiment) is this sweep's: its trials are the first
+    configurations of this grid, and the searcher state it saved (GrantSearcher.save) has this grid and
+    these settings. Returns how many configurations its trials account for."""
     from spotfill.config.errors import ConfigError
-    job = {k: c.job.get(k) for k in JOB_KEYS}
-    if state["configs"] != c.configs or state["job"] != job:
-        what = "search grid" if state["configs"] != c.configs else "sweep settings"
-        raise ConfigError("storage", c.experiment,
-                          reason=f"holds an experiment of this name with another {what} "
-                                 f"({state['configs'] if what == 'search grid' else state['job']})",
-                          accepted="the same sweep config to resume it, or another storage/name")
+    from spotfill.fillin import sweep_state
 
-
-def _saved_searcher_state(experiment: str) -> dict | None:
-    """The newest searcher state Tune saved with the experiment (None: none saved)."""
-    import json
-
-    import pyarrow.fs
-    from ray.tune.search import Searcher
-
-    fs, path = pyarrow.fs.FileSystem.from_uri(experiment)
-    prefix, suffix = Searcher.CKPT_FILE_TMPL.split("{}")
-    names = sorted(i.base_name for i in fs.get_file_info(pyarrow.fs.FileSelector(path))
-                   if i.base_name.startswith(prefix) and i.base_name.endswith(suffix))
-    if not names:
-        return None
-    with fs.open_input_stream(f"{path.rstrip('/')}/{names[-1]}") as f:
-        return json.loads(f.readall())
+    job, saved = {k: c.job.get(k) for k in JOB_KEYS}, check.searcher
+    n = sweep_state.handed_out(check.trials, c.configs)
+    if saved is not None and saved["configs"] != c.configs:
+        what, value = "search grid", saved["configs"]
+    elif saved is not None and saved["job"] != job:
+        what, value = "sweep settings", saved["job"]
+    elif n is None:
+        what, value = "search grid", list(check.trials.values())
+    else:
+        return n
+    raise ConfigError("storage", c.experiment, reason=f"holds an experiment of this name with another {what} ({value})",
+                      accepted="the same sweep config to resume it, or another storage/name")
 
 
 def _searcher_class():
@@ -289,16 +283,15 @@ def _searcher_class():
                 json.dump({"configs": c.configs, "job": {k: c.job.get(k) for k in JOB_KEYS},
                            "handed_out": c.handed_out, "config_of": c.config_of}, f)
 
-        def restore(self, checkpoint_path: str):
-            import json
-            with open(checkpoint_path) as f:
-                state = json.load(f)
+        def restore_from_dir(self, checkpoint_dir: str):
+            # Tune calls this after restoring the trials; the state comes from those trials
+            # (run_sweep: sweep_state.check_experiment), not from the newest searcher-state file, which
+            # may be older than them (its newest copy damaged and set aside) or missing
             c = self.control
-            _check_same_sweep(state, c)          # checked before the restore too (Tune swallows errors here)
             with c.lock:
-                c.handed_out = int(state["handed_out"])
-                c.config_of.update(state["config_of"])
-                c.restored_ids = set(state["config_of"])
+                c.handed_out = c.restore_handed_out
+                c.config_of.update(c.restore_trials)
+                c.restored_ids = set(c.restore_trials)
 
         def __setstate__(self, state):
             self.__dict__.update(state)
@@ -508,14 +501,14 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     restoring = tune.Tuner.can_restore(control.experiment)
     if restoring:
         try:
-            saved = _saved_searcher_state(control.experiment)
-            if saved is not None:
-                _check_same_sweep(saved, control)   # Tune would start over on an error while restoring
+            restoring = _prepare_restore(control)
         except BaseException:
             grant.close()
             raise
+    if restoring:
         control.tally.restored = True
-        control.emit("sweep_restore", experiment=control.experiment, cause="driver_restarted")
+        control.emit("sweep_restore", experiment=control.experiment, cause="driver_restarted",
+                     trials=len(control.restore_trials))
         log.info("restoring the sweep experiment at %s", control.experiment)
         _LIVE_CONTROL = control          # the searcher/scheduler Tune unpickles are rebound to it
         tuner = tune.Tuner.restore(control.experiment, trainable, resume_unfinished=True, resume_errored=True)
@@ -540,6 +533,29 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     out.update({"steps_per_trial": s.steps, "seconds": round(time.time() - t0, 2), "storage": cfg.storage,
                 "results": results})
     return out
+
+
+def _prepare_restore(control: SweepControl) -> bool:
+    """Check the experiment an earlier driver left (sweep_state.check_experiment: damaged state files set
+    aside, each reported) and that it is this sweep's (ConfigError if not); False when nothing restorable
+    is left -- the sweep then starts anew, and says why."""
+    from spotfill.fillin import sweep_state
+
+    check = sweep_state.check_experiment(control.experiment)
+    for f in check.set_aside:
+        log.warning("sweep experiment state file %s is damaged (%d bytes: an earlier driver was stopped "
+                    "while saving it); set aside as %s", f["file"], f["bytes"], f["as"])
+        control.emit("sweep_state_damaged", experiment=control.experiment, file=f["file"], set_aside_as=f["as"],
+                     bytes=f["bytes"], cause="partial_write")
+    control.tally.state_set_aside = [f["file"] for f in check.set_aside]
+    if not check.restorable:
+        why = "tuner.pkl damaged" if not check.tuner_intact else "no intact experiment state saved"
+        log.warning("the sweep experiment at %s cannot be restored (%s): starting it anew", control.experiment, why)
+        control.emit("sweep_start_over", experiment=control.experiment, cause="no_restorable_state", detail=why)
+        return False
+    control.restore_handed_out = _check_same_sweep(check, control)
+    control.restore_trials = dict(check.trials)
+    return True
 
 
 def _new_tuner(cfg, trainable, control: SweepControl, callbacks: list | None, every: int):

@@ -124,6 +124,7 @@ class SweepTally:
     restored: bool = False                # this run continued an experiment an earlier driver left
     carried_over: int = 0                 # trials that earlier driver had completed (kept, not rerun)
     restored_trials: int = 0              # its unfinished trials continued here from their last checkpoint
+    state_set_aside: list[str] = field(default_factory=list)   # its damaged state files, renamed NAME.damaged
     pauses: list[dict] = field(default_factory=list)   # {"trial", "at", "step"}
     best: dict | None = None              # {"trial", "config", "metric", "value"}
     mode: str = "min"
@@ -148,7 +149,8 @@ class SweepTally:
         out = {"trials": self.trials, "started": self.started, "completed": self.completed,
                "failed": self.failed, "paused": self.paused, "resumed": self.resumed,
                "recovered": self.recovered, "restored": self.restored, "carried_over": self.carried_over,
-               "restored_trials": self.restored_trials, "best": None}
+               "restored_trials": self.restored_trials, "state_set_aside": list(self.state_set_aside),
+               "best": None}
         if self.best is not None:
             out["best"] = {"config": self.best["config"], "metric": self.best["value"],
                            "metric_name": self.best["metric"], "trial": self.best["trial"]}

@@ -1,0 +1,124 @@
+"""The experiment state an earlier sweep driver left on storage, checked before Tune restores it.
+
+Tune saves its experiment state to a local staging folder and then copies it to storage
+(train/_internal/storage.py `_upload_to_fs_path`: pyarrow `copy_files`, which opens the destination for
+writing and fills it). A driver killed while that copy runs leaves a file on storage that is empty or cut
+short -- seen here: an empty `searcher-state-*.pkl`. Tune's restore reads the newest file of each kind by
+name and fails on a damaged one (json / cloudpickle errors), so such a file would stop every rerun.
+
+`check_experiment` looks at every state file at the experiment's root (`*.json`, `*.pkl`: what Tune's
+restore downloads), sets aside the damaged ones (renamed to NAME.damaged, which Tune neither lists nor
+downloads: nothing is deleted) and returns what the restore goes on from: the trials of the newest intact
+experiment state (the one Tune restores) and the newest intact searcher state. The searcher's own state
+(configurations handed out) is derived from those trials -- each trial is one configuration the searcher
+handed out, and both are saved at the same moment -- so a searcher state older than the experiment state
+(its newest copy set aside) cannot make the sweep hand a configuration out twice.
+
+No Ray here: pyarrow's filesystem and the two formats (JSON; a pickle is checked opcode by opcode, not
+loaded)."""
+from __future__ import annotations
+
+import json
+import pickletools
+from dataclasses import dataclass, field
+
+EXPERIMENT_STATE = ("experiment_state-", ".json")    # TuneController.CKPT_FILE_TMPL
+SEARCHER_STATE = ("searcher-state-", ".pkl")         # Searcher.CKPT_FILE_TMPL (GrantSearcher writes JSON)
+TUNER_FILE = "tuner.pkl"                             # written once, when the experiment is created
+DAMAGED_SUFFIX = ".damaged"
+
+
+def intact(data: bytes) -> bool:
+    """Whether a saved state file is whole: a pickle that runs to its STOP opcode, or a JSON document."""
+    if not data:
+        return False
+    if data[:1] == b"\x80":                        # pickle protocol 2 and later
+        try:
+            ops = list(pickletools.genops(data))
+        except Exception:                          # cut short: an opcode runs past the end
+            return False
+        return bool(ops) and ops[-1][0].name == "STOP"
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
+
+
+def trial_configs(experiment_state: bytes) -> dict[str, dict]:
+    """trial id -> search config, in Tune's order, from an experiment_state-*.json."""
+    out = {}
+    for trial_json, _meta in json.loads(experiment_state)["trial_data"]:
+        trial = json.loads(trial_json)
+        out[trial["trial_id"]] = trial["config"]
+    return out
+
+
+def _of_kind(name: str, kind: tuple[str, str]) -> bool:
+    return name.startswith(kind[0]) and name.endswith(kind[1])
+
+
+@dataclass
+class ExperimentCheck:
+    set_aside: list[dict] = field(default_factory=list)   # {"file", "as", "bytes"}: damaged, renamed
+    trials: dict[str, dict] | None = None      # newest intact experiment state's trials (None: no such state)
+    searcher: dict | None = None               # newest intact searcher state (GrantSearcher.save), or None
+    tuner_intact: bool = True                  # tuner.pkl (Tune cannot restore without it)
+
+    @property
+    def restorable(self) -> bool:
+        return self.tuner_intact and self.trials is not None
+
+
+def check_experiment(experiment: str) -> ExperimentCheck:
+    """Check the state files at the root of `experiment` (a local path or URI), set the damaged ones aside
+    and return what a restore goes on from."""
+    import pyarrow.fs
+
+    fs, root = pyarrow.fs.FileSystem.from_uri(experiment)
+    root = root.rstrip("/")
+    names = sorted(i.base_name for i in fs.get_file_info(pyarrow.fs.FileSelector(root))
+                   if i.type == pyarrow.fs.FileType.File and i.base_name.endswith((".json", ".pkl")))
+    out, taken = ExperimentCheck(), set(names)
+    newest: dict[str, bytes] = {}
+    for name in names:
+        with fs.open_input_stream(f"{root}/{name}") as f:
+            data = f.readall()
+        if not intact(data):
+            target = _free_name(fs, root, name + DAMAGED_SUFFIX, taken)
+            fs.move(f"{root}/{name}", f"{root}/{target}")
+            out.set_aside.append({"file": name, "as": target, "bytes": len(data)})
+            if name == TUNER_FILE:
+                out.tuner_intact = False
+            continue
+        for kind in (EXPERIMENT_STATE, SEARCHER_STATE):
+            if _of_kind(name, kind):
+                newest[kind[0]] = data                # names sort by session time: the last one wins
+    if EXPERIMENT_STATE[0] in newest:
+        out.trials = trial_configs(newest[EXPERIMENT_STATE[0]])
+    if SEARCHER_STATE[0] in newest:
+        out.searcher = json.loads(newest[SEARCHER_STATE[0]])
+    return out
+
+
+def _free_name(fs, root: str, name: str, taken: set[str]) -> str:
+    """`name`, or name.N when a file of that name exists (an earlier rerun set one aside already)."""
+    import pyarrow.fs
+
+    candidate, n = name, 1
+    while candidate in taken or fs.get_file_info(f"{root}/{candidate}").type != pyarrow.fs.FileType.NotFound:
+        candidate, n = f"{name}.{n}", n + 1
+    taken.add(candidate)
+    return candidate
+
+
+def handed_out(trials: dict[str, dict], configs: list[dict]) -> int | None:
+    """How many of `configs` the restored trials account for (the searcher hands them out in order, one
+    trial each), or None when the trials are not `configs`' first ones -- another search grid."""
+    n = len(trials)
+    if n > len(configs):
+        return None
+    key = lambda c: json.dumps(c, sort_keys=True)         # noqa: E731
+    if sorted(map(key, trials.values())) != sorted(map(key, configs[:n])):
+        return None
+    return n

@@ -1,0 +1,93 @@
+"""sweep_state: a sweep experiment's saved state files checked before Tune restores them -- a file an
+earlier driver was killed while copying to storage (empty or cut short) is set aside, never deleted, and
+the restore goes on from the newest intact state."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+
+from spotfill.fillin import sweep_state as ss
+
+CONFIGS = [{"lr": 0.001, "warmup_steps": 0}, {"lr": 0.001, "warmup_steps": 4}, {"lr": 0.003, "warmup_steps": 0}]
+
+
+def experiment_state(trials: dict[str, dict]) -> bytes:
+    """Tune's experiment_state-*.json shape: trial_data = [[trial json, run metadata json], ...]."""
+    data = [[json.dumps({"trial_id": t, "config": c, "status": "TERMINATED"}), json.dumps({"last_result": {}})]
+            for t, c in trials.items()]
+    return json.dumps({"trial_data": data, "runner_data": {}, "stats": {}}).encode()
+
+
+def searcher_state(handed_out: int) -> bytes:
+    return json.dumps({"configs": CONFIGS, "job": {"steps": 40}, "handed_out": handed_out, "config_of": {}}).encode()
+
+
+def write(root, name: str, data: bytes) -> None:
+    with open(os.path.join(root, name), "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("data, whole", [
+    (b"", False),
+    (b'{"trial_data": [["{\\"trial_id', False),                       # JSON cut short
+    (b'{"a": 1}', True),
+    (pickle.dumps({"counter": 2, "finished": False, "x": list(range(100))}, protocol=5), True),
+    (pickle.dumps({"counter": 2, "finished": False, "x": list(range(100))}, protocol=5)[:-1], False),   # no STOP
+    (pickle.dumps({"counter": 2, "finished": False, "x": list(range(100))}, protocol=5)[:40], False),
+])
+def test_a_state_file_is_whole_only_when_it_parses_to_its_end(data, whole):
+    assert ss.intact(data) is whole
+
+
+def test_a_damaged_newest_file_is_set_aside_and_the_restore_goes_on_from_the_newest_intact_state(tmp_path):
+    root = str(tmp_path)
+    write(root, "tuner.pkl", pickle.dumps({"tuner": 1}))
+    old, new = "2026-12-02_18-27-06", "2026-12-02_18-29-40"
+    write(root, f"experiment_state-{old}.json", experiment_state({"a1": CONFIGS[0]}))
+    write(root, f"searcher-state-{old}.pkl", searcher_state(1))
+    write(root, f"search_gen_state-{old}.json", pickle.dumps({"counter": 1}))
+    write(root, f"experiment_state-{new}.json", experiment_state({"a1": CONFIGS[0], "b2": CONFIGS[1]}))
+    write(root, f"searcher-state-{new}.pkl", b"")                        # the killed driver's copy
+    write(root, f"search_gen_state-{new}.json", pickle.dumps({"counter": 2})[:5])
+    os.makedirs(os.path.join(root, "SweepTrainable_a1"))                 # trial folders are not state files
+
+    check = ss.check_experiment(root)
+
+    assert sorted(f["file"] for f in check.set_aside) == [f"search_gen_state-{new}.json", f"searcher-state-{new}.pkl"]
+    assert all(f["as"] == f["file"] + ".damaged" for f in check.set_aside)
+    names = set(os.listdir(root))
+    assert f"searcher-state-{new}.pkl" not in names and f"searcher-state-{new}.pkl.damaged" in names
+    assert open(os.path.join(root, f"search_gen_state-{new}.json.damaged"), "rb").read() == pickle.dumps({"counter": 2})[:5]
+    # the trials come from the newest experiment state, though the newest intact searcher state is older
+    assert check.trials == {"a1": CONFIGS[0], "b2": CONFIGS[1]} and check.searcher["handed_out"] == 1
+    assert check.restorable and ss.handed_out(check.trials, CONFIGS) == 2
+
+    # a second damaged copy of the same name is set aside beside the first, not over it
+    write(root, f"searcher-state-{new}.pkl", b"{")
+    again = ss.check_experiment(root)
+    assert [f["as"] for f in again.set_aside] == [f"searcher-state-{new}.pkl.damaged.1"]
+    assert again.trials == check.trials
+
+
+def test_with_no_intact_experiment_state_or_tuner_file_nothing_is_restorable(tmp_path):
+    root = str(tmp_path)
+    write(root, "tuner.pkl", pickle.dumps({"tuner": 1}))
+    write(root, "experiment_state-2026-12-02_18-27-06.json", experiment_state({"a1": CONFIGS[0]})[:30])
+    check = ss.check_experiment(root)
+    assert check.trials is None and check.tuner_intact and not check.restorable
+    write(root, "experiment_state-2026-12-02_18-28-00.json", experiment_state({"a1": CONFIGS[0]}))
+    write(root, "tuner.pkl", b"\x80\x05")
+    check = ss.check_experiment(root)
+    assert check.trials == {"a1": CONFIGS[0]} and not check.tuner_intact and not check.restorable
+    assert [f["file"] for f in check.set_aside] == ["tuner.pkl"]
+
+
+def test_trials_account_for_the_first_configurations_of_the_same_grid_only():
+    assert ss.handed_out({}, CONFIGS) == 0
+    assert ss.handed_out({"b": CONFIGS[1], "a": CONFIGS[0]}, CONFIGS) == 2       # order of trials is free
+    assert ss.handed_out({"a": CONFIGS[0], "c": CONFIGS[2]}, CONFIGS) is None    # not the first two
+    assert ss.handed_out({"a": {"lr": 0.5, "warmup_steps": 0}}, CONFIGS) is None
+    assert ss.handed_out({str(i): c for i, c in enumerate(CONFIGS + CONFIGS[:1])}, CONFIGS) is None
