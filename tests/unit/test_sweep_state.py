@@ -91,3 +91,21 @@ def test_trials_account_for_the_first_configurations_of_the_same_grid_only():
     assert ss.handed_out({"a": CONFIGS[0], "c": CONFIGS[2]}, CONFIGS) is None    # not the first two
     assert ss.handed_out({"a": {"lr": 0.5, "warmup_steps": 0}}, CONFIGS) is None
     assert ss.handed_out({str(i): c for i, c in enumerate(CONFIGS + CONFIGS[:1])}, CONFIGS) is None
+
+
+def test_on_s3_a_damaged_file_is_set_aside_as_an_object_of_its_own(s3_server, s3_uri):
+    """Sweeps keep their experiments on S3 too: the set-aside is a copy and a delete there."""
+    import pyarrow.fs
+
+    fs, root = pyarrow.fs.FileSystem.from_uri(s3_uri)
+    bucket, prefix = root.split("/", 1)
+    for name, data in (("tuner.pkl", pickle.dumps({"tuner": 1})),
+                       ("experiment_state-2026-12-02_18-27-06.json", experiment_state({"a1": CONFIGS[0]})),
+                       ("searcher-state-2026-12-02_18-27-06.pkl", b"")):
+        s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=data)
+    check = ss.check_experiment(s3_uri)
+    assert [f["as"] for f in check.set_aside] == ["searcher-state-2026-12-02_18-27-06.pkl.damaged"]
+    assert check.trials == {"a1": CONFIGS[0]} and check.searcher is None and check.restorable
+    names = {i.base_name for i in fs.get_file_info(pyarrow.fs.FileSelector(root))}
+    assert "searcher-state-2026-12-02_18-27-06.pkl" not in names
+    assert "searcher-state-2026-12-02_18-27-06.pkl.damaged" in names
