@@ -25,8 +25,9 @@ Tune's pieces, as Ray 2.60 runs them (tune/execution/tune_controller.py):
   resume_errored=True)`): completed trials are kept (not rerun), unfinished and errored ones continue
   from their last checkpoint. Tune restores the searcher and scheduler it pickled when the experiment was
   created; they are rebound to this driver's `SweepControl` (its grant and event sink), the searcher's
-  own state (configurations handed out) comes from its saved state, and trials Tune re-adds are booked
-  from their restored status. A trial that completed after the last saved state is continued from its
+  own state (configurations handed out) comes from the trials of the saved experiment state (checked
+  first, damaged files set aside: sweep_state.py), and trials Tune re-adds are booked from their
+  restored status. A trial that completed after the last saved state is continued from its
   last checkpoint (its steps are still applied once).
 
 The trainable is a class `tune.Trainable`: `save_checkpoint` writes the model, optimizer, step and the
@@ -275,7 +276,7 @@ def _searcher_class():
         def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
             pass
 
-        # Tune saves this with the experiment state and restores it when a rerun restores the experiment
+        # Tune saves this with the experiment state; a rerun checks its grid and settings (_check_same_sweep)
         def save(self, checkpoint_path: str):
             import json
             c = self.control
