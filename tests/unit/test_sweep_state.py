@@ -109,3 +109,55 @@ def test_on_s3_a_damaged_file_is_set_aside_as_an_object_of_its_own(s3_server, s3
     names = {i.base_name for i in fs.get_file_info(pyarrow.fs.FileSelector(root))}
     assert "searcher-state-2026-12-02_18-27-06.pkl" not in names
     assert "searcher-state-2026-12-02_18-27-06.pkl.damaged" in names
+
+
+def control_for(root: str, events: list):
+    from spotfill.fillin.grant import FixedGrant
+    from spotfill.fillin.sweep import SweepControl
+
+    c = SweepControl(FixedGrant(1), CONFIGS, emit=lambda kind, **f: events.append({"kind": kind, **f}))
+    c.experiment, c.job = root, {"steps": 40}
+    return c
+
+
+def test_a_rerun_goes_on_from_the_trials_and_reports_each_file_it_set_aside(tmp_path):
+    from spotfill.fillin.sweep import JOB_KEYS, _prepare_restore
+
+    root, events = str(tmp_path), []
+    write(root, "tuner.pkl", pickle.dumps({"tuner": 1}))
+    write(root, "experiment_state-2026-12-02_18-27-06.json", experiment_state({"a1": CONFIGS[0], "b2": CONFIGS[1]}))
+    write(root, "searcher-state-2026-12-02_18-27-06.pkl", b"")
+    c = control_for(root, events)
+    assert _prepare_restore(c) is True
+    assert (c.restore_handed_out, c.restore_trials) == (2, {"a1": CONFIGS[0], "b2": CONFIGS[1]})
+    assert c.tally.as_report()["state_set_aside"] == ["searcher-state-2026-12-02_18-27-06.pkl"]
+    assert [(e["kind"], e["file"], e["cause"]) for e in events] == [
+        ("sweep_state_damaged", "searcher-state-2026-12-02_18-27-06.pkl", "partial_write")]
+
+    # the settings the intact searcher state saved are checked against this sweep's
+    write(root, "searcher-state-2026-12-02_18-27-06.pkl",
+          json.dumps({"configs": CONFIGS, "job": {k: (41 if k == "steps" else None) for k in JOB_KEYS}}).encode())
+    with pytest.raises(ValueError, match=r"^storage: holds an experiment of this name with another sweep settings"):
+        _prepare_restore(control_for(root, []))
+
+
+def test_trials_of_another_grid_are_refused_even_with_no_searcher_state_left(tmp_path):
+    from spotfill.config.errors import ConfigError
+    from spotfill.fillin.sweep import _prepare_restore
+
+    root = str(tmp_path)
+    write(root, "tuner.pkl", pickle.dumps({"tuner": 1}))
+    write(root, "experiment_state-2026-12-02_18-27-06.json", experiment_state({"z9": {"lr": 0.5, "warmup_steps": 0}}))
+    with pytest.raises(ConfigError, match=r"another search grid \(\[\{'lr': 0.5"):
+        _prepare_restore(control_for(root, []))
+
+
+def test_nothing_restorable_left_starts_the_sweep_anew_and_says_why(tmp_path):
+    from spotfill.fillin.sweep import _prepare_restore
+
+    root, events = str(tmp_path), []
+    write(root, "tuner.pkl", pickle.dumps({"tuner": 1}))
+    write(root, "experiment_state-2026-12-02_18-27-06.json", b'{"trial_data": [')
+    assert _prepare_restore(control_for(root, events)) is False
+    assert [e["kind"] for e in events] == ["sweep_state_damaged", "sweep_start_over"]
+    assert events[-1]["cause"] == "no_restorable_state" and events[-1]["detail"] == "no intact experiment state saved"
