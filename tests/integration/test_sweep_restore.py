@@ -137,11 +137,15 @@ def test_a_sweep_driver_killed_mid_run_is_continued_by_a_rerun_not_started_over(
     assert first.returncode == -signal.SIGKILL
     killed_at = max(r["step"] for r in rows_at_kill[mid_tid])
     assert killed_at < STEPS
-    # the fault CI met: the driver was killed while Tune copied its searcher state to storage, leaving the
-    # file empty (Tune's restore would fail on it, and a stale copy could hand a configuration out twice)
+    # the fault CI met: the driver was killed while Tune copied its state to storage, leaving the searcher
+    # state empty (Tune's restore fails on it; a stale copy could hand a configuration out twice) -- here
+    # the experiment state too, the one file of this first driver's session a restore cannot do without
     searcher_files = sorted(glob.glob(os.path.join(exp, "searcher-state-*.pkl")))
-    assert searcher_files
-    open(searcher_files[-1], "w").close()
+    state_files = sorted(glob.glob(os.path.join(exp, "experiment_state-*.json")))
+    assert len(searcher_files) == len(state_files) == 1
+    assert os.path.exists(state_files[0] + ".last")           # the sweep's whole copy of it
+    for damaged_file in (searcher_files[0], state_files[0]):
+        open(damaged_file, "w").close()
 
     second = start_driver(env, path, tmp_path / "second.log")
     stdout, _ = second.communicate(timeout=180)
@@ -170,10 +174,13 @@ def test_a_sweep_driver_killed_mid_run_is_continued_by_a_rerun_not_started_over(
     actions = {(e.get("action"), e.get("trial")) for e in events if e["kind"] == "sweep_trial"}
     assert ("carried_over", done_tid) in actions and ("restored", mid_tid) in actions, actions
     assert any(e["kind"] == "sweep_restore" and e["cause"] == "driver_restarted" for e in events)
-    damaged = os.path.basename(searcher_files[-1])
-    assert s["state_set_aside"] == [damaged], s
-    assert [(e["file"], e["cause"]) for e in events if e["kind"] == "sweep_state_damaged"] == [(damaged, "partial_write")]
-    assert os.path.exists(searcher_files[-1] + ".damaged")      # set aside, not deleted
+    damaged = sorted(os.path.basename(f) for f in (searcher_files[0], state_files[0]))
+    assert s["state_set_aside"] == damaged and s["state_recovered"] == [os.path.basename(state_files[0])], s
+    assert [(e["file"], e["cause"]) for e in events if e["kind"] == "sweep_state_damaged"] == [
+        (name, "partial_write") for name in damaged]
+    assert [(e["file"], e["cause"]) for e in events if e["kind"] == "sweep_state_recovered"] == [
+        (os.path.basename(state_files[0]), "partial_write")]
+    assert all(os.path.exists(f + ".damaged") for f in (searcher_files[0], state_files[0]))   # kept, not deleted
     print(f"\nkilled at step {killed_at} of trial {mid_tid}; the rerun continued it from step {resumed_from}")
 
     # a rerun of the finished sweep restores it and finishes at once: both trials carried over, nothing ran

@@ -161,3 +161,37 @@ def test_nothing_restorable_left_starts_the_sweep_anew_and_says_why(tmp_path):
     assert _prepare_restore(control_for(root, events)) is False
     assert [e["kind"] for e in events] == ["sweep_state_damaged", "sweep_start_over"]
     assert events[-1]["cause"] == "no_restorable_state" and events[-1]["detail"] == "no intact experiment state saved"
+
+
+def test_the_backup_is_written_whole_under_its_own_name(tmp_path):
+    staging, storage = tmp_path / "staging", tmp_path / "exp"
+    staging.mkdir()
+    state = experiment_state({"a1": CONFIGS[0]})
+    write(str(staging), "experiment_state-2026-12-02_18-27-06.json", state)
+    assert ss.back_up(str(staging), "2026-12-02_18-27-06", str(storage)) == "experiment_state-2026-12-02_18-27-06.json.last"
+    assert os.listdir(storage) == ["experiment_state-2026-12-02_18-27-06.json.last"]      # no temporary left
+    assert (storage / "experiment_state-2026-12-02_18-27-06.json.last").read_bytes() == state
+    assert ss.back_up(str(staging), "2026-12-02_18-30-00", str(storage)) is None          # no such session
+
+
+@pytest.mark.parametrize("main", [b"", None], ids=["cut-short", "never-copied"])
+def test_an_experiment_state_damaged_or_missing_is_put_back_from_its_whole_copy(tmp_path, main):
+    root, name = str(tmp_path), "experiment_state-2026-12-02_18-27-06.json"
+    write(root, "tuner.pkl", pickle.dumps({"tuner": 1}))
+    if main is not None:
+        write(root, name, main)
+    write(root, name + ss.BACKUP_SUFFIX, experiment_state({"a1": CONFIGS[0]}))
+    check = ss.check_experiment(root)
+    assert check.restored_from == [{"file": name, "from": name + ".last"}]
+    assert [f["file"] for f in check.set_aside] == ([name] if main is not None else [])
+    assert check.trials == {"a1": CONFIGS[0]} and check.restorable
+    assert open(os.path.join(root, name), "rb").read() == experiment_state({"a1": CONFIGS[0]})
+
+
+def test_a_damaged_backup_is_not_put_back(tmp_path):
+    root, name = str(tmp_path), "experiment_state-2026-12-02_18-27-06.json"
+    write(root, "tuner.pkl", pickle.dumps({"tuner": 1}))
+    write(root, name, b"{")
+    write(root, name + ss.BACKUP_SUFFIX, experiment_state({"a1": CONFIGS[0]})[:20])
+    check = ss.check_experiment(root)
+    assert check.restored_from == [] and check.trials is None and not check.restorable

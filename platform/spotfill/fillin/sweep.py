@@ -249,6 +249,24 @@ def _check_same_sweep(check, c: SweepControl) -> int:
                       accepted="the same sweep config to resume it, or another storage/name")
 
 
+def _back_up_experiment_state(searcher_file: str, experiment: str) -> None:
+    """Tune calls the searcher's save right after writing the experiment state to its staging folder, with
+    STAGING/.<uuid>-tmp-searcher-state-<session>.pkl (Searcher.save_to_dir): copy that state to storage
+    as NAME.last, whole (sweep_state.back_up), for a rerun whose driver was killed while Tune copied it."""
+    from spotfill.fillin import sweep_state
+
+    head, tail = sweep_state.SEARCHER_STATE
+    base = os.path.basename(searcher_file)
+    if not experiment or head not in base or not base.endswith(tail):
+        return
+    session = base.split(head, 1)[1][:-len(tail)]
+    try:
+        if sweep_state.back_up(os.path.dirname(searcher_file), session, experiment) is None:
+            log.warning("no experiment state for session %s next to %s: not backed up", session, searcher_file)
+    except OSError as exc:            # storage unreachable: Tune's own copy still goes, a later save retries
+        log.warning("backing up the sweep experiment state to %s failed: %s", experiment, exc)
+
+
 def _searcher_class():
     from spotfill import ray_compat  # noqa: F401 - checks the Tune extension points used here
     from ray.tune.search import Searcher
@@ -283,6 +301,7 @@ def _searcher_class():
             with c.lock, open(checkpoint_path, "w") as f:
                 json.dump({"configs": c.configs, "job": {k: c.job.get(k) for k in JOB_KEYS},
                            "handed_out": c.handed_out, "config_of": c.config_of}, f)
+            _back_up_experiment_state(checkpoint_path, c.experiment)
 
         def restore_from_dir(self, checkpoint_dir: str):
             # Tune calls this after restoring the trials; the state comes from those trials
@@ -548,7 +567,12 @@ def _prepare_restore(control: SweepControl) -> bool:
                     "while saving it); set aside as %s", f["file"], f["bytes"], f["as"])
         control.emit("sweep_state_damaged", experiment=control.experiment, file=f["file"], set_aside_as=f["as"],
                      bytes=f["bytes"], cause="partial_write")
+    for f in check.restored_from:
+        log.warning("sweep experiment state file %s put back from its whole copy %s", f["file"], f["from"])
+        control.emit("sweep_state_recovered", experiment=control.experiment, file=f["file"], source=f["from"],
+                     cause="partial_write" if any(d["file"] == f["file"] for d in check.set_aside) else "missing")
     control.tally.state_set_aside = [f["file"] for f in check.set_aside]
+    control.tally.state_recovered = [f["file"] for f in check.restored_from]
     if not check.restorable:
         why = "tuner.pkl damaged" if not check.tuner_intact else "no intact experiment state saved"
         log.warning("the sweep experiment at %s cannot be restored (%s): starting it anew", control.experiment, why)

@@ -125,6 +125,7 @@ class SweepTally:
     carried_over: int = 0                 # trials that earlier driver had completed (kept, not rerun)
     restored_trials: int = 0              # its unfinished trials continued here from their last checkpoint
     state_set_aside: list[str] = field(default_factory=list)   # its damaged state files, renamed NAME.damaged
+    state_recovered: list[str] = field(default_factory=list)   # experiment states put back from NAME.last
     pauses: list[dict] = field(default_factory=list)   # {"trial", "at", "step"}
     best: dict | None = None              # {"trial", "config", "metric", "value"}
     mode: str = "min"
@@ -150,7 +151,7 @@ class SweepTally:
                "failed": self.failed, "paused": self.paused, "resumed": self.resumed,
                "recovered": self.recovered, "restored": self.restored, "carried_over": self.carried_over,
                "restored_trials": self.restored_trials, "state_set_aside": list(self.state_set_aside),
-               "best": None}
+               "state_recovered": list(self.state_recovered), "best": None}
         if self.best is not None:
             out["best"] = {"config": self.best["config"], "metric": self.best["value"],
                            "metric_name": self.best["metric"], "trial": self.best["trial"]}

@@ -14,6 +14,13 @@ experiment state (the one Tune restores) and the newest intact searcher state. T
 handed out, and both are saved at the same moment -- so a searcher state older than the experiment state
 (its newest copy set aside) cannot make the sweep hand a configuration out twice.
 
+That alone would lose a first driver's whole sweep when the copy it was killed in was that of its
+experiment state (each driver rewrites one file of its own session). So each time Tune saves, the sweep's
+searcher (which Tune saves right after writing the experiment state to the staging folder) also writes a
+copy of that experiment state to storage as NAME.last, atomically (`back_up`: a temporary name and a
+rename on a local or shared filesystem; one PUT on S3). A damaged or missing experiment state whose
+NAME.last is whole is put back from it (`restored_from`).
+
 No Ray here: pyarrow's filesystem and the two formats (JSON; a pickle is checked opcode by opcode, not
 loaded)."""
 from __future__ import annotations
@@ -26,6 +33,7 @@ EXPERIMENT_STATE = ("experiment_state-", ".json")    # TuneController.CKPT_FILE_
 SEARCHER_STATE = ("searcher-state-", ".pkl")         # Searcher.CKPT_FILE_TMPL (GrantSearcher writes JSON)
 TUNER_FILE = "tuner.pkl"                             # written once, when the experiment is created
 DAMAGED_SUFFIX = ".damaged"
+BACKUP_SUFFIX = ".last"
 
 
 def intact(data: bytes) -> bool:
@@ -61,6 +69,7 @@ def _of_kind(name: str, kind: tuple[str, str]) -> bool:
 @dataclass
 class ExperimentCheck:
     set_aside: list[dict] = field(default_factory=list)   # {"file", "as", "bytes"}: damaged, renamed
+    restored_from: list[dict] = field(default_factory=list)   # {"file", "from"}: put back from NAME.last
     trials: dict[str, dict] | None = None      # newest intact experiment state's trials (None: no such state)
     searcher: dict | None = None               # newest intact searcher state (GrantSearcher.save), or None
     tuner_intact: bool = True                  # tuner.pkl (Tune cannot restore without it)
@@ -71,25 +80,35 @@ class ExperimentCheck:
 
 
 def check_experiment(experiment: str) -> ExperimentCheck:
-    """Check the state files at the root of `experiment` (a local path or URI), set the damaged ones aside
-    and return what a restore goes on from."""
+    """Check the state files at the root of `experiment` (a local path or URI), set the damaged ones aside,
+    put back an experiment state from its whole NAME.last copy, and return what a restore goes on from."""
     import pyarrow.fs
 
     fs, root = pyarrow.fs.FileSystem.from_uri(experiment)
     root = root.rstrip("/")
-    names = sorted(i.base_name for i in fs.get_file_info(pyarrow.fs.FileSelector(root))
-                   if i.type == pyarrow.fs.FileType.File and i.base_name.endswith((".json", ".pkl")))
-    out, taken = ExperimentCheck(), set(names)
+    files = {i.base_name for i in fs.get_file_info(pyarrow.fs.FileSelector(root))
+             if i.type == pyarrow.fs.FileType.File}
+    names = sorted(n for n in files if n.endswith((".json", ".pkl")))
+    backups = {n[:-len(BACKUP_SUFFIX)] for n in files if n.endswith(BACKUP_SUFFIX) and _of_kind(
+        n[:-len(BACKUP_SUFFIX)], EXPERIMENT_STATE)}
+    out, taken = ExperimentCheck(), set(files)
     newest: dict[str, bytes] = {}
-    for name in names:
-        with fs.open_input_stream(f"{root}/{name}") as f:
-            data = f.readall()
-        if not intact(data):
+    for name in sorted(set(names) | backups):
+        data = _read(fs, f"{root}/{name}") if name in files else None
+        if data is not None and not intact(data):
             target = _free_name(fs, root, name + DAMAGED_SUFFIX, taken)
             fs.move(f"{root}/{name}", f"{root}/{target}")
             out.set_aside.append({"file": name, "as": target, "bytes": len(data)})
             if name == TUNER_FILE:
                 out.tuner_intact = False
+            data = None
+        if data is None and name in backups:
+            copy = _read(fs, f"{root}/{name}{BACKUP_SUFFIX}")
+            if intact(copy):
+                fs.copy_file(f"{root}/{name}{BACKUP_SUFFIX}", f"{root}/{name}")
+                out.restored_from.append({"file": name, "from": name + BACKUP_SUFFIX})
+                data = copy
+        if data is None:
             continue
         for kind in (EXPERIMENT_STATE, SEARCHER_STATE):
             if _of_kind(name, kind):
@@ -99,6 +118,39 @@ def check_experiment(experiment: str) -> ExperimentCheck:
     if SEARCHER_STATE[0] in newest:
         out.searcher = json.loads(newest[SEARCHER_STATE[0]])
     return out
+
+
+def _read(fs, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.readall()
+
+
+def back_up(staging_dir: str, session: str, experiment: str) -> str | None:
+    """Copy the experiment state Tune just wrote to `staging_dir` for `session` to `experiment` on storage
+    as NAME.last, whole or not at all; returns the copy's name (None: no such file in staging)."""
+    import os
+    import uuid
+
+    import pyarrow.fs
+
+    name = f"{EXPERIMENT_STATE[0]}{session}{EXPERIMENT_STATE[1]}"
+    try:
+        with open(os.path.join(staging_dir, name), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    fs, root = pyarrow.fs.FileSystem.from_uri(experiment)
+    root, target = root.rstrip("/"), name + BACKUP_SUFFIX
+    if fs.type_name == "s3":                      # an object appears whole, when its upload completes
+        with fs.open_output_stream(f"{root}/{target}") as f:
+            f.write(data)
+        return target
+    fs.create_dir(root, recursive=True)
+    tmp = f"{root}/.spotfill-tmp-{uuid.uuid4().hex[:12]}-{target}"
+    with fs.open_output_stream(tmp) as f:
+        f.write(data)
+    fs.move(tmp, f"{root}/{target}")              # a rename: atomic on a local or shared filesystem
+    return target
 
 
 def _free_name(fs, root: str, name: str, taken: set[str]) -> str:
