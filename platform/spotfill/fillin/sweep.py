@@ -257,7 +257,11 @@ def _back_up_experiment_state(searcher_file: str, experiment: str) -> None:
 
     head, tail = sweep_state.SEARCHER_STATE
     base = os.path.basename(searcher_file)
-    if not experiment or head not in base or not base.endswith(tail):
+    if not experiment:
+        return
+    if head not in base or not base.endswith(tail):
+        log.warning("Tune saved the searcher to %s, not a %s*%s file: the experiment state is not backed up",
+                    searcher_file, head, tail)
         return
     session = base.split(head, 1)[1][:-len(tail)]
     try:
