@@ -249,28 +249,6 @@ def _check_same_sweep(check, c: SweepControl) -> int:
                       accepted="the same sweep config to resume it, or another storage/name")
 
 
-def _back_up_experiment_state(searcher_file: str, experiment: str) -> None:
-    """Tune calls the searcher's save right after writing the experiment state to its staging folder, with
-    STAGING/.<uuid>-tmp-searcher-state-<session>.pkl (Searcher.save_to_dir): copy that state to storage
-    as NAME.last, whole (sweep_state.back_up), for a rerun whose driver was killed while Tune copied it."""
-    from spotfill.fillin import sweep_state
-
-    head, tail = sweep_state.SEARCHER_STATE
-    base = os.path.basename(searcher_file)
-    if not experiment:
-        return
-    if head not in base or not base.endswith(tail):
-        log.warning("Tune saved the searcher to %s, not a %s*%s file: the experiment state is not backed up",
-                    searcher_file, head, tail)
-        return
-    session = base.split(head, 1)[1][:-len(tail)]
-    try:
-        if sweep_state.back_up(os.path.dirname(searcher_file), session, experiment) is None:
-            log.warning("no experiment state for session %s next to %s: not backed up", session, searcher_file)
-    except OSError as exc:            # storage unreachable: Tune's own copy still goes, a later save retries
-        log.warning("backing up the sweep experiment state to %s failed: %s", experiment, exc)
-
-
 def _searcher_class():
     from spotfill import ray_compat  # noqa: F401 - checks the Tune extension points used here
     from ray.tune.search import Searcher
@@ -305,7 +283,8 @@ def _searcher_class():
             with c.lock, open(checkpoint_path, "w") as f:
                 json.dump({"configs": c.configs, "job": {k: c.job.get(k) for k in JOB_KEYS},
                            "handed_out": c.handed_out, "config_of": c.config_of}, f)
-            _back_up_experiment_state(checkpoint_path, c.experiment)
+            from spotfill.fillin import sweep_state
+            sweep_state.back_up_next_to(checkpoint_path, c.experiment)
 
         def restore_from_dir(self, checkpoint_dir: str):
             # Tune calls this after restoring the trials; the state comes from those trials

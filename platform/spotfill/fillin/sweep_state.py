@@ -174,3 +174,27 @@ def handed_out(trials: dict[str, dict], configs: list[dict]) -> int | None:
     if sorted(map(key, trials.values())) != sorted(map(key, configs[:n])):
         return None
     return n
+
+
+def back_up_next_to(searcher_file: str, experiment: str) -> None:
+    """Tune calls the searcher's save right after writing the experiment state to its staging folder, with
+    STAGING/.<uuid>-tmp-searcher-state-<session>.pkl (Searcher.save_to_dir): copy that state to storage
+    as NAME.last, whole (back_up), for a rerun whose driver was killed while Tune copied it."""
+    import logging
+    import os
+
+    log = logging.getLogger("spotfill.fillin.sweep")
+    head, tail = SEARCHER_STATE
+    base = os.path.basename(searcher_file)
+    if not experiment:
+        return
+    if head not in base or not base.endswith(tail):
+        log.warning("Tune saved the searcher to %s, not a %s*%s file: the experiment state is not backed up",
+                    searcher_file, head, tail)
+        return
+    session = base.split(head, 1)[1][:-len(tail)]
+    try:
+        if back_up(os.path.dirname(searcher_file), session, experiment) is None:
+            log.warning("no experiment state for session %s next to %s: not backed up", session, searcher_file)
+    except OSError as exc:            # storage unreachable: Tune's own copy still goes, a later save retries
+        log.warning("backing up the sweep experiment state to %s failed: %s", experiment, exc)
