@@ -3,6 +3,7 @@ drains, rebuild after an arbiter restart. Time is a fake clock (plain floats).""
 import pytest
 
 from spotfill.fillin.policy import (Holding, Lease, Node, Snapshot, TrainingJob, decide_claim, decide_lend, extra_replicas,
+                                    feasible_workers,
                                     lendable, ownership, rebuild_leases, reclaim_off_hosts, reconcile,
                                     training_hosts)
 
@@ -80,6 +81,17 @@ def test_claim_beyond_everything_reports_the_shortfall():
     snap = Snapshot((Node("a", 2, 1),), (), (lease("s1", "serve", "a"),))
     plan = decide_claim(snap, "j", 4, 1, T0)
     assert [d.lease_id for d in plan.reclaims] == ["s1"] and plan.short_by == 2
+
+
+def test_a_node_never_gives_back_more_gpus_than_it_has():
+    # the state API still lists a holder that let go (a1) beside the one that took its GPU (a2): reclaiming
+    # both frees one GPU on node a, so a claim of 2 must reclaim b's lease too (seen in CI: 6.6 s hand-back)
+    leases = (lease("a1", "batch", "a", at=3), lease("a2", "batch", "a", at=2), lease("b1", "batch", "b", at=1))
+    snap = Snapshot((Node("a", 1, 0), Node("b", 1, 0)), (), leases)
+    plan = decide_claim(snap, "j", 2, 1, T0)
+    assert [d.lease_id for d in plan.reclaims] == ["a1", "b1"] and plan.short_by == 0   # a1 newest: first
+    job = TrainingJob("j", 1, 4, current_workers=0)
+    assert feasible_workers(snap, job) == 2
 
 
 def test_leases_already_reclaiming_count_as_coming_back():

@@ -26,6 +26,7 @@ from spotfill.fillin.policy import (lendable, DEFAULT_ORDER, Decision, DecisionL
                                     reconcile, training_hosts)
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
 from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
+from spotfill.fillin.let_go import LetGo
 from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
 
 log = logging.getLogger("spotfill.fillin.arbiter")
@@ -83,6 +84,7 @@ class Arbiter:
         self.journal = Journal()                              # lease / reclaim / node events for the runs
         self.nodes_seen: dict[str, dict] = {}                 # GPU node id -> {"gpus", "since"}
         self.orders: list[ReclaimOrder] = []                  # reclaims asked for, their lease not ended yet
+        self.let_go = LetGo()                                 # holders whose GPU is free while still listed
         self.started = time.time()
         self._saved: str | None = None                        # the state file's text as last written
         self.restored = self._load()
@@ -226,14 +228,18 @@ class Arbiter:
                          now)
         self._record(lost)
         known = tuple(le for le in self.leases if le.node_id in alive)
-        holdings = self._lent_holdings([h for h in holdings if h.node_id in alive], known, now)
+        gone = self.let_go.listed([h.key for h in holdings], now)
+        holdings = self._lent_holdings([h for h in holdings if h.node_id in alive and h.key not in gone], known,
+                                       now)
         leases, changes = rebuild_leases(holdings, known, now)
+        leases, freed = self.let_go.settle(nodes, self._mark_reclaiming(leases), now)
+        changes += freed
         self._record(changes)
         ended, self.orders = lease_ended(list(lost) + list(changes), before, self.orders, now)
         events += ended
         events += [lease_event(le, now) for le in leases if le.lease_id not in before]
         self.journal.add(events)
-        self.leases = self._mark_reclaiming(leases)
+        self.leases = leases
         self.reclaiming = {le.lease_id: le.reclaiming_since for le in self.leases if le.reclaiming_since}
         for job, (_, until) in list(self.pending.items()):
             if now > until:

@@ -61,7 +61,8 @@ def lease_ended(decisions: Iterable[Decision], known: dict[str, Lease], orders: 
         if d.action != "drop" or d.lease_id not in known:
             continue
         le = known[d.lease_id]
-        base = {"t": now, **_lease_fields(le), "end": round(now, 3)}
+        end = min(now, d.at or now)     # a drop may date from before this snapshot (let_go: first seen free)
+        base = {"t": now, **_lease_fields(le), "end": round(end, 3)}
         if "node lost" in d.reason:
             # the node died: an open order for this lease is void (Serve will not stop another replica
             # for it, its target already counts the loss)
@@ -74,7 +75,7 @@ def lease_ended(decisions: Iterable[Decision], known: dict[str, Lease], orders: 
             continue
         left.remove(order)
         events.append({**base, "kind": "reclaim", "requested_at": round(order.requested_at, 3),
-                       "reclaim_s": round(now - order.requested_at, 3), "cause": order.cause,
+                       "reclaim_s": round(end - order.requested_at, 3), "cause": order.cause,
                        "reason": order.reason, "job": order.job})
     return events, left
 

@@ -116,7 +116,7 @@ def _usable_nodes(snap: Snapshot) -> list[Node]:
 def feasible_workers(snap: Snapshot, job: TrainingJob) -> int:
     """Workers the job could run if every free and leased GPU were its own (its running ones included)."""
     gpw = max(1, job.gpus_per_worker)
-    extra = sum((n.free_gpus + snap.leased_on(n.node_id)) // gpw for n in _usable_nodes(snap))
+    extra = sum(_back_on(n, snap.leased_on(n.node_id)) // gpw for n in _usable_nodes(snap))
     return job.running + extra
 
 
@@ -224,8 +224,15 @@ def decide_lend(snap: Snapshot, tenant: str, kind: str, wanted: int, now: float,
     return tuple(decisions)
 
 
+def _back_on(node: Node, coming: int) -> int:
+    """GPUs free on `node` once `coming` more come back -- never more than it has: the state API can list a
+    holder that has already let go beside the one that took its GPU (two 1-GPU leases on a 1-GPU node),
+    and counting both would free a GPU twice while a lease elsewhere goes unreclaimed."""
+    return min(node.total_gpus, node.free_gpus + coming)
+
+
 def _usable_gpus(snap: Snapshot, gpw: int, extra: dict[str, int]) -> int:
-    return sum((n.free_gpus + extra.get(n.node_id, 0)) // gpw * gpw for n in _usable_nodes(snap))
+    return sum(_back_on(n, extra.get(n.node_id, 0)) // gpw * gpw for n in _usable_nodes(snap))
 
 
 def decide_claim(snap: Snapshot, job: str, wanted: int, gpus_per_worker: int, now: float,
@@ -251,7 +258,10 @@ def decide_claim(snap: Snapshot, job: str, wanted: int, gpus_per_worker: int, no
         trial[le.node_id] = trial.get(le.node_id, 0) + le.gpus
         chosen.append(le)
         coming, have = trial, _usable_gpus(snap, gpw, trial)
-    chosen = [le for le in chosen if _helps(snap, gpw, coming, le)]
+    for le in reversed(list(chosen)):     # one at a time, last chosen first: of two leases that free the same
+        if not _helps(snap, gpw, coming, le):   # GPU, the one first in reclaim order stays
+            chosen.remove(le)
+            coming[le.node_id] -= le.gpus
     decisions = tuple(
         Decision("reclaim", le.tenant, le.gpus, at=now, node_id=le.node_id, lease_id=le.lease_id,
                  deadline=now + le.grace_s,
