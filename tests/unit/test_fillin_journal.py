@@ -37,6 +37,13 @@ def test_a_lease_ends_as_reclaim_release_or_lease_end_with_its_cause():
     old = ReclaimOrder("serve:app/Gen", "r1", 0.0, "training_claim", "old")
     events, left = lease_ended([drop("r3", B, 500.0)], known, [old], now=500.0)
     assert [e["kind"] for e in events] == ["release"] and left == []
+    # a drop dated back (let_go: the GPU showed free at t=40, confirmed at 41) ends at that date, and a
+    # lease that ended before an order was placed is not that order's hand-back
+    order = ReclaimOrder("serve:app/Gen", "r2", 40.5, "training_claim", "job j claims 1", job="j")
+    events, left = lease_ended([drop("r3", B, 40.0)], known, [order], now=41.0)
+    assert [e["kind"] for e in events] == ["release"] and events[0]["end"] == 40.0 and left == [order]
+    events, left = lease_ended([drop("r2", B, 40.7)], known, left, now=41.0)
+    assert [e["kind"] for e in events] == ["reclaim"] and events[0]["reclaim_s"] == 0.2 and left == []
 
 
 def test_node_events_and_opening():

@@ -69,7 +69,8 @@ def lease_ended(decisions: Iterable[Decision], known: dict[str, Lease], orders: 
             left = [o for o in left if o.lease_id != le.lease_id]
             events.append({**base, "kind": "lease_end", "reason": d.reason})
             continue
-        order = next((o for o in left if o.tenant == le.tenant), None)
+        # a lease that ended before an order was placed is not its hand-back
+        order = next((o for o in left if o.tenant == le.tenant and o.requested_at <= end), None)
         if order is None:
             events.append({**base, "kind": "release", "reason": d.reason})
             continue
