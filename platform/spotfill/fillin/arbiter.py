@@ -12,7 +12,6 @@ from its state file on the head node, leases from what the tenants are seen hold
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -22,10 +21,11 @@ import time
 from dataclasses import replace
 
 from spotfill.fillin.policy import (lendable, DEFAULT_ORDER, Decision, DecisionLog, Lease, Node, Snapshot, TrainingJob,
-                                    decide_claim, decide_lend, extra_replicas, ownership, rebuild_leases, reclaim_off_hosts,
-                                    reconcile, training_hosts)
+                                    decide_claim, decide_lend, extra_replicas, minus_free, ownership, rebuild_leases,
+                                    reclaim_off_hosts, reconcile, training_hosts)
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
 from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
+from spotfill.fillin.arbiter_state import read_state, restore, state_text, write_atomically
 from spotfill.fillin.let_go import LetGo
 from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
 
@@ -43,7 +43,6 @@ RESOURCE_VIEW_LAG_S = 8.0  # a stopped replica's GPU shows as available within t
                            # a loaded 2-core machine 3 s was measured too short: the claim came back short)
 RAYLET_PROBE_S = 0.5       # a live raylet answers a loopback/local-network connect in milliseconds
 FORCE_MARGIN_S = 1.0       # a job tenant still holding a reclaimed unit this long after its grace: forced
-TENANT_TYPES = {"serve": (ServeTenant, ServeTenantSpec), "job": (JobTenant, JobTenantSpec)}
 
 
 class Arbiter:
@@ -93,24 +92,10 @@ class Arbiter:
 
     # -- persistence -----------------------------------------------------------------------------------
     def _load(self) -> bool:
-        try:
-            with open(self.state_path) as f:
-                state = json.load(f)
-        except (OSError, ValueError):
+        state = read_state(self.state_path)
+        if state is None:
             return False
-        self.jobs = {j["job"]: TrainingJob(**j) for j in state.get("jobs", [])}
-        for spec in state.get("tenants", []):
-            cls, spec_cls = TENANT_TYPES[spec.get("type", "serve")]
-            tenant = cls(spec_cls(**spec["spec"]))
-            tenant.target = spec.get("target")
-            self.tenants[tenant.tenant] = tenant
-        self.leases = tuple(Lease(**le) for le in state.get("leases", []))
-        self.reclaiming = dict(state.get("reclaiming", {}))
-        self.decisions.add(Decision(**d) for d in state.get("decisions", []))
-        self.handbacks = state.get("handbacks", [])
-        self.journal = Journal(seq=int(state.get("journal_seq", 0)), items=state.get("journal", []))
-        self.nodes_seen = dict(state.get("nodes_seen", {}))
-        self.orders = [ReclaimOrder(**o) for o in state.get("orders", [])]
+        restore(self, state)
         self._record([Decision("adopt", "arbiter", 0, at=time.time(), reason=(
             f"arbiter restarted: {len(self.jobs)} training job(s), {len(self.tenants)} tenant(s) and "
             f"{len(self.leases)} lease record(s) read from {self.state_path}; leases re-checked against "
@@ -118,23 +103,10 @@ class Arbiter:
         return True
 
     def _save(self) -> None:
-        state = {"jobs": [j.__dict__ for j in self.jobs.values()],
-                 "tenants": [{"type": t.type, "spec": t.spec.as_dict(), "target": t.target}
-                             for t in self.tenants.values()],
-                 "leases": [le.__dict__ for le in self.leases], "reclaiming": self.reclaiming,
-                 "decisions": [d.as_dict() for d in self.decisions.items[-50:]],
-                 "handbacks": self.handbacks[-200:], "journal_seq": self.journal.seq,
-                 "journal": self.journal.items[-500:], "nodes_seen": self.nodes_seen,
-                 "orders": [o.as_dict() for o in self.orders]}
-        text = json.dumps(state)
-        if text == self._saved:                # most ticks change nothing: no file write (the head's CPU)
-            return
-        os.makedirs(os.path.dirname(self.state_path), exist_ok=True)
-        tmp = f"{self.state_path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, self.state_path)
-        self._saved = text
+        text = state_text(self)
+        if text != self._saved:                # most ticks change nothing: no file write (the head's CPU)
+            write_atomically(self.state_path, text)
+            self._saved = text
 
     def _record(self, decisions) -> None:
         for d in decisions:
@@ -229,8 +201,8 @@ class Arbiter:
         self._record(lost)
         known = tuple(le for le in self.leases if le.node_id in alive)
         gone = self.let_go.listed([h.key for h in holdings], now)
-        holdings = self._lent_holdings([h for h in holdings if h.node_id in alive and h.key not in gone], known,
-                                       now)
+        holdings = [h for h in holdings if h.node_id in alive and h.key not in gone]
+        holdings = self._lent_holdings(holdings, known, now)
         leases, changes = rebuild_leases(holdings, known, now)
         leases, freed = self.let_go.settle(nodes, self._mark_reclaiming(leases), now)
         changes += freed
@@ -362,7 +334,7 @@ class Arbiter:
             t = self.tenants.get(name)
             if t is None or t.target is None or t.target <= held.get(name, 0):
                 del self.promised[name]        # taken (or given up): Ray's view counts it now
-        snap = _minus_free(snap, [p for ps in self.promised.values() for p in ps])
+        snap = minus_free(snap, [p for ps in self.promised.values() for p in ps])
         spare = sum(lendable(snap).values())
         hungry = [t for t in self.tenants.values()
                   if t.target is None or t.target < t.wanted_units and t.target <= held[t.tenant]]
@@ -373,7 +345,7 @@ class Arbiter:
                 self.promised.setdefault(tenant.tenant, []).extend((d.node_id, d.gpus) for d in lends if d.node_id)
                 self.lent_at.setdefault(tenant.tenant, []).extend(
                     now for d in lends for _ in range(max(1, d.gpus // tenant.spec.gpus_per_replica)))
-                snap = _minus_free(snap, [(d.node_id, d.gpus) for d in lends if d.node_id])
+                snap = minus_free(snap, [(d.node_id, d.gpus) for d in lends if d.node_id])
 
     def _grow(self, tenant: ServeTenant, snap: Snapshot, now: float, cap_gpus: int | None = None) -> list:
         """Scale `tenant` toward what it wants from what is lendable; returns the lend decisions made."""
@@ -623,17 +595,6 @@ class Arbiter:
 
     def ping(self) -> str:
         return "ok"
-
-
-def _minus_free(snap: Snapshot, taken) -> Snapshot:
-    """`snap` with the (node, GPUs) in `taken` no longer free."""
-    less: dict[str, int] = {}
-    for node_id, gpus in taken:
-        less[node_id] = less.get(node_id, 0) + gpus
-    if not less:
-        return snap
-    return replace(snap, nodes=tuple(replace(n, free_gpus=max(0, n.free_gpus - less.get(n.node_id, 0)))
-                                     for n in snap.nodes))
 
 
 def ensure_arbiter(gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,

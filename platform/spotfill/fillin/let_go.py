@@ -54,11 +54,11 @@ class LetGo:
                ) -> tuple[tuple[Lease, ...], tuple[Decision, ...]]:
         """The leases that stay, and a drop for each reclaiming lease whose GPUs the view has shown free
         for CONFIRM_S (its holder is remembered as gone)."""
-        free = {le.lease_id: le for le in freed_in_view(nodes, leases)}
-        self.seen_free = {k: self.seen_free.get(k, now) for k in free}
-        done = [(le, self.seen_free.pop(k)) for k, le in list(free.items()) if now - self.seen_free[k] >= CONFIRM_S]
-        for le, _ in done:
-            self.gone[le.lease_id] = now
+        free = freed_in_view(nodes, leases)
+        self.seen_free = {le.lease_id: self.seen_free.get(le.lease_id, now) for le in free}
+        done = [(le, self.seen_free.pop(le.lease_id)) for le in free
+                if now - self.seen_free[le.lease_id] >= CONFIRM_S]
+        self.gone.update((le.lease_id, now) for le, _ in done)
         # dated when the GPUs first showed free: the hand-back ended then (journal.lease_ended)
         drops = tuple(Decision("drop", le.tenant, le.gpus, at=since, node_id=le.node_id, lease_id=le.lease_id,
                                reason=f"tenant let go (reclaimed): its GPU(s) show free in Ray's resource view "

@@ -197,6 +197,17 @@ def ownership(snap: Snapshot) -> dict[str, dict[str, int]]:
 
 
 # -- decisions ---------------------------------------------------------------------------------------------
+def minus_free(snap: Snapshot, taken) -> Snapshot:
+    """`snap` with the (node, GPUs) in `taken` no longer free."""
+    less: dict[str, int] = {}
+    for node_id, gpus in taken:
+        less[node_id] = less.get(node_id, 0) + gpus
+    if not less:
+        return snap
+    return replace(snap, nodes=tuple(replace(n, free_gpus=max(0, n.free_gpus - less.get(n.node_id, 0)))
+                                     for n in snap.nodes))
+
+
 def decide_lend(snap: Snapshot, tenant: str, kind: str, wanted: int, now: float, *,
                 method: str = "serve_scale", grace_s: float = 3.0) -> tuple[Decision, ...]:
     """Lend up to `wanted` whole GPUs to `tenant`: fragments first (smallest lendable amount per node),

@@ -1,0 +1,61 @@
+"""The arbiter's state file on the head node: what a restarted arbiter reads back to carry on -- training
+jobs, tenants and their targets, lease records, open reclaim orders, recent decisions and the journal. It
+is written atomically (temp file, then rename), and only when its text changed: most ticks change nothing,
+and the head's CPU is shared."""
+from __future__ import annotations
+
+import json
+import os
+
+from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
+from spotfill.fillin.journal import Journal, ReclaimOrder
+from spotfill.fillin.policy import Decision, Lease, TrainingJob
+from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
+
+TENANT_TYPES = {"serve": (ServeTenant, ServeTenantSpec), "job": (JobTenant, JobTenantSpec)}
+
+
+def read_state(path: str) -> dict | None:
+    """The state a previous arbiter wrote, or None (no file, or not readable as JSON)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def restore(arb, state: dict) -> None:
+    """Put `state` (read_state) back into the arbiter `arb`."""
+    arb.jobs = {j["job"]: TrainingJob(**j) for j in state.get("jobs", [])}
+    for spec in state.get("tenants", []):
+        cls, spec_cls = TENANT_TYPES[spec.get("type", "serve")]
+        tenant = cls(spec_cls(**spec["spec"]))
+        tenant.target = spec.get("target")
+        arb.tenants[tenant.tenant] = tenant
+    arb.leases = tuple(Lease(**le) for le in state.get("leases", []))
+    arb.reclaiming = dict(state.get("reclaiming", {}))
+    arb.decisions.add(Decision(**d) for d in state.get("decisions", []))
+    arb.handbacks = state.get("handbacks", [])
+    arb.journal = Journal(seq=int(state.get("journal_seq", 0)), items=state.get("journal", []))
+    arb.nodes_seen = dict(state.get("nodes_seen", {}))
+    arb.orders = [ReclaimOrder(**o) for o in state.get("orders", [])]
+
+
+def state_text(arb) -> str:
+    """What `restore` reads back, as the file's text."""
+    return json.dumps({
+        "jobs": [j.__dict__ for j in arb.jobs.values()],
+        "tenants": [{"type": t.type, "spec": t.spec.as_dict(), "target": t.target} for t in arb.tenants.values()],
+        "leases": [le.__dict__ for le in arb.leases], "reclaiming": arb.reclaiming,
+        "decisions": [d.as_dict() for d in arb.decisions.items[-50:]],
+        "handbacks": arb.handbacks[-200:], "journal_seq": arb.journal.seq,
+        "journal": arb.journal.items[-500:], "nodes_seen": arb.nodes_seen,
+        "orders": [o.as_dict() for o in arb.orders]})
+
+
+def write_atomically(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
