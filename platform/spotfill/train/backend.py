@@ -1,10 +1,11 @@
 """The torch.distributed backend, chosen from what the training workers really have.
 
-Ray Train 2.60 picks NCCL whenever a worker asks for Ray's `GPU` resource (ray/train/torch/config.py). Ray
-assigns that resource on machines without GPUs too (the embedded cluster, `ray start --num-gpus N` on a
-laptop), and there NCCL fails at once: "Distributed package doesn't have NCCL built in". So the backend is
-decided on the group's first worker, as it starts, from what that process sees: NCCL where torch has it and
-CUDA sees a device, gloo otherwise. A backend the job config names (TorchConfig.backend) is kept.
+Ray Train 2.60 picks NCCL whenever a worker asks for Ray's `GPU` resource (its TorchTrainer fills in
+TorchConfig.backend at construction: ray/train/v2/torch/torch_trainer.py). Ray assigns that resource on
+machines without GPUs too (the embedded cluster, `ray start --num-gpus N` on a laptop), and there NCCL fails
+at once: "Distributed package doesn't have NCCL built in". So with `choose_on_worker` the backend is decided
+on the group's first worker, as each group starts, from what that process sees: NCCL where torch has it and
+CUDA sees a device, gloo otherwise.
 
 The collective timeout (TorchConfig.timeout_s) is the process-group timeout every collective honours.
 """
@@ -40,7 +41,7 @@ def _device_aware_backend_cls():
 
     class DeviceAwareTorchBackend(base):
         def on_start(self, worker_group, backend_config):
-            if backend_config.backend is None:
+            if getattr(backend_config, "choose_on_worker", False):
                 seen = worker_group.execute_single(0, probe_worker)
                 backend = choose_backend(seen["cuda_devices"], seen["nccl_built"])
                 log.info("torch.distributed backend %s: the first worker sees %d CUDA device(s), NCCL %s",
@@ -53,7 +54,10 @@ def _device_aware_backend_cls():
 
 @dataclasses.dataclass
 class DeviceAwareTorchConfig(TorchConfig):
-    """TorchConfig whose backend (when not named) is chosen on the first worker: choose_backend."""
+    """TorchConfig whose backend is chosen on the first worker (choose_backend) -- whatever Ray's trainer
+    filled in -- unless `choose_on_worker` is off."""
+
+    choose_on_worker: bool = True
 
     @property
     def backend_cls(self):

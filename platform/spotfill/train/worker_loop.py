@@ -275,13 +275,16 @@ def _finish(sink, rank: int, verdict: dict) -> None:
 
 
 def _assigned_device(gpu_resource: str):
-    """ray.train.torch.get_device() on Ray's GPU resource (the GPU Ray assigned this worker, or the CPU when
-    CUDA sees none); the CPU on a logical accelerator resource (Ray assigns no device for it)."""
+    """The device Ray Train assigned this worker (devices.choose_train_device)."""
     import torch
-    if gpu_resource != "GPU":
-        return torch.device("cpu")
-    import ray.train.torch
-    return ray.train.torch.get_device()
+
+    from spotfill.devices import choose_train_device
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ray_device = None
+    if gpu_resource == "GPU" and cuda:
+        import ray.train.torch
+        ray_device = str(ray.train.torch.get_device())
+    return torch.device(choose_train_device(gpu_resource, cuda, ray_device))
 
 
 def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: str, universal: bool, device):
