@@ -9,8 +9,6 @@ The dataset's row r holds tokens [r, r, r, r, r], so what the stand-in engine wa
 model saw, independently of the reader's ids and of the ledger."""
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -23,6 +21,7 @@ from spotfill.train.batching import batch_shape
 from spotfill.train.data import ShardReader, ShardWriter
 from spotfill.train.feed import DATA_KEY, LEDGER_KEY
 from spotfill.train.sample_ledger import SampleLedger
+from tests.unit.worker_standins import Checkpointer
 
 N, G, STEPS, EVERY = 23, 4, 16, 4        # 64 positions: two whole epochs of 23 rows and 18 rows of a third
 
@@ -73,28 +72,6 @@ class Sink:
         self.log = _Remote(self.events.extend)
 
 
-class Checkpointer:
-    """Keeps each save's client_state as a restore would return it (with its step)."""
-
-    def __init__(self):
-        self.saves: list[dict] = []
-        self.uploader = type("U", (), {"busy": False})()
-
-    def save(self, engine, step, client_state, *, kind, deadline_unix_s=None):
-        self.saves.append({**copy.deepcopy(client_state), "step": step})
-        return {"tag": f"t{step}", "step": step, "kind": kind, "path": "/x", "reason": kind, "committed": True,
-                "snapshot_s": 0.0, "blocked_s": 0.0, "wait_s": 0.0, "stall_s": 0.0}
-
-    def pop_committed(self):
-        return []
-
-    def pop_skipped(self):
-        return []
-
-    def close(self, wait=True):
-        pass
-
-
 @pytest.fixture(autouse=True)
 def no_notice_here(monkeypatch):
     monkeypatch.setattr(worker_loop, "local_preemption_info", lambda: None)
@@ -138,10 +115,10 @@ def test_a_resume_feeds_every_position_once_by_the_ledger_and_by_the_rows_fed(tm
     data = _dataset(tmp_path / "data")
     ckpt, first = _lost_after_six_steps(tmp_path, data)
     sink, second = Sink(), Engine()
-    assert _attempt(tmp_path, data, second, ckpt, ckpt.saves[-1], attempt=1, sink=sink)["ok"]
-    final = ckpt.saves[-1]
+    assert _attempt(tmp_path, data, second, ckpt, ckpt.saves[-1]["state"], attempt=1, sink=sink)["ok"]
+    final = ckpt.saves[-1]["state"]
     assert final["step"] == STEPS
-    s = SampleLedger.from_state(final[LEDGER_KEY]).summary(owed=STEPS * G)
+    s = SampleLedger.from_state(final[LEDGER_KEY]).summary(owed=STEPS * G)     # the ledger the checkpoint holds
     assert (s.consumed, s.duplicates, s.missing) == (64, 0, 0)
     # the final model's rows: attempt 0's first 4 steps (16 rows), then attempt 1's 12 steps. Each epoch
     # feeds every one of the 23 rows once; the third epoch 18 distinct rows.
@@ -166,8 +143,8 @@ def test_a_resume_off_by_k_steps_shows_in_the_ledger_the_loop_saves(tmp_path, mo
     monkeypatch.setattr(worker_loop, "resume_point", off_by_k)
     data = _dataset(tmp_path / "data")
     ckpt, _ = _lost_after_six_steps(tmp_path, data)
-    _attempt(tmp_path, data, Engine(), ckpt, ckpt.saves[-1], attempt=1)
-    s = SampleLedger.from_state(ckpt.saves[-1][LEDGER_KEY]).summary(owed=STEPS * G)
+    _attempt(tmp_path, data, Engine(), ckpt, ckpt.saves[-1]["state"], attempt=1)
+    s = ckpt.saves[-1]["ledger"].summary(owed=STEPS * G)
     assert (s.duplicates, s.missing) == ((0, k * G) if k > 0 else (-k * G, 0))
 
 
@@ -199,7 +176,7 @@ def test_a_resume_with_another_data_seed_is_refused(tmp_path):
     engine = Engine()
     with pytest.raises(DataMismatch, match=r"the checkpoint at step 4 was trained on other data than this run "
                                            r"reads \(data.seed 0 in the checkpoint, 5 now\)"):
-        _attempt(tmp_path, data, engine, ckpt, ckpt.saves[-1], attempt=1, seed=5)
+        _attempt(tmp_path, data, engine, ckpt, ckpt.saves[-1]["state"], attempt=1, seed=5)
     assert engine.fed == []
 
 
@@ -208,15 +185,15 @@ def test_a_resume_on_a_dataset_with_a_replaced_shard_is_refused_naming_it(tmp_pa
     ckpt, _ = _lost_after_six_steps(tmp_path, data)
     other = _dataset(tmp_path / "other", replace_row=14)          # row 14 is in the third shard (12..17)
     with pytest.raises(DataMismatch, match=r"\(shard-00002.npy has sha256 \w{12}, the checkpoint's \w{12}\)"):
-        _attempt(tmp_path, other, Engine(), ckpt, ckpt.saves[-1], attempt=1)
+        _attempt(tmp_path, other, Engine(), ckpt, ckpt.saves[-1]["state"], attempt=1)
 
 
 def test_a_checkpoint_from_before_data_identities_resumes_and_says_the_data_was_not_checked(tmp_path):
     data = _dataset(tmp_path / "data")
     ckpt, _ = _lost_after_six_steps(tmp_path, data)
-    old = {k: v for k, v in ckpt.saves[-1].items() if k != DATA_KEY}
+    old = {k: v for k, v in ckpt.saves[-1]["state"].items() if k != DATA_KEY}
     sink = Sink()
     assert _attempt(tmp_path, data, Engine(), ckpt, old, attempt=1, sink=sink)["ok"]
     start = next(e for e in sink.events if e["kind"] == "resume")
     assert start["data_check"].startswith("not checked: the checkpoint records no data identity")
-    assert SampleLedger.from_state(ckpt.saves[-1][LEDGER_KEY]).summary(owed=STEPS * G).missing == 0
+    assert ckpt.saves[-1]["ledger"].summary(owed=STEPS * G).missing == 0

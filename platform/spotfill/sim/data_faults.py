@@ -21,7 +21,8 @@ def check_shard_refs(events: list, manifest: dict) -> None:
         if e.action == "swap_shards" and max(e.shards) >= n:
             raise ConfigError(f"events[{e.index}].shards", list(e.shards),
                               reason=f"the prepared dataset has {n} shard{'s' if n != 1 else ''}",
-                              accepted=f"two different indices in 0..{n - 1}" if n > 1 else "a dataset of 2 shards or more")
+                              accepted=f"two different indices in 0..{n - 1}" if n > 1
+                              else "a dataset of 2 shards or more")
 
 
 def swap_shards(data_uri: str, shards: tuple[int, int], say) -> dict:

@@ -210,9 +210,9 @@ class ShardReader:
             got = sha256_file(tmp)
             if got != shard["sha256"]:
                 raise DataMismatch(f"data shard {shard['key']} in {self.uri} is not the shard its manifest names "
-                                   f"({self._holds(tmp, shard)}; sha256 {got[:12]}, the manifest's {shard['sha256'][:12]}): "
-                                   "the dataset changed after prepare; restore it, or re-run prepare and start "
-                                   "a new job")
+                                   f"({self._holds(tmp, shard)}; sha256 {got[:12]}, the manifest's "
+                                   f"{shard['sha256'][:12]}): the dataset changed after prepare; restore it, or "
+                                   "re-run prepare and start a new job")
             self._checked(shard, tmp, "it", "re-run prepare")
         except BaseException:
             if os.path.exists(tmp):
