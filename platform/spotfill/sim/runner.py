@@ -18,6 +18,7 @@ from dataclasses import replace
 from spotfill.config.job import JobConfig, PrepareConfig, from_mapping
 from spotfill.config.errors import ConfigError
 from spotfill.sim import fillin_batch, fillin_sweep
+from spotfill.sim.data_faults import check_shard_refs, swap_outcome, swap_shards
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
 from spotfill.sim.scenario import Event, Scenario, pick_node
 from spotfill.telemetry.events import EventTail
@@ -153,6 +154,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
             manifest = prepare(from_mapping(PrepareConfig, {
                 "source": corpus, "output": data_dir, "seq_len": SEQ_LEN, "suffixes": [".py"]}))
         say(f"{manifest['num_samples']} sequences of 65 tokens in {manifest['seconds']:.1f}s")
+        check_shard_refs(scenario.events, manifest)
         job_cfg = from_mapping(JobConfig, {
             "name": name, "run_dir": out_dir, "storage": storage,
             "data": {"path": data_dir}, "cluster": {"gpu_resource": scenario.cluster.gpu_resource}})
@@ -523,6 +525,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                 s3.outage_for(ev.duration_s)
             elif ev.action == "corrupt_checkpoint":
                 corrupted[ev.index] = corrupt_newest_checkpoint(job, say)
+            elif ev.action == "swap_shards":
+                corrupted[ev.index] = swap_shards(job.config.data.path, ev.shards, say)
             if ev.action in ("drain_node", "kill_node", "remove_node"):
                 world_at[ev.index] = world
                 world = 0          # unknown until the next start/resume (min_world waits for the regrow)
@@ -553,6 +557,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
             entry.update(grow_outcome(events, t))
         elif ev.action == "corrupt_checkpoint":
             entry.update(corrupted.get(ev.index, {}))
+        elif ev.action == "swap_shards":
+            entry.update({**corrupted.get(ev.index, {}), **swap_outcome(events, t)})
         report["events"].append(entry)
     for ev, why in skipped:
         report["events"].append({"index": ev.index, "action": ev.action, "fired": False, "skipped": why})

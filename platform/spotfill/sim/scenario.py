@@ -6,8 +6,10 @@
               # also batch: {enabled, rows, prompts}, sweep: {enabled, trials, steps} and reclaim_order: [sweep, batch, serve] (sim/fillin_spec.py)
     events:   [{at_step: 30, action: drain_node, node: 1, deadline_s: 20}, ...]
 
-Actions: drain_node, remove_node, kill_node, add_node, storage_outage and corrupt_checkpoint (flip bytes in
-the largest file of the newest committed checkpoint; the next restore must quarantine it and go past it).
+Actions: drain_node, remove_node, kill_node, add_node, storage_outage, corrupt_checkpoint (flip bytes in
+the largest file of the newest committed checkpoint; the next restore must quarantine it and go past it)
+and swap_shards (two data shards exchange their contents in storage; a worker that reads one fails the job
+with one line naming it: sim/data_faults.py).
 A node event's `node` is an index, or (with fill-in on) a pick made when the event fires: `most_training`
 (the node where training holds the most GPUs) or `most_lent` (where fill-in holds the most).
 """
@@ -27,6 +29,7 @@ ACTIONS = {
     "remove_node": ({"node"}, {"deadline_s"}),
     "storage_outage": ({"duration_s"}, set()),
     "corrupt_checkpoint": (set(), set()),   # flip bytes in one file of the newest committed checkpoint
+    "swap_shards": (set(), {"shards"}),     # two data shards exchange their contents in storage
     # autoscaling clusters: close (available: false) or reopen the fake cloud's market for a node type
     "market": ({"node_type", "available"}, {"how"}),
 }
@@ -55,6 +58,7 @@ class Event:
     how: str = "unfulfilled"
     min_world: int | None = None
     picked: str | None = None           # the pick (NODE_PICKS) `node` was resolved from when it fired
+    shards: tuple[int, int] = (0, 1)    # swap_shards: the two shards (indices in the dataset's manifest)
 
     def describe(self) -> str:
         when = f"at step {self.at_step}" if self.at_step is not None else f"at {self.at:g}s"
@@ -69,6 +73,7 @@ class Event:
                 "remove_node": f"remove {node}",
                 "storage_outage": f"storage outage for {self.duration_s:g}s",
                 "corrupt_checkpoint": "corrupt the newest committed checkpoint",
+                "swap_shards": f"swap the contents of data shards {self.shards[0]} and {self.shards[1]}",
                 "market": f"{'open' if self.available else 'close'} the market for {self.node_type}"
                           + ("" if self.available else f" ({self.how})")}[self.action]
         return f"{what} {when}"
@@ -247,6 +252,13 @@ def parse_event(i: int, raw: Any) -> Event:
         if not isinstance(raw["remove"], bool):
             raise ConfigError(f"{path}.remove", raw["remove"], accepted="true or false")
         kwargs["remove"] = raw["remove"]
+    if "shards" in raw:
+        pair = raw["shards"]
+        if not isinstance(pair, list) or len(pair) != 2 or any(isinstance(i, bool) or not isinstance(i, int)
+                                                               or i < 0 for i in pair) or pair[0] == pair[1]:
+            raise ConfigError(f"{path}.shards", pair, accepted="two different shard indices [a, b], integers >= 0 "
+                              "(default [0, 1])")
+        kwargs["shards"] = tuple(pair)
     return Event(**kwargs)
 
 

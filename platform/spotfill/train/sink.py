@@ -1,9 +1,10 @@
 """The run's event sink: one Ray actor on the driver's node that owns RUN_DIR/events.jsonl.
 
 Workers on any node send events to it; it also hands out attempt numbers (one per worker-group start),
-keeps the failure budget (planned exits -- announced preemption, graceful grow -- are free), records why
-each attempt started (RestartCauseCallback reports what Ray Train's controller saw), and holds the stop
-verdict that `TrainingJob.fit()` reads when Ray Train returns.
+keeps the failure budget (planned exits -- announced preemption, graceful grow -- are free; a data
+mismatch ends the job at the next start), records why each attempt started (RestartCauseCallback reports
+what Ray Train's controller saw), and holds the stop verdict that `TrainingJob.fit()` reads when Ray Train
+returns.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class EventSink:
         self._planned_exit: str | None = None
         self._failure: Failure | None = None
         self._verdict: dict | None = None
+        self._fatal: str | None = None      # a fault no restart fixes (data_mismatch): the next attempt gives up
 
     def _observe(self, event: dict) -> None:
         """Every written event: the spotfill_* series (this node's metrics endpoint) and, at most every
@@ -81,10 +83,18 @@ class EventSink:
         self._attempt += 1
         cause = attempt_cause(first, self._planned_exit, self._failure, earlier_attempts=self._first_attempt)
         self._planned_exit, self._failure = None, None
-        give_up = self._max_failures >= 0 and self._unplanned > self._max_failures
+        give_up = self._fatal is not None or (self._max_failures >= 0 and self._unplanned > self._max_failures)
         self._log.write("attempt", attempt=self._attempt, world_size=world_size,
                         unplanned_failures=self._unplanned, **cause)
-        return {"attempt": self._attempt, "give_up": give_up, "unplanned_failures": self._unplanned}
+        return {"attempt": self._attempt, "give_up": give_up, "unplanned_failures": self._unplanned,
+                **({"reason": self._fatal} if self._fatal else {})}
+
+    def data_mismatch(self, reason: str, **fields) -> None:
+        """A worker read data that is not the data named (feed.py, data.py): logged, and the job ends with
+        the first such line when the group restarts -- a restart would read the same data."""
+        if self._fatal is None:
+            self._fatal = reason
+        self._log.write("data_mismatch", reason=reason, **fields)
 
     def planned_exit(self, reason: str, **fields) -> None:
         self._planned_exit = reason

@@ -7,9 +7,10 @@ the step's one collective, so every rank sees every rank's facts; it asks the pu
 planned exit (Ray Train restarts the group at the size the cluster now holds), or the final save.
 
 Every optimizer step consumes the stream positions [step*G, (step+1)*G) whatever the world size; each rank
-takes its slice as micro-batches (batching.py). Every rank records the positions it actually fed (the
-identities the loader returned with the rows); at each checkpoint the ranks' records are combined into the
-exactly-once ledger (sample_ledger.py), which travels in the checkpoint with the model state.
+takes its slice as micro-batches (batching.py). Every rank records the positions it actually fed, as the
+row ids stored in the shards say (feed.py: a read that is not what the schedule owes fails the job with one
+line); at each checkpoint the ranks' records are combined into the exactly-once ledger (sample_ledger.py),
+which travels in the checkpoint with the model state and the identity of the data it counts.
 """
 from __future__ import annotations
 
@@ -18,23 +19,23 @@ import os
 import time
 
 from spotfill.config import constants
-from spotfill.config.errors import NoIntactCheckpoint
+from spotfill.config.errors import DataMismatch, NoIntactCheckpoint
 from spotfill.config.job import JobConfig, from_mapping
 from spotfill.ray_compat import local_preemption_info
 from spotfill.storage.base import open_storage
 from spotfill.storage.checkpoint_store import CheckpointStore
-from spotfill.train.batching import BatchShape, batch_shape, rank_positions
+from spotfill.train.batching import BatchShape, batch_shape
 from spotfill.train.checkpointing import Checkpointer
-from spotfill.train.data import Prefetcher, ShardReader, read_step
+from spotfill.train.data import Prefetcher, ShardReader
 from spotfill.train.engine import build_engine, ds_config, load_checkpoint, resolve_precision
 from spotfill.train.restore import restore_on_workers
+from spotfill.train.feed import DATA_KEY, LEDGER_KEY, StepFeed, data_identity, resume_point
 from spotfill.train.sample_ledger import FeedRecorder, SampleLedger
 from spotfill.train.step_policy import CONTINUE, FINISH, StepDecision, StepFacts, StepPolicy
 from spotfill.telemetry.throughput import split_step, step_metrics
 
 log = logging.getLogger(__name__)
 
-LEDGER_KEY = "sample_ledger"    # in every checkpoint's client_state
 # Rank 0 sends step events at most this often (and before every save or exit, so a step is on record
 # before any checkpoint containing it): one actor call per step was the loop's largest fixed cost on a
 # small model. A hard loss can leave up to this much of the newest steps off the record.
@@ -102,8 +103,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     info = comms.bcast(ray.get(sink.begin_attempt.remote(world)) if rank == 0 else None)
     if info["give_up"]:
-        return _finish(sink, rank, {"ok": False, "reason": f"{info['unplanned_failures']} unplanned "
-                                    f"failures exceed training.max_failures={t.max_failures}"})
+        return _finish(sink, rank, {"ok": False, "reason": info.get("reason") or f"{info['unplanned_failures']} "
+                                    f"unplanned failures exceed training.max_failures={t.max_failures}"})
     attempt = info["attempt"]
     shape = batch_shape(t.global_batch, world, t.max_micro_batch)
     store = CheckpointStore(open_storage(job.storage).child(job.name), keep_last=t.keep_checkpoints)
@@ -124,28 +125,49 @@ def train_loop_per_worker(loop_config: dict) -> None:
     device = _assigned_device(job.cluster.gpu_resource)
     precision = resolve_precision(t.precision, device)
     torch.manual_seed(t.seed)
-    reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
-    t_restored = time.time()
-    warm.join()
-    t_imported = time.time()
-    engine, vocab, flops = _engine(job, reader, shape, precision, plan.universal, device)
-    t_engine = time.time()
-    device = _device_info(engine, precision) if rank == 0 else {}
-    start_step, ledger, load_s = 0, SampleLedger(), 0.0
-    if plan.tag:
-        t1 = time.perf_counter()
-        client_state = load_checkpoint(engine, plan.load_dir, plan.load_tag, plan.elastic)
-        start_step, ledger = int(client_state["step"]), SampleLedger.from_state(client_state.get(LEDGER_KEY))
-        load_s = time.perf_counter() - t1
+    try:
+        reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
+        t_restored = time.time()
+        warm.join()
+        t_imported = time.time()
+        engine, vocab, flops = _engine(job, reader, shape, precision, plan.universal, device)
+        t_engine = time.time()
+        device = _device_info(engine, precision) if rank == 0 else {}
+        client_state, load_s = None, 0.0
+        if plan.tag:
+            t1 = time.perf_counter()
+            client_state = load_checkpoint(engine, plan.load_dir, plan.load_tag, plan.elastic)
+            load_s = time.perf_counter() - t1
+        start_event = {} if rank else dict(
+            attempt=attempt, world_size=world, micro_batch=shape.micro_batch, accum=shape.accum,
+            from_world_size=plan.world_size or None, universal=plan.universal, zero_elastic=plan.elastic,
+            restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
+            startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision, **flops, **device,
+            **_start_marks(t_start, t_restored, t_imported, t_engine))
+        verdict = run_attempt(job, sink, comms, engine, reader,
+                              Checkpointer(store, local_root, rank, world, attempt=f"{attempt}"),
+                              rank=rank, world=world, attempt=attempt, shape=shape, vocab=vocab, flops=flops,
+                              device=device, client_state=client_state, start_event=start_event)
+    except DataMismatch as exc:
+        # A restart would read the same data: the sink ends the job with this line at the next attempt
+        ray.get(sink.data_mismatch.remote(str(exc), rank=rank, attempt=attempt))
+        raise
+    _finish(sink, rank, verdict)
+
+
+def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, *, rank: int, world: int,
+                attempt: int, shape: BatchShape, vocab: int, flops: dict, device: dict, client_state: dict | None,
+                start_event: dict) -> dict:
+    """One attempt's steps, from the state its checkpoint gave (`client_state`; None: a fresh start) to the
+    last step or a planned exit (PlannedExit): the data path (feed.py: rows read, checked against the
+    schedule, their positions recorded in the ledger) and the executor. Needs no Ray: tests drive it with a
+    stand-in engine, sink and checkpointer on real shards (tests/unit/test_worker_steps.py)."""
+    t = job.training
+    identity = data_identity(reader, job.data.seed)
+    start_step, ledger, data_check = resume_point(client_state, identity)
     if rank == 0:
-        sink.event.remote("resume" if plan.tag else "start", attempt=attempt, step=start_step,
-                          world_size=world, micro_batch=shape.micro_batch, accum=shape.accum,
-                          from_world_size=plan.world_size or None, universal=plan.universal,
-                          zero_elastic=plan.elastic,
-                          restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
-                          startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision,
-                          **flops, **device,
-                          **_start_marks(t_start, t_restored, t_imported, t_engine))
+        sink.event.remote("resume" if client_state is not None else "start", step=start_step,
+                          data_check=data_check, **start_event)
 
     # Spares for the next group, after this group's first step (which ends a start or a recovery: the
     # spares' imports must not share the CPUs with it). They warm up in SCHED_IDLE (train.spares), on CPU
@@ -153,12 +175,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     spares = t.elastic_restarts == "spotfill" and constants.WARM_SPARES > 0
     spare_step = start_step + 1
 
-    def make(step: int):
-        return read_step(reader, step, rank_positions(step, shape, rank), shape.accum, job.data.seed)
-
-    run = _Executor(job, sink, comms, engine, rank, world, attempt, ledger,
-                    Checkpointer(store, local_root, rank, world, attempt=f"{attempt}"))
-    prefetch = Prefetcher(make, start_step, t.steps, depth=job.data.prefetch)
+    run = _Executor(job, sink, comms, engine, rank, world, attempt, ledger, ckpt, data=identity)
+    prefetch = Prefetcher(StepFeed(reader, shape, rank, job.data.seed), start_step, t.steps,
+                          depth=job.data.prefetch)
     tokens_per_step = t.global_batch * reader.seq_len
     gpus = world * job.cluster.gpus_per_worker
     timer = run.timer        # rank 0 only (None elsewhere): phases of the step
@@ -168,7 +187,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             batch = prefetch.get(step)
             td = time.perf_counter()
             loss_sum = _train_step(engine, batch.micro_batches, vocab, timer)
-            run.recorder.record(batch.positions)        # what the model was fed, as the loader returned it
+            run.recorder.record(batch.fed)      # the positions the rows fed are, by the ids stored in them
             facts, loss = run.gather(step + 1, loss_sum / shape.accum)
             tc = time.perf_counter()
             if rank == 0:
@@ -188,7 +207,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     finally:
         prefetch.close()
         run.close()
-    _finish(sink, rank, {"ok": True, "steps_completed": t.steps, "attempt": attempt})
+    return {"ok": True, "steps_completed": t.steps, "attempt": attempt}
 
 
 def node_local_root(job_name: str, node_id: str) -> str:
@@ -339,8 +358,9 @@ class _Executor:
     """Gathers a step's facts and applies the policy's decisions for one rank of one attempt."""
 
     def __init__(self, job: JobConfig, sink, comms: _Comms, engine, rank: int, world: int, attempt: int,
-                 ledger: SampleLedger, ckpt: Checkpointer):
+                 ledger: SampleLedger, ckpt: Checkpointer, data: dict | None = None):
         t = job.training
+        self.data = data         # what the ledger's positions refer to (feed.data_identity), saved with it
         self.sink, self.comms, self.engine, self.ckpt = sink, comms, engine, ckpt
         self.rank, self.world, self.attempt, self.global_batch = rank, world, attempt, t.global_batch
         # one margin before a notice's deadline: the checkpointer's (its budget and the policy's agree)
@@ -424,8 +444,9 @@ class _Executor:
         """Fold every rank's feeds since the last checkpoint into the ledger (one collective), then save
         the ledger with the model state."""
         self.ledger = self.ledger.with_fed(*self.comms.gather_objects(self.recorder.take()))
-        out = self.ckpt.save(self.engine, done, {"attempt": self.attempt, LEDGER_KEY: self.ledger.to_state()},
-                             kind=d.save_kind, deadline_unix_s=d.notice_deadline_unix_s)
+        state = {"attempt": self.attempt, LEDGER_KEY: self.ledger.to_state(),
+                 **({DATA_KEY: self.data} if self.data is not None else {})}
+        out = self.ckpt.save(self.engine, done, state, kind=d.save_kind, deadline_unix_s=d.notice_deadline_unix_s)
         if self.rank == 0:  # sent now: a hard loss during the upload must find it on record
             summary = self.ledger.summary(owed=done * self.global_batch)
             self.sink.log.remote([{
