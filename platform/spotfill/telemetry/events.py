@@ -110,11 +110,12 @@ class StepSampler:
     """Decides which step events are written; `feed(event)` returns the lines to write now, in order.
 
     The first `keep` steps are written as they come. After that a step is written (carrying the `span` of
-    the steps folded into it since the last written one) when it is notable -- the first step after any
+    the steps folded into it since the last written line) when it is notable -- the first step after any
     other event (a group's first step, the step after a checkpoint), every `every`-th step number, a loss
-    that is not finite or above LOSS_SPIKE x the running mean -- or when the oldest step held is
-    `flush_s` of event time old. Any other event first writes the held steps as one line (the last of
-    them, with the span), so a group's last step and the step before every save are always on record."""
+    that is not finite or above LOSS_SPIKE x the running mean. The held steps are written as one line
+    (the last of them, with the span) before a step that would leave more than `flush_s` of event time
+    since the last line written, and before any other event: a group's last step and the step before
+    every save are always on record."""
 
     def __init__(self, keep: int, every: int, flush_s: float):
         self.keep, self.every, self.flush_s = keep, max(1, every), flush_s
@@ -123,6 +124,7 @@ class StepSampler:
         self._span: dict | None = None
         self._after_other = True
         self._mean_loss: float | None = None
+        self._last_t: float | None = None       # the last line written
 
     @classmethod
     def from_env(cls) -> "StepSampler":
@@ -133,20 +135,27 @@ class StepSampler:
         if e.get("kind") != "step":
             out = self.flush()
             self._after_other = True
-            return out + [e]
+            return self._wrote(out + [e])
         span = step_span(e)
         self.seen += span["steps"]
         spike = self._spike(e.get("loss"))
         after_other, self._after_other = self._after_other, False
         if self.seen <= self.keep and self._held is None:
-            return [e]
-        merged = _merge(self._span, span)
-        old = self._span is not None and e.get("t", 0.0) - self._span["first_t"] >= self.flush_s
-        if after_other or spike or old or int(e.get("step", 0)) % self.every == 0:
+            return self._wrote([e])
+        if after_other or spike or int(e.get("step", 0)) % self.every == 0:
+            merged = _merge(self._span, span)
             self._held, self._span = None, None
-            return [self._with_span(e, merged)]
-        self._held, self._span = e, merged
-        return []
+            return self._wrote([self._with_span(e, merged)])
+        out = []
+        if self._held is not None and self._last_t is not None and e.get("t", 0.0) - self._last_t > self.flush_s:
+            out = self.flush()
+        self._held, self._span = e, _merge(self._span, span)
+        return self._wrote(out)
+
+    def _wrote(self, out: list[dict]) -> list[dict]:
+        if out:
+            self._last_t = out[-1].get("t", self._last_t)
+        return out
 
     def flush(self) -> list[dict]:
         """The held steps as one line (none held: nothing)."""
@@ -154,7 +163,7 @@ class StepSampler:
             return []
         e, span = self._held, self._span
         self._held, self._span = None, None
-        return [self._with_span(e, span)]
+        return self._wrote([self._with_span(e, span)])
 
     @staticmethod
     def _with_span(e: dict, span: dict) -> dict:
