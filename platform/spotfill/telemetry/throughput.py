@@ -71,6 +71,16 @@ def flops_per_token(n_params: int, layers: int, hidden: int, heads: int, seq_len
     return _planner_flops_per_token(n_params, arch, seq_len, recompute=recompute)
 
 
+def recompute_flops_per_token(recompute: str, recomputed_params: int, layers: int, hidden: int,
+                              seq_len: int) -> float:
+    """FLOPs per token of the forward that activation checkpointing runs again in backward: "full" reruns
+    the checkpointed layers (2 FLOPs per recomputed parameter, `recomputed_params`) and their attention
+    core (4*L*h*s, the forward third of the 12*L*h*s attention term); "selective" the attention core only;
+    "none" nothing."""
+    core = 4.0 * layers * hidden * seq_len
+    return {"none": 0.0, "selective": core, "full": 2.0 * recomputed_params + core}[recompute]
+
+
 def tokens_per_s(tokens: float, seconds: float) -> float | None:
     return tokens / seconds if seconds and seconds > 0 else None
 
