@@ -46,6 +46,7 @@ def _no_peak(tr: dict) -> str:
 def _kpis(s: dict) -> str:
     tr = s.get("training") or {}
     items = [("goodput", _pct(s.get("goodput"))),
+             ("time goodput", _pct(s.get("time_goodput"))),
              ("effective training time", _pct(s.get("effective_training_time_ratio"))),
              ("harvest ratio", _pct(s["harvest_ratio"]) if "harvest_ratio" in s else
               "no fill-in" if "harvest_ratio_reserved" not in s else "n/a (busy not measured)"),

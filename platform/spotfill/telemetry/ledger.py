@@ -247,7 +247,8 @@ class _Acc:
             if le.node is not None and le.node in alive:
                 g = max(0, min(le.gpus, alive[le.node] - used[le.node], free_total))
                 used[le.node] += g
-                self.per_node[le.node]["fillin"][le.workload] = self.per_node[le.node]["fillin"].get(le.workload, 0) + g * dt
+                row = self.per_node[le.node]["fillin"]
+                row[le.workload] = row.get(le.workload, 0) + g * dt
             elif le.node is None:
                 g = max(0, min(le.gpus, free_total))
             else:
