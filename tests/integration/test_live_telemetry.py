@@ -116,6 +116,14 @@ def test_step_metrics_live_view_and_status(cluster, tmp_path, capsys):
     assert kv_list("jobs/") == []
 
     events = list(read_events(job.events_path))
+    # the worker group's placement and teardown, as Ray Train's controller saw them: the ledger's evidence
+    # of when training held its GPUs
+    groups = [(e["kind"], e["group"]) for e in events if e["kind"] in ("group_start", "group_end")]
+    attempt = next(e for e in events if e["kind"] == "attempt")
+    finish = next(e for e in events if e["kind"] == "finish")
+    assert groups == [("group_start", 1), ("group_end", 1)] and attempt["group"] == 1
+    assert next(e for e in events if e["kind"] == "group_start")["t"] <= attempt["t"]
+    assert next(e for e in events if e["kind"] == "group_end")["t"] >= finish["t"]
     start = next(e for e in events if e["kind"] == "start")
     assert start["params"] == TINY_PARAMS and start["flops_per_token"] == TINY_FLOPS_PER_TOKEN
     assert start["hardware_flops_per_token"] == TINY_HARDWARE_FLOPS_PER_TOKEN and start["recompute"] == "full"
