@@ -267,3 +267,18 @@ def test_overcommitted_leases_are_capped_and_noted():
     led = compute_ledger(sorted(ev, key=lambda e: e["t"]), [NodeSpan("n0", 2, 0.0), NodeSpan("n1", 2, 0.0)])
     assert led.gpu_seconds["fillin_by_workload"].get("sweep", 0.0) == 0.0    # n0 is all training's
     assert any("exceeded" in n for n in led.notes)
+
+
+def test_group_numbers_restart_with_each_run_in_the_same_log():
+    """Two runs appended to one events.jsonl, each sink numbering its groups from 1: each run's group ends
+    at its own group_end (1 s after its finish), not at the other run's."""
+    ev = []
+    for run, (t0, first) in enumerate(((0.0, 1), (20.0, 11))):
+        ev += [{"t": t0, "kind": "job_start", "workers": [1, 1]}, {"t": t0, "kind": "group_start", "group": 1},
+               {"t": t0, "kind": "attempt", "attempt": run, "world_size": 1, "group": 1}]
+        ev += [step(t0 + i, first + i - 1, run, 1, step_s=1.0) for i in range(1, 11)]
+        ev += [{"t": t0 + 11, "kind": "finish", "ok": True, "attempt": run},
+               {"t": t0 + 12, "kind": "group_end", "group": 1}, {"t": t0 + 13, "kind": "job_end"}]
+    led = compute_ledger(ev, [NodeSpan("n", 1, 0.0)])
+    assert led.gpu_seconds["training"] == pytest.approx(10 + 10)
+    assert led.gpu_seconds["recovering_by_cause"]["shutdown"] == pytest.approx(1 + 1)

@@ -58,9 +58,22 @@ def lineage_keys(events: list[dict]) -> set[tuple[int, int]]:
     return keep
 
 
+def _group_keys(events: list[dict]) -> dict[int, tuple]:
+    """id(event) -> (run, group) for group_start / group_end / attempt events: the sink numbers groups from
+    1 in each run, and a run dir may hold several runs' events (each begins with job_start)."""
+    run, out = 0, {}
+    for e in events:
+        if e["kind"] == "job_start":
+            run += 1
+        elif e["kind"] in ("group_start", "group_end", "attempt") and e.get("group") is not None:
+            out[id(e)] = (run, e["group"])
+    return out
+
+
 def attempts(events: list[dict]) -> dict[int, dict]:
     """attempt -> {world_size, placement, group, steps (by time), saves, attempt_t, ready_t, finish_t}."""
     out: dict[int, dict] = {}
+    keys = _group_keys(events)
     for e in events:
         a = e.get("attempt")
         if a is None or e["kind"] not in GROUP_KINDS + ("finish",):
@@ -74,7 +87,7 @@ def attempts(events: list[dict]) -> dict[int, dict]:
         kind = e["kind"]
         if kind == "attempt":
             rec["attempt_t"] = e["t"]
-            rec["group"] = e.get("group")
+            rec["group"] = keys.get(id(e))
         elif kind in ("start", "resume") and rec["ready_t"] is None:
             rec["ready_t"] = e["t"] - float(e.get("startup_s") or 0.0)
         elif kind == "step":
@@ -113,11 +126,12 @@ class _Group:
 
 def _groups(events: list[dict], recs: dict[int, dict], gpw: int) -> list[_Group]:
     """One _Group per worker group the events show, ordered by placement."""
-    starts = {e["group"]: e for e in events if e["kind"] == "group_start" and e.get("group") is not None}
+    keys = _group_keys(events)
+    starts = {keys[id(e)]: e for e in events if e["kind"] == "group_start" and id(e) in keys}
     ends = {}
     for e in events:
-        if e["kind"] == "group_end" and e.get("group") is not None:
-            ends.setdefault(e["group"], e["t"])
+        if e["kind"] == "group_end" and id(e) in keys:
+            ends.setdefault(keys[id(e)], e["t"])
     groups: list[_Group] = []
     claimed = set()
     for a, rec in sorted(recs.items()):
