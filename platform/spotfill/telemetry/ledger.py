@@ -219,8 +219,8 @@ class _Acc:
 
         cap = sum(max(0, room(n)) for n in alive)
         g = min(claim.gpus, cap)
-        if claim.gpus > sum(alive.values()) and claim.held:
-            self.overcommit_s += dt
+        if claim.gpus > sum(alive.values()) and claim.held and claim.cause not in ("teardown", "shutdown"):
+            self.overcommit_s += dt      # (a dying group's workers on a lost node are simply gone)
         if claim.placement:
             g = 0
             for node, ng in claim.placement:
