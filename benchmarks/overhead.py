@@ -306,8 +306,10 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
         cluster.add_node(num_cpus=1, resources={"GPU_SLOT": 1})
         cluster.wait_for_nodes()
-        # what TrainingJob.fit() would pass to ray.init itself (it reuses an initialised Ray)
-        ray.init(address=cluster.address, runtime_env={"env_vars": ray_train_env()},
+        # what TrainingJob.fit() would pass to ray.init itself (it reuses an initialised Ray); the slices are
+        # cut from every step's end time, so the event sink writes every step (no step sampling)
+        ray.init(address=cluster.address, runtime_env={"env_vars": {**ray_train_env(),
+                                                                    "SPOTFILL_EVENTS_STEPS_KEEP": str(10 ** 9)}},
                  log_to_driver=False)
         source = os.path.dirname(json.__file__)
         manifest = prepare(PrepareConfig(source=source, output=data, seq_len=64))

@@ -33,6 +33,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "recovery": ("benchmarks.recovery", "bench_recovery"),
     "preemption": ("benchmarks.recovery", "bench_preemption"),
     "fillin": ("benchmarks.fillin", "bench_fillin"),
+    "eventlog": ("benchmarks.eventlog", "bench_eventlog"),
 }
 DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "fillin")
 TARGETS = {("checkpoint", "stall_ratio"): ("<=", 0.10), ("checkpoint", "upload_ratio"): (">=", 0.70),

@@ -108,6 +108,8 @@ HOOKS = [
     (_train_callback.ControllerCallback, "before_controller_execute_resize_decision", ("resize_decision",)),
     # a worker group's teardown: reap workers whose node is gone before Ray Train's 5 s shutdown patience
     (WorkerGroupCallback, "before_worker_group_shutdown", ("worker_group",)),
+    # the GPU-seconds ledger: when a group's GPUs were let go (train/sink.py, group_end)
+    (WorkerGroupCallback, "after_worker_group_shutdown", ("worker_group_context",)),
     (_wg.WorkerGroup, "get_workers", ()),
     (_wg_worker.RayTrainWorker, "get_metadata", ()),
     # Ray's fake multi-node provider (local autoscaler tests, the demo's autoscaling cluster)

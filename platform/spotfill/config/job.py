@@ -166,6 +166,9 @@ class TrainingConfig:
     # Committed checkpoints exist but none is intact: "fail" the job (exit 1, naming the damaged tags) or
     # "restart" from step 0 (recorded as a `fresh_start` event with the cause).
     on_no_intact_checkpoint: str = "fail"
+    # Activation checkpointing: "none", "selective" (recompute the attention core), "full" (recompute each
+    # transformer block's forward in backward). Less activation memory for more compute; HFU counts it.
+    activation_checkpointing: str = "none"
 
     @property
     def min_workers(self) -> int:
@@ -196,6 +199,12 @@ class TrainingConfig:
         _choice(path, "elastic_restarts", self.elastic_restarts, ["spotfill", "stock", "stock-tuned"])
         _choice(path, "on_no_intact_checkpoint", self.on_no_intact_checkpoint, ["fail", "restart"])
         _choice(path, "precision", self.precision, ["auto", "bf16", "fp16", "fp32"])
+        from spotfill.train.presets import RECOMPUTE
+        _choice(path, "activation_checkpointing", self.activation_checkpointing, list(RECOMPUTE))
+        if self.model.startswith("hf:") and self.activation_checkpointing == "selective":
+            raise ConfigError(_join(path, "activation_checkpointing"), "selective",
+                              reason="a Hugging Face model recomputes whole layers",
+                              accepted="none or full with an hf: model")
         check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
 
 

@@ -21,7 +21,7 @@ from spotfill.sim import fillin_batch, fillin_sweep
 from spotfill.sim.data_faults import check_shard_refs, swap_outcome, swap_shards
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
 from spotfill.sim.scenario import Event, Scenario, pick_node
-from spotfill.telemetry.events import EventTail
+from spotfill.telemetry.events import EventTail, remove_log
 
 log = logging.getLogger(__name__)
 CORPUS_PACKAGES = ("json", "http", "logging", "urllib")
@@ -96,9 +96,9 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:
         raise ConfigError("--out", out_dir, reason=f"cannot create it ({exc.strerror})") from None
-    for name in ("events.jsonl", "report.json"):
-        if os.path.exists(os.path.join(out_dir, name)):
-            os.unlink(os.path.join(out_dir, name))
+    remove_log(os.path.join(out_dir, "events.jsonl"))      # with its rolled segments
+    if os.path.exists(os.path.join(out_dir, "report.json")):
+        os.unlink(os.path.join(out_dir, "report.json"))
     t_begin = time.time()
     s3 = None
     env = worker_env()

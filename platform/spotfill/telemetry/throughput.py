@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from spotfill.planning.architecture import Arch
+from spotfill.telemetry.events import step_totals
 from spotfill.planning.hardware import lookup
 from spotfill.planning.sizing import flops_per_token as _planner_flops_per_token
 
@@ -68,6 +69,16 @@ def flops_per_token(n_params: int, layers: int, hidden: int, heads: int, seq_len
     arch = Arch(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=0,
                 mlp="gelu", source="model")
     return _planner_flops_per_token(n_params, arch, seq_len, recompute=recompute)
+
+
+def recompute_flops_per_token(recompute: str, recomputed_params: int, layers: int, hidden: int,
+                              seq_len: int) -> float:
+    """FLOPs per token of the forward that activation checkpointing runs again in backward: "full" reruns
+    the checkpointed layers (2 FLOPs per recomputed parameter, `recomputed_params`) and their attention
+    core (4*L*h*s, the forward third of the 12*L*h*s attention term); "selective" the attention core only;
+    "none" nothing."""
+    core = 4.0 * layers * hidden * seq_len
+    return {"none": 0.0, "selective": core, "full": 2.0 * recomputed_params + core}[recompute]
 
 
 def tokens_per_s(tokens: float, seconds: float) -> float | None:
@@ -135,9 +146,10 @@ def run_utilization(steps: Iterable[dict], devices: dict, gpus_per_worker: float
         if not (peak and fm and fh and e.get("step_s")):
             return {"mfu": None, "hfu": None}
         n += 1
-        done_m += e["tokens"] * fm
-        done_h += e["tokens"] * fh
-        capacity += e["step_s"] * e["world_size"] * gpus_per_worker * peak
+        tokens = step_totals(e, "tokens")     # an event may stand for many steps (events.step_span)
+        done_m += tokens * fm
+        done_h += tokens * fh
+        capacity += step_totals(e, "step_s") * e["world_size"] * gpus_per_worker * peak
     if not n or capacity <= 0:
         return {"mfu": None, "hfu": None}
     return {"mfu": done_m / capacity, "hfu": done_h / capacity}
@@ -149,6 +161,7 @@ def split_totals(steps: Iterable[dict]) -> dict:
     out: dict[str, Optional[float]] = {k: None for k in keys}
     for e in steps:
         for k in keys:
-            if e.get(k) is not None:
-                out[k] = (out[k] or 0.0) + e[k]
+            v = step_totals(e, k, None)
+            if v is not None:
+                out[k] = (out[k] or 0.0) + v
     return out

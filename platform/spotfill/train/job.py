@@ -19,7 +19,7 @@ import uuid
 from spotfill.config import constants
 from spotfill.config.job import JobConfig
 from spotfill.config.errors import JobFailed
-from spotfill.telemetry.events import read_events
+from spotfill.telemetry.events import log_size, read_events
 from spotfill.storage.base import open_storage
 from spotfill.train.summary import checkpoints_section, training_section
 
@@ -174,7 +174,7 @@ class TrainingJob:
         os.makedirs(self.run_dir, exist_ok=True)
         self._init_ray()
         namespace = "spotfill"
-        offset = os.path.getsize(self.events_path) if os.path.exists(self.events_path) else 0   # this run's events
+        offset = log_size(self.events_path)      # where this run's events begin (rolled segments included)
         sink_name = f"spotfill-sink-{self.config.name}-{uuid.uuid4().hex[:6]}"
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         sink = EventSink.options(

@@ -311,15 +311,13 @@ def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: s
 
     t = job.training
     model = build_model(t.model, seq_len=reader.seq_len, vocab_size=None if t.model.startswith("hf:")
-                        else reader.manifest["vocab_size"])
+                        else reader.manifest["vocab_size"], recompute=t.activation_checkpointing)
     config = ds_config(job, shape.micro_batch, shape.accum, precision, universal)
-    from spotfill.train.model import count_params, model_flops
+    from spotfill.train.model import flops_info
 
-    # The planner's FLOPs per token at the trained sequence length; the presets recompute no activations,
-    # so hardware FLOPs equal model FLOPs (a recompute mode would add its forward here).
-    params = count_params(model)
-    fm, fh = model_flops(model.cfg, params, reader.seq_len, recompute="none")
-    flops = {"params": params, "flops_per_token": fm, "hardware_flops_per_token": fh, "recompute": "none"}
+    # FLOPs per token at the trained sequence length: model FLOPs, and hardware FLOPs with the forward that
+    # activation checkpointing runs again (HFU)
+    flops = flops_info(model, reader.seq_len)
     return build_engine(model, config, device), model.cfg.vocab_size, flops
 
 
