@@ -203,14 +203,21 @@ def serve_cli(head, *args: str, timeout: float = 120):
 
 def serve_config(staged: Path, checkpoint: str, port: int, out: Path) -> Path:
     """serving/config.yaml as shipped, with what a user changes: the run's checkpoint URI, the port, the
-    checkout's location (cluster.yaml installs spotfill on every node; here it is the staged copy, on
-    PYTHONPATH, since the head hides the installed one) and at most 2 replicas."""
+    checkout's location and at most 2 replicas. cluster.yaml installs spotfill on every node and points the
+    app's working_dir at the checkout; the head here hides the installed spotfill, so the working_dir holds
+    serving/ and the staged spotfill package side by side (links into the staged copy)."""
     import yaml
 
     cfg = yaml.safe_load((REPO / "serving" / "config.yaml").read_text())
     cfg["http_options"] = {"host": "127.0.0.1", "port": port}
     (app,) = cfg["applications"]
-    app["runtime_env"] = {"working_dir": f"local://{staged}", "env_vars": {"PYTHONPATH": str(staged / "platform")}}
+    assert app["runtime_env"]["working_dir"].startswith("local://"), app["runtime_env"]
+    wd = staged / "serve-wd"
+    wd.mkdir(exist_ok=True)
+    for name, target in (("serving", staged / "serving"), ("spotfill", staged / "platform" / "spotfill")):
+        if not (wd / name).exists():
+            (wd / name).symlink_to(target)
+    app["runtime_env"] = {"working_dir": f"local://{wd}"}
     app["args"].update(checkpoint=checkpoint, max_replicas=2, reload_s=1)
     assert app["external_scaler_enabled"] is True and app["args"]["replicas"] == 0 and app["args"]["gpu_resource"] == "GPU"
     out.write_text(yaml.safe_dump(cfg))
