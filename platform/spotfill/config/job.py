@@ -160,6 +160,11 @@ class TrainingConfig:
     # Committed checkpoints exist but none is intact: "fail" the job (exit 1, naming the damaged tags) or
     # "restart" from step 0 (recorded as a `fresh_start` event with the cause).
     on_no_intact_checkpoint: str = "fail"
+    # Pipeline parallelism (train/pipeline.py): S stages per replica, `workers` still counts ranks (GPUs), so
+    # there are workers / S data-parallel replicas; 1 = no pipeline. `micro_batches`: M per step at the full
+    # width (0: from max_micro_batch); the micro-batch size stays fixed when replicas are lost.
+    pipeline_stages: int = 1
+    micro_batches: int = 0
 
     @property
     def min_workers(self) -> int:
@@ -190,7 +195,26 @@ class TrainingConfig:
         _choice(path, "elastic_restarts", self.elastic_restarts, ["spotfill", "stock", "stock-tuned"])
         _choice(path, "on_no_intact_checkpoint", self.on_no_intact_checkpoint, ["fail", "restart"])
         _choice(path, "precision", self.precision, ["auto", "bf16", "fp16", "fp32"])
-        check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
+        _positive(path, "pipeline_stages", self.pipeline_stages)
+        _positive(path, "micro_batches", self.micro_batches, allow_zero=True)
+        if self.pipeline_stages == 1:
+            check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
+            return
+        from spotfill.train.pipe_layout import check_pipeline_range
+        if self.zero_stage > 1:
+            raise ConfigError(_join(path, "zero_stage"), self.zero_stage,
+                              reason="DeepSpeed's pipeline engine does not run ZeRO-2/3",
+                              accepted="0 or 1 with training.pipeline_stages > 1")
+        if self.model.startswith("hf:"):
+            raise ConfigError(_join(path, "model"), self.model, reason="pipeline stages cut the GPT presets only",
+                              accepted=[*PRESETS])
+        layers = PRESETS[self.model].n_layer + 2      # embeddings, the blocks, the head
+        if self.pipeline_stages > layers:
+            raise ConfigError(_join(path, "pipeline_stages"), self.pipeline_stages,
+                              reason=f"more stages than the {layers} layers of {self.model}",
+                              accepted=f"1..{layers}")
+        check_pipeline_range(self.global_batch, self.pipeline_stages, self.min_workers, self.max_workers,
+                             self.micro_batches, self.max_micro_batch)
 
 
 @dataclass
