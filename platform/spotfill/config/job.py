@@ -165,6 +165,9 @@ class TrainingConfig:
     # width (0: from max_micro_batch); the micro-batch size stays fixed when replicas are lost.
     pipeline_stages: int = 1
     micro_batches: int = 0
+    # A batch job's output (fillin/batch.py: its plan and pinned model): its evaluation units run in the
+    # pipeline's bubbles, inside the training processes (fillin/bubble_fill.py). "" = no bubble fill.
+    bubble_fill: str = ""
 
     @property
     def min_workers(self) -> int:
@@ -198,6 +201,9 @@ class TrainingConfig:
         _positive(path, "pipeline_stages", self.pipeline_stages)
         _positive(path, "micro_batches", self.micro_batches, allow_zero=True)
         if self.pipeline_stages == 1:
+            if self.bubble_fill:
+                raise ConfigError(_join(path, "bubble_fill"), self.bubble_fill,
+                                  reason="bubbles come with pipeline stages", accepted="training.pipeline_stages > 1")
             check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
             return
         from spotfill.train.pipe_layout import check_pipeline_range

@@ -166,6 +166,10 @@ class PipelineRun:
         engine = build_engine(module, config)
         from spotfill.train.bubble_probe import BubbleProbe
         sync = torch.cuda.synchronize if getattr(engine.device, "type", "") == "cuda" else None
+        if t.bubble_fill and self.filler is None:
+            from spotfill.fillin.bubble_fill import BubbleFiller, EvalUnitsWork
+            self.filler = BubbleFiller(EvalUnitsWork(t.bubble_fill, self.layout.rank, self.layout.world,
+                                                     device=engine.device), sync=sync)
         self.probe = BubbleProbe(engine, filler=self.filler, sync=sync)
         params = _whole_model_params(cfg)
         fm, fh = model_flops(cfg, params, seq_len, recompute="none")
@@ -178,10 +182,11 @@ class PipelineRun:
         data = micro_batch_iter(micro_batches) if self.layout.reads_data else None
         return float(self.probe.step(lambda: engine.train_batch(data_iter=data)))
 
-    def step_values(self) -> tuple[float, float, float]:
-        """This rank's bubble, fill and schedule seconds of the last step, for the step's gather."""
+    def step_values(self) -> tuple[float, float, float, float]:
+        """This rank's bubble, fill and schedule seconds of the last step and the fill rows it has done so
+        far, for the step's gather."""
         last = self.probe.last
-        return (last.bubble_s, last.fill_s, last.wall_s)
+        return (last.bubble_s, last.fill_s, last.wall_s, float(self.filler.rows if self.filler else 0))
 
     def split(self) -> tuple[float, float]:
         """(forward+backward, optimizer) seconds of this stage's last step, for rank 0's step split."""
@@ -192,11 +197,17 @@ class PipelineRun:
         the step's 4 flags): bubble_s and bubble_fill_s summed over ranks (GPU-seconds), per stage the
         mean over replicas, and the step's bubble share."""
         from spotfill.train.bubble import per_stage
-        bubble, fill, wall = ([r[4 + i] for r in rows] for i in range(3))
+        bubble, fill, wall, done = ([r[4 + i] for r in rows] for i in range(4))
         return {"stages": self.layout.stages, "micro_batches": self.shape.accum,
                 "bubble_s": round(sum(bubble), 6), "bubble_fill_s": round(sum(fill), 6),
+                "bubble_fill_rows": int(sum(done)),
                 "bubble_stage_s": [round(x, 6) for x in per_stage(bubble, self.layout.stages)],
                 "bubble_fraction": round(sum(bubble) / sum(wall), 4) if sum(wall) > 0 else None}
+
+    def close(self) -> None:
+        """Let the bubble fill's last unit commit (its writer thread)."""
+        if self.filler is not None:
+            self.filler.work.close()
 
     def checkpoint_meta(self) -> dict:
         """Recorded in every checkpoint's manifest: restore reshards when the stage count changes."""

@@ -195,6 +195,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     finally:
         prefetch.close()
         run.close()
+        if pipe:
+            pipe.close()
     _finish(sink, rank, {"ok": True, "steps_completed": t.steps, "attempt": attempt})
 
 
