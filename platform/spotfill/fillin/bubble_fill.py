@@ -5,7 +5,7 @@ The first tenant is a batch job's evaluation units (fillin/batch.py, `training.b
 the same plan, pinned model, parts and commit markers as its Ray Data workers, so a unit is exactly once
 whoever runs it (a unit done twice is rewritten whole under the same name). Each training rank takes the
 units whose index is its rank modulo the world size, and evaluates their rows a chunk at a time; a finished
-unit is written and committed on a background thread, off the step.
+unit is written and committed by a background thread, in order, off the step.
 
 Training state does not change: the work runs on its own copy of the model, in inference mode (no autograd),
 with the RNG states forked around it (`torch.random.fork_rng`: the training's CPU and device generators come
@@ -16,6 +16,7 @@ its overrun.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 
@@ -92,6 +93,7 @@ class EvalUnitsWork:
         self._nll: list[float] = []
         self._count: list[int] = []
         self._writer: threading.Thread | None = None
+        self._queue: queue.Queue = queue.Queue()
         self._load_next()
 
     def _load_next(self) -> None:
@@ -123,20 +125,28 @@ class EvalUnitsWork:
         return rows
 
     def _finish(self, unit: bp.Unit, nll: list[float], count: list[int]) -> None:
-        from spotfill.fillin.batch import commit_unit, eval_table
-        self.close()                        # one write at a time, in unit order
+        """Queue the unit's part and commit for the writer thread (started on first use): never waits."""
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write, name="spotfill-bubble-commit", daemon=True)
+            self._writer.start()
+        self._queue.put((unit, nll, count))
 
-        def write():
+    def _write(self) -> None:
+        from spotfill.fillin.batch import commit_unit, eval_table
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            unit, nll, count = item
             try:
                 commit_unit(self.out, unit, eval_table(unit, nll, count))
                 self.committed.append(unit.unit_id)
             except Exception as exc:  # noqa: BLE001 -- the unit stays uncommitted: a later run redoes it
                 log.warning("bubble fill: unit %s not committed (%s: %s)", unit.unit_id, type(exc).__name__, exc)
 
-        self._writer = threading.Thread(target=write, name="spotfill-bubble-commit", daemon=True)
-        self._writer.start()
-
     def close(self) -> None:
+        """Wait for the queued units to be written."""
         if self._writer is not None:
+            self._queue.put(None)
             self._writer.join()
             self._writer = None
