@@ -52,7 +52,7 @@ def test_losses_and_parameters_are_bit_identical_with_and_without_filling(runs):
         assert len(p) == len(f) == STEPS
         assert [s["loss"] for s in p] == [s["loss"] for s in f]
         assert [s["digest"] for s in p] == [s["digest"] for s in f]
-        assert len({s["digest"] for s in p}) == STEPS        # the parameters did change every step
+        assert len({s["digest"] for s in p}) >= STEPS - 1    # the parameters changed (the first LR is 0)
     # fill work ran inside both stages' bubbles once their bubbles were measured (3 steps)
     for rank in range(2):
         steps = filled[rank]["steps"]
