@@ -126,3 +126,25 @@ def test_nothing_runs_without_a_budget_or_without_work():
     assert filler.fill(1.0, 1.0) == 0.0 and filler.overruns == []
     filler = BubbleFiller(FakeWork(clock, 0.1), clock=clock)
     assert filler.fill(0.0, 1.0) == 0.0 and filler.rows == 0
+
+
+def test_bubbles_are_measured_on_steps_nobody_fills_so_fill_cannot_feed_on_itself():
+    """With gloo a send waits for the receiver: a stage's wait can hold its peer's fill work. Here the end
+    point waits 3 s plus whatever was filled there (the peer filled as much): measured on filled steps, the
+    estimate would grow with every step. Measured only on calibration steps (the first 3, then every 10th,
+    when no rank fills) it stays 3 s, and so does every fill."""
+    from spotfill.train.bubble_probe import calibrating
+    clock = Clock()
+    waits = {"End": 3.0}
+    engine = FakeEngine(clock, waits)
+    filler = BubbleFiller(FakeWork(clock, per_row=0.1), clock=clock)
+    probe = BubbleProbe(engine, filler=filler, clock=clock)
+    fills = []
+    for step in range(25):
+        probe.step(lambda: engine.train_batch(stage=1))
+        end = probe.last.points[-1]
+        fills.append(end.fill_s)
+        waits["End"] = 3.0 + end.fill_s           # the peer's fill shows up in the next wait
+    assert [f == 0 for f in fills] == [calibrating(s) for s in range(25)]
+    assert probe.estimates.estimate(probe.last.points[-1].index) == pytest.approx(3.0)
+    assert 0 < max(fills) <= 0.85 * 3.0 + 1e-9

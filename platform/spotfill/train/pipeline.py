@@ -127,7 +127,7 @@ class PipelineRun:
     """The pipeline path of one rank of the worker loop (train/worker_loop.py): its place, its share of
     each step's samples, its engine and its step."""
 
-    def __init__(self, job, world: int, rank: int):
+    def __init__(self, job, world: int, rank: int, node_id: str = ""):
         from spotfill.train.pipe_layout import check_pipeline_range, layout, pipeline_batch_shape
 
         t = job.training
@@ -136,6 +136,7 @@ class PipelineRun:
                                      t.micro_batches, t.max_micro_batch)
         self.shape = pipeline_batch_shape(t.global_batch, self.layout.replicas, micro)
         self.probe = None
+        self.node_id, self.replica_nodes = node_id, []
         self.filler = None      # fill work for the bubbles (fillin/bubble_fill.py), set before build_engine
 
     def positions(self, step: int):
@@ -162,6 +163,7 @@ class PipelineRun:
         t = job.training
         cfg = preset(t.model, seq_len=seq_len, vocab_size=vocab_size)
         module = build_pipeline_module(cfg, self.layout.stages, self.layout.replicas, seed=t.seed)
+        self._place()
         config = pipeline_ds_config(ds_config(job, self.shape.micro_batch, self.shape.accum, precision, universal))
         engine = build_engine(module, config)
         from spotfill.train.bubble_probe import BubbleProbe
@@ -213,9 +215,28 @@ class PipelineRun:
         """Recorded in every checkpoint's manifest: restore reshards when the stage count changes."""
         return {"pipeline_stages": self.layout.stages}
 
+    def _place(self) -> None:
+        """Which nodes each replica's ranks are on (one collective at start): a replica whose stages span
+        nodes is lost with either node, which the start event and a warning say."""
+        import logging
+
+        import torch.distributed as dist
+        nodes = [None] * self.layout.world
+        dist.all_gather_object(nodes, self.node_id)
+        self.replica_nodes = [sorted({nodes[r] for r in self.layout.ranks_of_replica(d)})
+                              for d in range(self.layout.replicas)]
+        spanning = [d for d, n in enumerate(self.replica_nodes) if len(n) > 1]
+        if spanning and self.layout.rank == 0:
+            logging.getLogger(__name__).warning(
+                "pipeline replicas %s span more than one node: losing any of those nodes loses the replica "
+                "(give each node a multiple of %d workers)", spanning, self.layout.stages)
+
     def start_fields(self) -> dict:
         return {"pipeline_stages": self.layout.stages, "replicas": self.layout.replicas,
-                "micro_batches": self.shape.accum, "stage_layers": list(getattr(self, "stage_span", ()))}
+                "micro_batches": self.shape.accum, "micro_batch": self.shape.micro_batch,
+                "stage_layers": list(getattr(self, "stage_span", ())),
+                "replica_nodes": self.replica_nodes,
+                "replicas_spanning_nodes": sum(1 for n in self.replica_nodes if len(n) > 1)}
 
 
 def _whole_model_params(cfg: GPTConfig) -> int:

@@ -118,7 +118,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     except NoIntactCheckpoint as exc:
         return _finish(sink, rank, {"ok": False, "reason": str(exc)})
     prep_s = time.perf_counter() - t0
-    pipe = _pipeline(job, world, rank, plan.stages)    # None without pipeline stages
+    pipe = _pipeline(job, world, rank, plan.stages, node_id)    # None without pipeline stages
     shape = pipe.shape if pipe else batch_shape(t.global_batch, world, t.max_micro_batch)
 
     precision = resolve_precision(t.precision, torch.cuda.is_available() and job.cluster.gpu_resource == "GPU")
@@ -283,13 +283,13 @@ def _finish(sink, rank: int, verdict: dict) -> None:
         ray.get(sink.finish.remote(verdict))
 
 
-def _pipeline(job: JobConfig, world: int, rank: int, saved_stages: int):
+def _pipeline(job: JobConfig, world: int, rank: int, saved_stages: int, node_id: str):
     """The pipeline path (train/pipeline.py) with training.pipeline_stages; with 1 stage too when the run's
     checkpoint was saved by a pipeline (its weights are per layer); None otherwise."""
     if job.training.pipeline_stages <= 1 and not saved_stages:
         return None
     from spotfill.train.pipeline import PipelineRun
-    return PipelineRun(job, world, rank)
+    return PipelineRun(job, world, rank, node_id)
 
 
 def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: str, universal: bool):
