@@ -338,7 +338,7 @@ def bench_pipeline(quick: bool = True, progress=None, stages: int = 2, micro_bat
     sides: list[Side] = []
     try:
         data, plan_dir = os.path.join(work, "data"), os.path.join(work, "fill")
-        manifest = prepare_local(data)
+        manifest = prepare_local(data, min_rows=40000)   # more fill work than the slices can use
         make_plan(plan_dir, data, preset)
         job = {"name": "bench-pipeline", "storage": os.path.join(work, "ckpt"), "data": {"path": data},
                "training": {"model": preset, "workers": [stages], "steps": 10 ** 6, "global_batch": global_batch,

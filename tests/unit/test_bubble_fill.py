@@ -148,3 +148,19 @@ def test_bubbles_are_measured_on_steps_nobody_fills_so_fill_cannot_feed_on_itsel
     assert [f == 0 for f in fills] == [calibrating(s) for s in range(25)]
     assert probe.estimates.estimate(probe.last.points[-1].index) == pytest.approx(3.0)
     assert 0 < max(fills) <= 0.85 * 3.0 + 1e-9
+
+
+def test_one_slow_chunk_does_not_stop_the_filling():
+    """A chunk that took 1000x its cost (the process was paused in it) must not make every later budget look
+    too small for a single row."""
+    clock = Clock()
+    work = FakeWork(clock, per_row=0.01)
+    filler = BubbleFiller(work, clock=clock)
+    for _ in range(3):
+        filler.fill(0.5, 0.6)
+    work.per_row = 10.0                     # paused mid-chunk once
+    filler.fill(0.5, 0.6)
+    work.per_row = 0.01
+    before = work.done
+    filler.fill(0.5, 0.6)
+    assert work.done - before >= 40

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 import threading
 import time
 
@@ -24,7 +25,7 @@ from spotfill.fillin import batch_plan as bp
 from spotfill.train.bubble import chunk_rows, overrun, percentile
 
 log = logging.getLogger(__name__)
-EMA = 0.3            # weight of the newest chunk in the per-row cost estimate
+COST_WINDOW = 8      # the per-row cost estimate: the median of this many recent chunks
 
 
 class BubbleFiller:
@@ -33,6 +34,7 @@ class BubbleFiller:
     def __init__(self, work, sync=None, clock=time.perf_counter, max_rows: int = 64):
         self.work, self._sync, self._clock, self.max_rows = work, sync, clock, max_rows
         self.per_row_s: float | None = None
+        self._costs: deque = deque(maxlen=COST_WINDOW)
         self.fill_s, self.rows, self.chunks = 0.0, 0, 0
         self.overruns: list[float] = []
 
@@ -51,8 +53,9 @@ class BubbleFiller:
                 self._sync()
             if done == 0:
                 break
-            per_row = (self._clock() - tc) / done
-            self.per_row_s = per_row if self.per_row_s is None else EMA * per_row + (1 - EMA) * self.per_row_s
+            # a median, so one slow chunk (a pause, a stopped process) does not stop the filling for good
+            self._costs.append((self._clock() - tc) / done)
+            self.per_row_s = sorted(self._costs)[len(self._costs) // 2]
             self.rows += done
             self.chunks += 1
         used = self._clock() - t0
