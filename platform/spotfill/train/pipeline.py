@@ -233,7 +233,7 @@ class PipelineRun:
 
     def start_fields(self) -> dict:
         return {"pipeline_stages": self.layout.stages, "replicas": self.layout.replicas,
-                "micro_batches": self.shape.accum, "micro_batch": self.shape.micro_batch,
+                "micro_batches": self.shape.accum,
                 "stage_layers": list(getattr(self, "stage_span", ())),
                 "replica_nodes": self.replica_nodes,
                 "replicas_spanning_nodes": sum(1 for n in self.replica_nodes if len(n) > 1)}
