@@ -41,8 +41,8 @@ import time
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `spotfill` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import REPO, free_port, median, quiet_deepspeed, rnd, subprocess_env  # noqa: E402
-from benchmarks.overhead import steps_in, window_rate  # noqa: E402
+from benchmarks._common import REPO, free_port, log_tail, median, quiet_deepspeed, rnd, subprocess_env  # noqa: E402
+from benchmarks.overhead import _write_json, steps_in, window_rate  # noqa: E402
 
 SLICE_MIN_S, SLICE_STEPS = 2.0, 10
 WARMUP_STEPS = 8           # before the slices: the bubble estimates need a few steps at every point
@@ -148,13 +148,6 @@ def _side_main(spec_path: str) -> int:
     return 0
 
 
-def _write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
 class Side:
     """A pipeline of `world` ranks in a fresh process group (SIGSTOP/SIGCONT reach every rank at once)."""
 
@@ -199,9 +192,7 @@ class Side:
         return out
 
     def _tail(self) -> str:
-        self._log.flush()
-        with open(self._log.name, errors="replace") as f:
-            return f.read()[-1500:]
+        return log_tail(self._log)
 
     def close(self) -> None:
         if self.proc.poll() is None:
