@@ -164,3 +164,17 @@ def test_one_slow_chunk_does_not_stop_the_filling():
     before = work.done
     filler.fill(0.5, 0.6)
     assert work.done - before >= 40
+
+
+def test_a_cost_estimate_no_row_fits_is_measured_again():
+    """The first chunk was slow (a one-off); after it no row fits any budget by the estimate -- every
+    REPROBE_EVERY-th such point runs one row anyway, finds the real cost and filling resumes."""
+    from spotfill.fillin.bubble_fill import REPROBE_EVERY
+    clock = Clock()
+    work = FakeWork(clock, per_row=1.0)
+    filler = BubbleFiller(work, clock=clock)
+    filler.fill(0.5, 0.6)                       # the slow first chunk: 1 row, 1 s
+    work.per_row = 0.01
+    for _ in range(REPROBE_EVERY + 2):
+        filler.fill(0.5, 0.6)
+    assert work.done > 40

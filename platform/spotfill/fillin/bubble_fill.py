@@ -25,7 +25,8 @@ from spotfill.fillin import batch_plan as bp
 from spotfill.train.bubble import chunk_rows, overrun, percentile
 
 log = logging.getLogger(__name__)
-COST_WINDOW = 8      # the per-row cost estimate: the median of this many recent chunks
+COST_WINDOW = 8      # the per-row cost estimate: the lower median of this many recent chunks
+REPROBE_EVERY = 16   # points at which no row fits: every this many, one row runs to measure the cost again
 
 
 class BubbleFiller:
@@ -35,6 +36,7 @@ class BubbleFiller:
         self.work, self._sync, self._clock, self.max_rows = work, sync, clock, max_rows
         self.per_row_s: float | None = None
         self._costs: deque = deque(maxlen=COST_WINDOW)
+        self._starved = 0
         self.fill_s, self.rows, self.chunks = 0.0, 0, 0
         self.overruns: list[float] = []
 
@@ -43,8 +45,15 @@ class BubbleFiller:
         if budget_s <= 0 or not self.work.pending():
             return 0.0
         t0 = self._clock()
+        first = True
         while True:
             n = chunk_rows(budget_s - (self._clock() - t0), self.per_row_s, self.max_rows)
+            if n == 0 and first:
+                # the cost estimate says not one row fits: now and then run one anyway, so an estimate
+                # from a slow chunk (a first call, a pause) is measured again instead of kept for good
+                self._starved += 1
+                n = 1 if self._starved % REPROBE_EVERY == 0 else 0
+            first = False
             if n == 0:
                 break
             tc = self._clock()
@@ -55,7 +64,7 @@ class BubbleFiller:
                 break
             # a median, so one slow chunk (a pause, a stopped process) does not stop the filling for good
             self._costs.append((self._clock() - tc) / done)
-            self.per_row_s = sorted(self._costs)[len(self._costs) // 2]
+            self.per_row_s = sorted(self._costs)[(len(self._costs) - 1) // 2]
             self.rows += done
             self.chunks += 1
         used = self._clock() - t0
@@ -97,7 +106,16 @@ class EvalUnitsWork:
         self._count: list[int] = []
         self._writer: threading.Thread | None = None
         self._queue: queue.Queue = queue.Queue()
+        self._warm_up()
         self._load_next()
+
+    def _warm_up(self) -> None:
+        """One forward on a row of zeros, outside any bubble: the first call's one-off costs (kernel
+        selection, allocator growth) would otherwise be taken for the work's per-row cost."""
+        import numpy as np
+
+        from spotfill.fillin.batch import eval_rows
+        eval_rows(self.model, np.zeros((1, int(self.reader.seq_len) + 1), dtype=np.int64))
 
     def _load_next(self) -> None:
         import numpy as np
