@@ -33,7 +33,7 @@ def test_one_stage_pipeline_trains_in_bf16_under_the_probe(tmp_path):
                                    "training": {"model": "125m", "global_batch": 8, "steps": 10, "zero_stage": 1,
                                                 "pipeline_stages": 1, "micro_batches": 4, "workers": [1]}})
     pipe = PipelineRun(job, 1, 0)
-    engine, vocab, _ = pipe.build_engine(job, 512, 32000, "bf16", False)
+    engine, vocab, _ = pipe.build_engine(job, 512, 32000, "bf16", False, torch.device("cuda", 0))
     assert engine.device.type == "cuda" and pipe.probe._sync is torch.cuda.synchronize
     rows = np.random.default_rng(0).integers(0, vocab, size=(8, 513)).astype(np.int64)
     losses = [pipe.train_step(engine, np.split(rows, pipe.shape.accum)) for _ in range(4)]

@@ -154,7 +154,7 @@ class PipelineRun:
         """Only the first stage feeds samples to the model: it alone records them in the ledger."""
         return self.layout.feeds_inputs
 
-    def build_engine(self, job, seq_len: int, vocab_size: int, precision: str, universal: bool):
+    def build_engine(self, job, seq_len: int, vocab_size: int, precision: str, universal: bool, device=None):
         """(engine, vocab, flops) as worker_loop._engine returns them, for this rank's stage."""
         from spotfill.train.engine import build_engine, ds_config
         from spotfill.train.model import count_params, model_flops
@@ -165,7 +165,7 @@ class PipelineRun:
         module = build_pipeline_module(cfg, self.layout.stages, self.layout.replicas, seed=t.seed)
         self._place()
         config = pipeline_ds_config(ds_config(job, self.shape.micro_batch, self.shape.accum, precision, universal))
-        engine = build_engine(module, config)
+        engine = build_engine(module, config, device)
         from spotfill.train.bubble_probe import BubbleProbe
         sync = torch.cuda.synchronize if getattr(engine.device, "type", "") == "cuda" else None
         if t.bubble_fill and self.filler is None:

@@ -121,15 +121,18 @@ def train_loop_per_worker(loop_config: dict) -> None:
     pipe = _pipeline(job, world, rank, plan.stages, node_id)    # None without pipeline stages
     shape = pipe.shape if pipe else batch_shape(t.global_batch, world, t.max_micro_batch)
 
-    precision = resolve_precision(t.precision, torch.cuda.is_available() and job.cluster.gpu_resource == "GPU")
+    # the device Ray Train assigned this worker (Ray's GPU resource -> CUDA_VISIBLE_DEVICES; the CPU where
+    # CUDA sees none, or on a logical resource), and the precision that device supports (spotfill.devices)
+    device = _assigned_device(job.cluster.gpu_resource)
+    precision = resolve_precision(t.precision, device)
     torch.manual_seed(t.seed)
     reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
     t_restored = time.time()
     warm.join()
     t_imported = time.time()
     engine, vocab, flops = (pipe.build_engine(job, reader.seq_len, reader.manifest["vocab_size"], precision,
-                                              plan.universal) if pipe else
-                            _engine(job, reader, shape, precision, plan.universal))
+                                              plan.universal, device) if pipe else
+                            _engine(job, reader, shape, precision, plan.universal, device))
     t_engine = time.time()
     device = _device_info(engine, precision) if rank == 0 else {}
     start_step, ledger, load_s = 0, SampleLedger(), 0.0
@@ -292,7 +295,17 @@ def _pipeline(job: JobConfig, world: int, rank: int, saved_stages: int, node_id:
     return PipelineRun(job, world, rank, node_id)
 
 
-def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: str, universal: bool):
+def _assigned_device(gpu_resource: str):
+    """ray.train.torch.get_device() on Ray's GPU resource (the GPU Ray assigned this worker, or the CPU when
+    CUDA sees none); the CPU on a logical accelerator resource (Ray assigns no device for it)."""
+    import torch
+    if gpu_resource != "GPU":
+        return torch.device("cpu")
+    import ray.train.torch
+    return ray.train.torch.get_device()
+
+
+def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: str, universal: bool, device):
     from spotfill.train.model import build_model
 
     t = job.training
@@ -306,7 +319,7 @@ def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: s
     params = count_params(model)
     fm, fh = model_flops(model.cfg, params, reader.seq_len, recompute="none")
     flops = {"params": params, "flops_per_token": fm, "hardware_flops_per_token": fh, "recompute": "none"}
-    return build_engine(model, config), model.cfg.vocab_size, flops
+    return build_engine(model, config, device), model.cfg.vocab_size, flops
 
 
 def _device_info(engine, precision: str) -> dict:
