@@ -81,3 +81,18 @@ def test_config_refuses_what_a_pipeline_cannot_run_in_one_line(kw, message):
     with pytest.raises(ConfigError) as err:
         _training(**kw)
     assert str(err.value).startswith(message) and "\n" not in str(err.value) and err.value.exit_code == 2
+
+
+def test_a_rank_deepspeeds_grid_places_elsewhere_than_the_layout_is_refused():
+    """The layout decides what a rank reads (inputs, labels, which replica's rows); DeepSpeed's grid decides
+    what it computes. Pipe-major (DeepSpeed's default topology) puts rank 1 of 2 x 2 at stage 0 of replica
+    1, the layout at stage 1 of replica 0: it would train on another replica's labels -- refused."""
+    from types import SimpleNamespace
+
+    from spotfill.train.pipeline import PipelineRun
+    job = from_mapping(JobConfig, {"storage": "/s", "data": {"path": "/d"},
+                                   "training": {"pipeline_stages": 2, "workers": [4], "zero_stage": 1}})
+    run = PipelineRun(job, 4, 1)
+    grid = SimpleNamespace(get_data_parallel_id=lambda: 1, get_stage_id=lambda: 0)
+    with pytest.raises(RuntimeError, match=r"grid has it at \(replica, stage\) \(1, 0\)"):
+        run._check_grid(grid)

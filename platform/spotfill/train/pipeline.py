@@ -163,9 +163,9 @@ class PipelineRun:
         t = job.training
         cfg = preset(t.model, seq_len=seq_len, vocab_size=vocab_size)
         module = build_pipeline_module(cfg, self.layout.stages, self.layout.replicas, seed=t.seed)
-        self._place()
         config = pipeline_ds_config(ds_config(job, self.shape.micro_batch, self.shape.accum, precision, universal))
         engine = build_engine(module, config, device)
+        self._check_grid(engine.grid)
         from spotfill.train.bubble_probe import BubbleProbe
         sync = torch.cuda.synchronize if getattr(engine.device, "type", "") == "cuda" else None
         if t.bubble_fill and self.filler is None:
@@ -215,15 +215,20 @@ class PipelineRun:
         """Recorded in every checkpoint's manifest: restore reshards when the stage count changes."""
         return {"pipeline_stages": self.layout.stages}
 
-    def _place(self) -> None:
-        """Which nodes each replica's ranks are on (one collective at start): a replica whose stages span
-        nodes is lost with either node, which the start event and a warning say."""
+    def _check_grid(self, grid) -> None:
+        """The engine's own grid must put this rank where the layout does (its data is read by the layout),
+        and says which nodes each replica's ranks are on (one collective at start): a replica whose stages
+        span nodes is lost with either node, which the start event and a warning say."""
         import logging
 
         import torch.distributed as dist
-        nodes = [None] * self.layout.world
-        dist.all_gather_object(nodes, self.node_id)
-        self.replica_nodes = [sorted({nodes[r] for r in self.layout.ranks_of_replica(d)})
+        actual = (grid.get_data_parallel_id(), grid.get_stage_id())
+        if actual != (self.layout.replica, self.layout.stage):
+            raise RuntimeError(f"rank {self.layout.rank}: DeepSpeed's grid has it at (replica, stage) {actual}, "
+                               f"the pipeline layout at {(self.layout.replica, self.layout.stage)}")
+        places = [None] * self.layout.world
+        dist.all_gather_object(places, (self.node_id, actual[0]))
+        self.replica_nodes = [sorted({node for node, replica in places if replica == d})
                               for d in range(self.layout.replicas)]
         spanning = [d for d, n in enumerate(self.replica_nodes) if len(n) > 1]
         if spanning and self.layout.rank == 0:
