@@ -50,7 +50,8 @@ import time
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `spotfill` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import REPO, median, quiet_deepspeed, rnd, single_rank_dist, subprocess_env  # noqa: E402
+from benchmarks._common import (REPO, log_tail, median, quiet_deepspeed, rnd, single_rank_dist,  # noqa: E402
+                               subprocess_env)
 
 SLICE_MIN_S = 2.0     # a time slice lasts at least this long,
 SLICE_STEPS = 10      # and at least this many plain steps
@@ -196,9 +197,7 @@ class PlainProcess:
             return json.load(f)
 
     def _tail(self) -> str:
-        self._log.flush()
-        with open(self._log.name, errors="replace") as f:
-            return f.read()[-1500:]
+        return log_tail(self._log)
 
     def close(self) -> None:
         if self.proc.poll() is None:

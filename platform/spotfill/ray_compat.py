@@ -229,6 +229,42 @@ def _check_zero_elastic_sources() -> None:
 _check_zero_elastic_sources()
 
 
+# DeepSpeed's PipelineEngine runs a step's schedule in `_exec_schedule`, dispatching every instruction
+# through `self._INSTRUCTION_MAP[type(cmd)]` (deepspeed 0.19; unchanged since 2023). The bubble probe
+# (train/bubble_probe.py) gives one engine instance its own copy of that map with timed wrappers: no fork,
+# no subclass (deepspeed.initialize builds PipelineEngine itself). Checked in the source at import; the
+# map and the dispatch again when first used.
+PIPE_ENGINE_SOURCE = "runtime/pipe/engine.py"
+PIPE_DISPATCH = "self._INSTRUCTION_MAP[type(cmd)]"
+
+
+def _check_pipe_engine_source() -> None:
+    spec = importlib.util.find_spec("deepspeed")
+    path = os.path.join(os.path.dirname(spec.origin), PIPE_ENGINE_SOURCE) if spec else "?"
+    text = open(path, encoding="utf-8").read() if os.path.isfile(path) else ""
+    missing = [n for n in ("def _exec_schedule(", "_INSTRUCTION_MAP = {", PIPE_DISPATCH) if n not in text]
+    if not text or missing:
+        raise RayCompatError(f"spotfill needs DeepSpeed's {PIPE_ENGINE_SOURCE} to have {', '.join(missing)} "
+                             f"(checked against deepspeed 0.19); the installed DeepSpeed does not ({path})")
+
+
+_check_pipe_engine_source()
+
+
+def pipe_instruction_map(engine) -> dict:
+    """Give this PipelineEngine instance its own copy of the class's instruction map (type -> function
+    taking (engine, **kwargs)) and return it: what the caller puts in it runs in place of DeepSpeed's
+    functions for this engine only."""
+    cls = type(engine)
+    table = _require(cls, "_INSTRUCTION_MAP")
+    run = _require(cls, "_exec_schedule", ("pipe_schedule",))
+    if not isinstance(table, dict) or PIPE_DISPATCH not in inspect.getsource(run):
+        raise RayCompatError(f"spotfill needs {cls.__name__}._exec_schedule to dispatch through "
+                             f"{PIPE_DISPATCH} (checked against deepspeed 0.19)")
+    engine._INSTRUCTION_MAP = dict(table)
+    return engine._INSTRUCTION_MAP
+
+
 # Ray's fake multi-node node provider (ray.autoscaler._private; what ray.cluster_utils.AutoscalingCluster
 # runs): each "instance" it launches is a real raylet on this machine, node id = cloud instance id. The fake
 # head's node id is fixed (FAKE_HEAD_NODE_ID); the provider needs RAY_FAKE_CLUSTER=1 in its environment.

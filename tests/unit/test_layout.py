@@ -21,6 +21,8 @@ PURE = [
     "spotfill.fillin.policy", "spotfill.fillin.journal", "spotfill.fillin.batch_plan", "spotfill.sim.fillin_spec", "spotfill.sim.nodes", "spotfill.sim.autoscaler_config",
     "spotfill.fillin.sweep_policy", "spotfill.config.sweep", "spotfill.fillin.cpu_priority",
     "spotfill.devices", "spotfill.fillin.cluster_kind",
+    "spotfill.train.pipe_layout", "spotfill.train.bubble", "spotfill.train.pipeline_summary",
+    "spotfill.planning.pipeline_advice",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 

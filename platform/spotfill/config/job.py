@@ -169,6 +169,14 @@ class TrainingConfig:
     # Activation checkpointing: "none", "selective" (recompute the attention core), "full" (recompute each
     # transformer block's forward in backward). Less activation memory for more compute; HFU counts it.
     activation_checkpointing: str = "none"
+    # Pipeline parallelism (train/pipeline.py): S stages per replica, `workers` still counts ranks (GPUs), so
+    # there are workers / S data-parallel replicas; 1 = no pipeline. `micro_batches`: M per step at the full
+    # width (0: from max_micro_batch); the micro-batch size stays fixed when replicas are lost.
+    pipeline_stages: int = 1
+    micro_batches: int = 0
+    # A batch job's output (fillin/batch.py: its plan and pinned model): its evaluation units run in the
+    # pipeline's bubbles, inside the training processes (fillin/bubble_fill.py). "" = no bubble fill.
+    bubble_fill: str = ""
 
     @property
     def min_workers(self) -> int:
@@ -205,7 +213,33 @@ class TrainingConfig:
             raise ConfigError(_join(path, "activation_checkpointing"), "selective",
                               reason="a Hugging Face model recomputes whole layers",
                               accepted="none or full with an hf: model")
-        check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
+        _positive(path, "pipeline_stages", self.pipeline_stages)
+        _positive(path, "micro_batches", self.micro_batches, allow_zero=True)
+        if self.pipeline_stages == 1:
+            if self.bubble_fill:
+                raise ConfigError(_join(path, "bubble_fill"), self.bubble_fill,
+                                  reason="bubbles come with pipeline stages", accepted="training.pipeline_stages > 1")
+            check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
+            return
+        from spotfill.train.pipe_layout import check_pipeline_range
+        if self.activation_checkpointing != "none":
+            raise ConfigError(_join(path, "activation_checkpointing"), self.activation_checkpointing,
+                              reason="pipeline stages run their layers without recomputation",
+                              accepted="none with training.pipeline_stages > 1")
+        if self.zero_stage > 1:
+            raise ConfigError(_join(path, "zero_stage"), self.zero_stage,
+                              reason="DeepSpeed's pipeline engine does not run ZeRO-2/3",
+                              accepted="0 or 1 with training.pipeline_stages > 1")
+        if self.model.startswith("hf:"):
+            raise ConfigError(_join(path, "model"), self.model, reason="pipeline stages cut the GPT presets only",
+                              accepted=[*PRESETS])
+        layers = PRESETS[self.model].n_layer + 2      # embeddings, the blocks, the head
+        if self.pipeline_stages > layers:
+            raise ConfigError(_join(path, "pipeline_stages"), self.pipeline_stages,
+                              reason=f"more stages than the {layers} layers of {self.model}",
+                              accepted=f"1..{layers}")
+        check_pipeline_range(self.global_batch, self.pipeline_stages, self.min_workers, self.max_workers,
+                             self.micro_batches, self.max_micro_batch)
 
 
 @dataclass

@@ -29,11 +29,14 @@ class StepFeed:
     """`feed(step)`: this rank's rows of `step` (the Prefetcher's `make`), checked against the schedule,
     with the positions the rows read are (`StepBatch.fed`)."""
 
-    def __init__(self, reader: ShardReader, shape: BatchShape, rank: int, seed: int):
+    def __init__(self, reader: ShardReader, shape: BatchShape, rank: int, seed: int, positions=None):
+        """`positions(step)`: the stream positions this rank owes at `step` (a pipeline replica's, from
+        train/pipeline.py); rank_positions by default."""
         self.reader, self.shape, self.rank, self.seed = reader, shape, rank, seed
+        self.positions = positions
 
     def __call__(self, step: int) -> StepBatch:
-        owed = rank_positions(step, self.shape, self.rank)
+        owed = self.positions(step) if self.positions else rank_positions(step, self.shape, self.rank)
         batch = read_step(self.reader, step, owed, self.shape.accum, self.seed)
         batch.fed = fed_positions(self.reader, step, self.rank, owed, batch.row_ids, self.seed)
         return batch

@@ -9,6 +9,7 @@ from statistics import mean
 
 from spotfill.telemetry.claims import lineage_keys
 from spotfill.telemetry.events import step_totals
+from spotfill.train.pipeline_summary import pipeline_section
 from spotfill.telemetry.throughput import run_utilization, split_totals
 
 
@@ -60,6 +61,7 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
             "data_wait": split["data_wait_s"], "forward_backward": split["forward_backward_s"],
             "optimizer": split["optimizer_s"], "collective_wait": split["collective_wait_s"],
             "compute": split["compute_s"], "checkpoint_stall": stall}.items() if v is not None},
+        **({"pipeline": pipe} if (pipe := pipeline_section(lineage)) else {}),
     }
 
 

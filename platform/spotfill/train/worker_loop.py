@@ -106,7 +106,6 @@ def train_loop_per_worker(loop_config: dict) -> None:
         return _finish(sink, rank, {"ok": False, "reason": info.get("reason") or f"{info['unplanned_failures']} "
                                     f"unplanned failures exceed training.max_failures={t.max_failures}"})
     attempt = info["attempt"]
-    shape = batch_shape(t.global_batch, world, t.max_micro_batch)
     store = CheckpointStore(open_storage(job.storage).child(job.name), keep_last=t.keep_checkpoints)
     local_root = node_local_root(job.name, node_id)
     node_dir = os.path.join(local_root, "restore")
@@ -114,11 +113,14 @@ def train_loop_per_worker(loop_config: dict) -> None:
     t0 = time.perf_counter()
     try:
         plan = restore_on_workers(store, comms, rank, world, node_id, node_dir, t.zero_stage,
+                                  stages=t.pipeline_stages,
                                   on_no_intact=t.on_no_intact_checkpoint,
                                   emit=lambda kind, **f: sink.event.remote(kind, attempt=attempt, **f))
     except NoIntactCheckpoint as exc:
         return _finish(sink, rank, {"ok": False, "reason": str(exc)})
     prep_s = time.perf_counter() - t0
+    pipe = _pipeline(job, world, rank, plan.stages, node_id)    # None without pipeline stages
+    shape = pipe.shape if pipe else batch_shape(t.global_batch, world, t.max_micro_batch)
 
     # the device Ray Train assigned this worker (Ray's GPU resource -> CUDA_VISIBLE_DEVICES; the CPU where
     # CUDA sees none, or on a logical resource), and the precision that device supports (spotfill.devices)
@@ -130,7 +132,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         t_restored = time.time()
         warm.join()
         t_imported = time.time()
-        engine, vocab, flops = _engine(job, reader, shape, precision, plan.universal, device)
+        engine, vocab, flops = (pipe.build_engine(job, reader.seq_len, reader.manifest["vocab_size"], precision,
+                                                  plan.universal, device) if pipe else
+                                _engine(job, reader, shape, precision, plan.universal, device))
         t_engine = time.time()
         device = _device_info(engine, precision) if rank == 0 else {}
         client_state, load_s = None, 0.0
@@ -143,11 +147,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
             from_world_size=plan.world_size or None, universal=plan.universal, zero_elastic=plan.elastic,
             restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
             startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision, **flops, **device,
-            **_start_marks(t_start, t_restored, t_imported, t_engine))
-        verdict = run_attempt(job, sink, comms, engine, reader,
-                              Checkpointer(store, local_root, rank, world, attempt=f"{attempt}"),
-                              rank=rank, world=world, attempt=attempt, shape=shape, vocab=vocab, flops=flops,
-                              device=device, client_state=client_state, start_event=start_event)
+            **(pipe.start_fields() if pipe else {}), **_start_marks(t_start, t_restored, t_imported, t_engine))
+        ckpt = Checkpointer(store, local_root, rank, world, attempt=f"{attempt}",
+                            meta=pipe.checkpoint_meta() if pipe else None)
+        try:
+            verdict = run_attempt(job, sink, comms, engine, reader, ckpt, rank=rank, world=world, attempt=attempt,
+                                  shape=shape, vocab=vocab, flops=flops, device=device, client_state=client_state,
+                                  start_event=start_event, pipe=pipe)
+        finally:
+            if pipe:
+                pipe.close()
     except DataMismatch as exc:
         # A restart would read the same data: the sink ends the job with this line at the next attempt
         ray.get(sink.data_mismatch.remote(str(exc), rank=rank, attempt=attempt))
@@ -157,10 +166,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
 def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, *, rank: int, world: int,
                 attempt: int, shape: BatchShape, vocab: int, flops: dict, device: dict, client_state: dict | None,
-                start_event: dict) -> dict:
+                start_event: dict, pipe=None) -> dict:
     """One attempt's steps, from the state its checkpoint gave (`client_state`; None: a fresh start) to the
     last step or a planned exit (PlannedExit): the data path (feed.py: rows read, checked against the
-    schedule, their positions recorded in the ledger) and the executor. Needs no Ray: tests drive it with a
+    schedule, their positions recorded in the ledger) and the executor; `pipe` (train/pipeline.py) runs the
+    step through DeepSpeed's pipeline engine and owes the replica's positions. Needs no Ray: tests drive it with a
     stand-in engine, sink and checkpointer on real shards (tests/unit/test_worker_steps.py)."""
     t = job.training
     identity = data_identity(reader, job.data.seed)
@@ -176,7 +186,8 @@ def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, 
     spare_step = start_step + 1
 
     run = _Executor(job, sink, comms, engine, rank, world, attempt, ledger, ckpt, data=identity)
-    prefetch = Prefetcher(StepFeed(reader, shape, rank, job.data.seed), start_step, t.steps,
+    prefetch = Prefetcher(StepFeed(reader, shape, rank, job.data.seed, positions=pipe.positions if pipe else None),
+                          start_step, t.steps,
                           depth=job.data.prefetch)
     tokens_per_step = t.global_batch * reader.seq_len
     gpus = world * job.cluster.gpus_per_worker
@@ -186,18 +197,22 @@ def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, 
             ts = time.perf_counter()
             batch = prefetch.get(step)
             td = time.perf_counter()
-            loss_sum = _train_step(engine, batch.micro_batches, vocab, timer)
-            run.recorder.record(batch.fed)      # the positions the rows fed are, by the ids stored in them
-            facts, loss = run.gather(step + 1, loss_sum / shape.accum)
+            if pipe:
+                loss_mean = pipe.train_step(engine, batch.micro_batches)
+            else:
+                loss_mean = _train_step(engine, batch.micro_batches, vocab, timer) / shape.accum
+            if pipe is None or pipe.records_feeds:
+                run.recorder.record(batch.fed)      # the positions the rows fed are, by the ids stored in them
+            facts, loss = run.gather(step + 1, loss_mean, pipe.step_values() if pipe else ())
             tc = time.perf_counter()
             if rank == 0:
-                split = split_step(tc - ts, td - ts, *timer.read())
+                split = split_step(tc - ts, td - ts, *(pipe.split() if pipe else timer.read()))
                 run.step_event({"t": time.time(), "kind": "step", "step": step + 1, "attempt": attempt,
                                 "loss": loss / world, "world_size": world, "tokens": tokens_per_step,
                                 "lr": engine.get_lr()[0], **split.as_event(),
                                 **step_metrics(tokens_per_step, split, gpus, flops["flops_per_token"],
                                                flops["hardware_flops_per_token"], device["peak_flops_per_gpu"]),
-                                **run.gpu_sample()})
+                                **run.gpu_sample(), **(pipe.step_fields(run.rows) if pipe else {})})
             if spares and step + 1 == spare_step:
                 _prestart_spares(constants.WARM_SPARES)
             decision = run.policy.decide(facts)
@@ -293,6 +308,15 @@ def _finish(sink, rank: int, verdict: dict) -> None:
         ray.get(sink.finish.remote(verdict))
 
 
+def _pipeline(job: JobConfig, world: int, rank: int, saved_stages: int, node_id: str):
+    """The pipeline path (train/pipeline.py) with training.pipeline_stages; with 1 stage too when the run's
+    checkpoint was saved by a pipeline (its weights are per layer); None otherwise."""
+    if job.training.pipeline_stages <= 1 and not saved_stages:
+        return None
+    from spotfill.train.pipeline import PipelineRun
+    return PipelineRun(job, world, rank, node_id)
+
+
 def _assigned_device(gpu_resource: str):
     """The device Ray Train assigned this worker (devices.choose_train_device)."""
     import torch
@@ -365,11 +389,13 @@ class _Executor:
         self.policy = StepPolicy(t.steps, t.checkpoint_every, margin_s=constants.EMERGENCY_MARGIN_S)
         self.ledger, self.recorder = ledger, FeedRecorder()
         self.flags = comms.torch.zeros(4, dtype=comms.torch.float64, device=engine.device)
+        self.rows: list[list[float]] = []     # the last step's gathered rows (every rank's flags and values)
         self._grow = None
         if rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers:
             from spotfill.train.elastic import GrowCheck
             self._grow = GrowCheck({job.cluster.gpu_resource: job.cluster.gpus_per_worker,
-                                    "CPU": job.cluster.cpus_per_worker}, t.max_workers)
+                                    "CPU": job.cluster.cpus_per_worker}, t.max_workers,
+                                   multiple=t.pipeline_stages)
         self._grow_every, self._last_grow = t.resize_check_s, time.monotonic()
         self._steps: list[dict] = []
         self._steps_sent = time.monotonic()
@@ -401,16 +427,22 @@ class _Executor:
             self._steps = []
         self._steps_sent = time.monotonic()
 
-    def gather(self, done: int, loss) -> tuple[StepFacts, float]:
-        """The step's one collective: every rank's loss, preemption notice (deadline) and grow count."""
+    def gather(self, done: int, loss, values=()) -> tuple[StepFacts, float]:
+        """The step's one collective: every rank's loss, preemption notice (deadline) and grow count, and
+        `values` (e.g. a pipeline stage's bubble seconds) after them in `self.rows`."""
         notice = local_preemption_info()
         deadline_ms = getattr(notice, "deadline_ms", None) if notice is not None else None
+        if len(self.flags) != _F_GROW + 1 + len(values):
+            self.flags = self.comms.torch.zeros(_F_GROW + 1 + len(values), dtype=self.flags.dtype,
+                                                device=self.flags.device)
         f = self.flags
+        for i, v in enumerate(values):
+            f[_F_GROW + 1 + i] = v
         f[_F_LOSS] = loss
         f[_F_PREEMPT] = 1.0 if notice is not None else 0.0
         f[_F_DEADLINE] = deadline_ms / 1000.0 if deadline_ms else 0.0
         f[_F_GROW] = self._grow_workers()
-        rows = self.comms.gather_flags(f)
+        rows = self.rows = self.comms.gather_flags(f)
         deadlines = [r[_F_DEADLINE] for r in rows if r[_F_PREEMPT] and r[_F_DEADLINE] > 0]
         return StepFacts(done=done, now=time.time(), preempt_votes=int(sum(r[_F_PREEMPT] for r in rows)),
                          deadline_unix_s=min(deadlines) if deadlines else None,
