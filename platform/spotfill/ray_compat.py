@@ -843,3 +843,17 @@ def torch_train_backend():
                   "any GPU worker), not what the workers have")
         return None
     return _TorchBackend
+
+
+def dashboard_auth_headers() -> dict[str, str]:
+    """The Authorization header a request to this cluster's dashboard needs when the cluster runs with token
+    authentication (RAY_AUTH_MODE=token; Ray 2.60 turns it on for local clusters when ~/.ray/auth_token
+    exists): {} otherwise. Serve's scale endpoint (fill-in's external scaler) answers 401 without it."""
+    try:
+        from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+    except ImportError:
+        warn_once("ray._private.authentication.http_token_authentication.get_auth_headers_if_auth_enabled",
+                  "requests to a dashboard with token authentication carry no token (Serve's scale endpoint "
+                  "answers 401 there)")
+        return {}
+    return dict(get_auth_headers_if_auth_enabled({}) or {})
