@@ -9,7 +9,10 @@ stops consuming it: leaving the iterator shuts the streaming executor down (forc
 inside the grace. The driver leaves on the next unit done, so a unit must take well under the grace
 (`rows_per_unit`); a driver that still holds GPUs after its grace is stopped by the arbiter, and a rerun
 resumes on what remains. The next wave starts when the grant allows, on what remains. Each actor writes a unit's parquet part whole and
-then its commit marker; a unit without a valid marker is redone under the same name.
+then its commit marker; a unit without a valid marker is redone under the same name. An actor computes on
+the GPU Ray assigned it, in bf16 where the GPU has it (fp16 before Ampere), on the CPU in fp32 when Ray
+assigned none or CUDA is absent (spotfill.devices); its commit markers say where (`device`, `dtype`,
+`gpu_ids`).
 
 `read_back` computes the report's `fillin.batch` from the output itself.
 """
@@ -164,15 +167,23 @@ class UnitWorker:
         from spotfill.fillin.cpu_priority import lower_cpu_priority
         lower_cpu_priority()         # fill-in: lowest CPU priority ($SPOTFILL_FILLIN_CPU_NICE, default 19)
 
+        from spotfill.devices import assigned_device, compute_dtype, ray_gpu_ids
         from spotfill.fillin.generate import config_from_state
         from spotfill.storage.base import open_storage
         from spotfill.train.model import GPT
         torch.set_num_threads(1)
         self.out, self.plan, self.eval_batch, self.prompts = open_storage(output), plan, eval_batch, prompts
-        state = torch.load(io.BytesIO(self.out.get_bytes(bp.MODEL_KEY)), map_location="cpu", weights_only=False)
+        # the GPU Ray assigned this actor (its `gpu_resource: 1`), in the precision it supports; the CPU when
+        # Ray assigned none or CUDA is absent (spotfill.devices)
+        self.device = assigned_device()
+        self.dtype = compute_dtype(self.device)
+        self.where = {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+                      "gpu_ids": [str(g) for g in ray_gpu_ids()]}
+        state = torch.load(io.BytesIO(self.out.get_bytes(bp.MODEL_KEY)), map_location=self.device,
+                           weights_only=False)
         self.model = GPT(config_from_state(state, plan.get("model", "auto")))
         self.model.load_state_dict(state)
-        self.model.eval()
+        self.model.to(self.device, self.dtype).eval()
         self.reader = None
         if plan["eval_rows"]:
             from spotfill.train.data import ShardReader
@@ -199,7 +210,7 @@ class UnitWorker:
         nll, count = [], []
         with torch.no_grad():
             for i in range(0, len(tokens), self.eval_batch):
-                chunk = torch.as_tensor(np.asarray(tokens[i:i + self.eval_batch], dtype=np.int64))
+                chunk = torch.as_tensor(np.asarray(tokens[i:i + self.eval_batch], dtype=np.int64), device=self.device)
                 x, y = chunk[:, :-1], chunk[:, 1:]
                 logits = self.model(x).float()
                 per_tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
@@ -230,7 +241,7 @@ class UnitWorker:
         data = buf.getvalue()
         self.out.put_bytes(unit.key, data)           # whole file: rename locally, one PUT on S3
         marker = {"key": unit.key, "rows": table.num_rows, "bytes": len(data),
-                  "sha256": hashlib.sha256(data).hexdigest(), "at": time.time(), "pid": os.getpid()}
+                  "sha256": hashlib.sha256(data).hexdigest(), "at": time.time(), "pid": os.getpid(), **self.where}
         self.out.put_bytes(unit.marker, json.dumps(marker).encode())
 
 
