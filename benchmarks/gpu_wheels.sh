@@ -13,6 +13,9 @@
 #   pydantic (+ pydantic-core, annotated-types, typing-inspection, typing-extensions)   Ray Train/Tune, DeepSpeed
 #   hjson                 DeepSpeed's config reader
 #   tensorboardX          Ray Tune's default loggers
+#   starlette, fastapi, uvicorn, opentelemetry-api, grpcio-reflection
+#                         Ray Serve's import chain: spotfill.ray_compat (which every training worker imports)
+#                         resolves ray.serve.handle, and serving/app.py is a Serve app
 #   deepspeed 0.19.8      a wheel built here from its sdist with no ops (DS_BUILD_OPS=0: pure Python; every
 #                         op is JIT-built where used, and spotfill's GPU path uses none); the sdist rides
 #                         along in .whl/src/ in case the wheel does not import there
@@ -22,7 +25,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-3.12}
 DEST=${DEST:-.whl}
 PKGS="ray==2.60.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
-      typing-extensions==4.16.0 hjson==3.1.0 tensorboardX==2.6.5"
+      typing-extensions==4.16.0 hjson==3.1.0 tensorboardX==2.6.5
+      starlette==1.10.0 fastapi==0.165.0 uvicorn==0.55.0 opentelemetry-api==1.45.2 grpcio-reflection==1.85.1"
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 rm -rf "$DEST"
