@@ -6,7 +6,8 @@ The engine training builds (spotfill.train.engine.build_engine: DeepSpeed ZeRO-2
 AdamW as the client optimizer, spotfill's ds_config) at world size 1 over a preset on random tokens at its
 sequence length. Micro-batch: the largest of 16, 8, 4, 2, 1 that fits; each try builds a fresh model (a
 model a failed engine hooked is never reused) and only an out-of-memory moves on to the next size -- any
-other error surfaces as it is. Tokens/s over steady steps (after warm-up, CUDA-synchronised); the step
+other error surfaces as it is. Each step is the worker loop's own (worker_loop._train_step: a host batch
+in, forward, backward, optimizer step). Tokens/s over steady steps (after warm-up, CUDA-synchronised); the step
 split (forward+backward, optimizer, the rest) from CUDA events (train.step_timer, as rank 0 times
 training's steps); MFU = tokens/s x model FLOPs per token (train.model.model_flops: PaLM App. B, 6N +
 12*L*h*s, N without the embedding lookups) / the device's dense bf16 peak (planning.hardware; None when
@@ -59,10 +60,11 @@ def _timed_steps(step, timer, device, warmup: int, steps: int) -> dict:
 
 def _engine_run(preset: str, micro: int, device, precision: str, steps: int, warmup: int) -> dict:
     """One try at `micro`: a fresh model and engine, the timed steps. OutOfMemoryError propagates."""
+    import numpy as np
     import torch
-    import torch.nn.functional as F
 
     from spotfill.train import engine as engine_mod
+    from spotfill.train.worker_loop import _train_step
     from spotfill.train.model import build_model, count_params, model_flops
     from spotfill.train.step_timer import make_timer
 
@@ -73,22 +75,11 @@ def _engine_run(preset: str, micro: int, device, precision: str, steps: int, war
     try:
         engine = engine_mod.build_engine(model, engine_mod.ds_config(_job(preset, micro, warmup + steps), micro, 1,
                                                                       precision, False))
-        gen = torch.Generator(device=engine.device).manual_seed(0)
+        rng = np.random.default_rng(0)
 
-        def step(timer):
-            tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1), device=engine.device, generator=gen)
-            if timer is not None:
-                timer.begin()
-                timer.mark()
-            logits = engine(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
-            engine.backward(loss)
-            if timer is not None:
-                timer.backward_done()
-            engine.step()
-            if timer is not None:
-                timer.step_done()
-            return loss
+        def step(timer):          # the step the worker loop runs (host batch in, loss summed on the device)
+            return _train_step(engine, [rng.integers(0, cfg.vocab_size, size=(micro, cfg.seq_len + 1))],
+                               cfg.vocab_size, timer)
 
         run = _timed_steps(step, make_timer(engine.device), engine.device, warmup, steps)
         opt = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
