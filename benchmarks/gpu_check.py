@@ -1,7 +1,7 @@
 """The GPU check: everything spotfill does on a GPU, in one run with one JSON file (benchmarks/gpu_check.sh
 installs the carried wheels and calls this on the lent machine).
 
-    python3 -m benchmarks.gpu_check --out gpu_check.json [--budget-s 480] [--only a,b] [--cpu-dry-run]
+    python3 -m benchmarks.gpu_check --out gpu_check.json [--budget-s 360] [--only a,b] [--cpu-dry-run]
 
 Sections, each in its own process under its own time limit (the rest of the budget caps it), each with a
 record in the JSON even when it fails or runs out of time -- the file is rewritten after every section:
@@ -33,7 +33,8 @@ if __package__ in (None, ""):
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # in this order, each with its cap in seconds (the budget left caps it further)
-SECTIONS = {"env": 30, "pytest_gpu": 75, "ray_train": 150, "bench_gpu": 110, "tenants": 90}
+SECTIONS = {"env": 30, "pytest_gpu": 75, "bench_gpu": 110, "ray_train": 150, "tenants": 90}
+GPU_FREE_WAIT_S = 30       # before a section: wait this long at most for the last one's GPU processes to end
 RAY_TRAIN_STEPS = 30
 FINAL_SAVE_WAIT_S = 45     # after the last step: how long the ray_train section waits for the final checkpoint
 
@@ -108,7 +109,9 @@ def _steady(steps: list[dict], skip: int = 3) -> dict:
             "tokens_per_s_median": med("tokens_per_s"), "step_s_median": med("step_s"),
             "forward_backward_s_median": med("forward_backward_s"), "optimizer_s_median": med("optimizer_s"),
             "data_wait_s_median": med("data_wait_s"), "collective_wait_s_median": med("collective_wait_s"),
-            "gpu_util_median": med("gpu_util"), "first_lr": steps[0].get("lr") if steps else None}
+            "gpu_util_median": med("gpu_util"),
+            # a step event's lr is the engine's after that step: the lr step 2 trains at (0.0 before the fix)
+            "lr_after_first_step": steps[0].get("lr") if steps else None}
 
 
 def section_ray_train(dry: bool, deadline: float) -> dict:
@@ -219,6 +222,22 @@ def _stop_ray(timeout_s: float = 30.0) -> None:
         t.join(timeout_s)
 
 
+def _wait_gpu_free(timeout_s: float = GPU_FREE_WAIT_S) -> float | None:
+    """Seconds waited until no process holds the GPU (nvidia-smi's compute apps), so a section does not
+    start beside the last one's leftovers (a Ray worker still writing its final checkpoint); None without
+    nvidia-smi."""
+    t0 = time.time()
+    while True:
+        try:
+            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=10).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if not apps or time.time() - t0 > timeout_s:
+            return round(time.time() - t0, 1)
+        time.sleep(1.0)
+
+
 def run_section(name: str, dry: bool, deadline: float) -> dict:
     fn = globals()[f"section_{name}"]
     return fn(dry, deadline) if name == "ray_train" else fn(dry)
@@ -228,7 +247,7 @@ def run_section(name: str, dry: bool, deadline: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu_check.py", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
-    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 480)))
+    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 360)))
     parser.add_argument("--only", default="", help="sections to run, separated by commas")
     parser.add_argument("--cpu-dry-run", action="store_true")
     parser.add_argument("--section", help=argparse.SUPPRESS)
@@ -263,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["sections"][name] = {"ok": False, "error": f"skipped: {left:.0f}s of the budget left"}
             _write(args.out, doc)
             continue
+        waited = _wait_gpu_free() if name != "env" else None
         print(f"[gpu_check] {name}: up to {cap:.0f}s", flush=True)
         result = args.out + f".{name}.part"
         t0 = time.time()
@@ -284,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rec = {"ok": False, "error": f"no result ({'ran past ' + str(round(cap)) + 's' if rc == 'timeout' else 'exit ' + str(rc)})"}
         rec["wall_s"] = round(time.time() - t0, 1)
+        rec["gpu_free_wait_s"] = waited
         if not rec.get("ok"):
             rec["log_tail"] = tail
         doc["sections"][name] = rec
