@@ -73,8 +73,8 @@ def _engine_run(preset: str, micro: int, device, precision: str, steps: int, war
     cfg, n_params = model.cfg, count_params(model)
     engine = None
     try:
-        engine = engine_mod.build_engine(model, engine_mod.ds_config(_job(preset, micro, warmup + steps), micro, 1,
-                                                                      precision, False))
+        config = engine_mod.ds_config(_job(preset, micro, warmup + steps), micro, 1, precision, False)
+        engine = engine_mod.build_engine(model, config, device if device.type == "cuda" else None)
         rng = np.random.default_rng(0)
 
         def step(timer):          # the step the worker loop runs (host batch in, loss summed on the device)

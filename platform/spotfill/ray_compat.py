@@ -150,6 +150,11 @@ HOOKS = [
     (_raylet.CoreWorker, "kill_actor", None),
     (_raylet.ActorID, "from_hex", None),
     (_worker, "global_worker", None),
+    # what the cluster says about itself: autoscaling (fillin/cluster_kind.py), the dashboard's address,
+    # ended drivers (the arbiter drops their training records)
+    (_state.GlobalState, "get_cluster_config", ()),
+    (_state.GlobalState, "job_table", ()),
+    (_ray_constants, "KV_NAMESPACE_DASHBOARD", None),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
@@ -754,3 +759,49 @@ def watch_running_replicas(app: str, deployment: str, on_change, event_loop):
     return LongPollClient(controller, {key: lambda info: on_change(len(info.running_replicas))},
                           call_in_event_loop=event_loop,
                           client_id=f"spotfill-replica-watch:{app}/{deployment}:{os.getpid()}")
+
+
+# -- what the cluster says about itself (the fill-in arbiter, on the head) ----------------------------------
+def cluster_config_node_groups() -> list[tuple[int, int]] | None:
+    """(min_count, max_count) of every node group in the cluster config an autoscaler reported to the GCS
+    (what Ray Data's autoscaling check reads), or None when none was reported."""
+    config = _state.state.get_cluster_config()
+    if config is None:
+        return None
+    return [(int(g.min_count), int(g.max_count)) for g in config.node_group_configs if g.resources]
+
+
+def dashboard_url() -> str | None:
+    """The dashboard's address as the head registered it in the GCS (Serve's scale endpoint lives there)."""
+    raw = _kv._internal_kv_get("webui:url", namespace=_ray_constants.KV_NAMESPACE_DASHBOARD)
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def dead_job_ids() -> set[str]:
+    """Hex ids of the Ray jobs (drivers) the GCS knows to have ended."""
+    return {j["JobID"] for j in _state.state.job_table() if j.get("IsDead")}
+
+
+# -- Ray Train's torch backend (train/backend.py chooses NCCL or gloo on the first worker) -------------------
+_warned: set[str] = set()
+
+
+def warn_once(hook: str, lost: str) -> None:
+    """One warning per process for a robustness hook whose private name is gone."""
+    if hook not in _warned:
+        _warned.add(hook)
+        log.warning("spotfill: %s is not in the installed ray %s (checked against %s): %s", hook, ray.__version__,
+                    RAY_VERSION_CHECKED, lost)
+
+
+def torch_train_backend():
+    """Ray Train's torch Backend class (ray.train.torch.config._TorchBackend), or None when it is gone: then
+    Ray's own backend choice applies (NCCL for any GPU worker, which fails where the GPU resource has no CUDA
+    device behind it)."""
+    try:
+        from ray.train.torch.config import _TorchBackend
+    except ImportError:
+        warn_once("ray.train.torch.config._TorchBackend", "the torch backend follows Ray's choice (NCCL for "
+                  "any GPU worker), not what the workers have")
+        return None
+    return _TorchBackend

@@ -31,7 +31,7 @@ STEPS, PER_REPORT, CKPT_EVERY, SLEEP_S = 40, 4, 8, 0.4     # ~4 s of reports per
 def env(tmp_path_factory):
     import ray
 
-    from spotfill.fillin.local import runtime_env
+    from spotfill.fillin.wiring import runtime_env
     from spotfill.sim.cluster import EmbeddedCluster
     from spotfill.storage.base import open_storage
     from spotfill.train.data import BYTE_VOCAB, ShardWriter

@@ -22,9 +22,9 @@ from spotfill.train import engine as engine_mod
 real, seen = engine_mod.build_engine, []
 
 def failing_first(error):
-    def build(model, config):
+    def build(model, config, device=None):
         seen.append(id(model))
-        engine = real(model, config)              # the model is hooked by a real engine first
+        engine = real(model, config, device)      # the model is hooked by a real engine first
         if len(seen) == 1:
             raise error
         return engine
@@ -45,7 +45,7 @@ except Exception as exc:
     out["other"] = {"type": type(exc).__name__, "message": str(exc), "models": len(seen)}
 seen.clear()
 
-def always_oom(model, config):
+def always_oom(model, config, device=None):
     seen.append(id(model))
     raise torch.OutOfMemoryError(f"injected out of memory {len(seen)}")
 

@@ -120,13 +120,19 @@ def _choice(path: str, name: str, value: Any, choices: list[Any]) -> None:
 
 @dataclass
 class ClusterConfig:
-    """Which Ray resource is the accelerator. `GPU` on real clusters; a logical one (GPU_SLOT) on CPUs."""
+    """Which Ray resource is the accelerator: Ray's `GPU` (on CPU-only test machines too: Ray assigns it
+    there and the workers compute on the CPU), or a logical one such as GPU_SLOT."""
     gpu_resource: str = "GPU"
+    # one DeepSpeed rank drives one device: a worker given two GPUs would leave one idle (and DeepSpeed's
+    # cuda:LOCAL_RANK would put the next worker on it), and fractions share a GPU without memory isolation
     gpus_per_worker: float = 1.0
     cpus_per_worker: float = 1.0
 
     def validate(self, path: str) -> None:
-        _positive(path, "gpus_per_worker", self.gpus_per_worker)
+        if self.gpus_per_worker != 1:
+            raise ConfigError(_join(path, "gpus_per_worker"), self.gpus_per_worker,
+                              reason="each worker is one DeepSpeed rank on one whole GPU",
+                              accepted="1 (scale with training.workers)")
         _positive(path, "cpus_per_worker", self.cpus_per_worker, allow_zero=True)
         if not self.gpu_resource or not self.gpu_resource.replace("_", "").isalnum():
             raise ConfigError(_join(path, "gpu_resource"), self.gpu_resource, accepted="a Ray resource name")
@@ -141,7 +147,7 @@ class TrainingConfig:
     global_batch: int = 16
     max_micro_batch: int = 8
     zero_stage: int = 2
-    precision: str = "auto"          # auto: bf16 on GPU, fp32 on CPU
+    precision: str = "auto"          # auto: bf16 on GPUs with bf16 tensor cores, fp16 on older ones, fp32 on CPU
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 10

@@ -112,7 +112,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         shutil.rmtree(storage)
     serve_on = scenario.fillin.serve_enabled
     if serve_on:   # Serve's replicas import serving/ from the checkout, like the spotfill package itself
-        from spotfill.fillin.local import repo_root
+        from spotfill.fillin.wiring import repo_root
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo_root()])
     if serve_on or scenario.fillin.batch_enabled or scenario.fillin.sweep_enabled:
         from spotfill.fillin.cpu_priority import ENV as CPU_NICE_ENV, IDLE_ENV as CPU_IDLE_ENV
@@ -162,9 +162,11 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         if fillin:
             fillin.ready()
         scale_down = None
+        arbiter = ((fillin and fillin.arbiter) or fillin_arbiter(scenario, name, out_dir, env)) \
+            if scenario.fillin.batch_enabled or scenario.fillin.sweep_enabled else None
         batch = fillin_batch.start(cluster, scenario, run_storage_uri(storage, name), name, out_dir, env, say,
-                                   data_dir, corpus) if scenario.fillin.batch_enabled else None
-        sweep = fillin_sweep.start(cluster, scenario, name, out_dir, env, say, data_dir) \
+                                   data_dir, corpus, arbiter) if scenario.fillin.batch_enabled else None
+        sweep = fillin_sweep.start(cluster, scenario, name, out_dir, env, say, data_dir, arbiter) \
             if scenario.fillin.sweep_enabled else None
         firsts = [f.start for f in (batch, sweep) if f]
         # wait_for_fillin: no timeline event fires before Serve answers and the batch and sweep jobs hold
@@ -235,6 +237,20 @@ class _quiet_logger:
         self.logger.setLevel(self.level)
 
 
+def fillin_arbiter(scenario: Scenario, name: str, out_dir: str, env: dict):
+    """The arbiter with the scenario's reclaim order and state file, started through the product's wiring
+    (fillin/wiring.py) -- it finds out itself whether the cluster autoscales -- and told about the training
+    job before any tenant starts (TrainingJob.fit announces it again, as on a real cluster)."""
+    from spotfill.fillin import wiring
+    from spotfill.fillin.arbiter import IDLE_RECLAIM_S
+    t = scenario.training
+    handle = wiring.arbiter(scenario.cluster.gpu_resource, order=tuple(scenario.fillin.reclaim_order),
+                            state_path=os.path.join(out_dir, "arbiter", "state.json"), runtime_env={"env_vars": env},
+                            launch_nodes=bool(scenario.fillin.serve.get("launch_nodes")), idle_reclaim_s=IDLE_RECLAIM_S)
+    wiring.announce_training(name, t.min_workers, t.max_workers, 1)
+    return handle
+
+
 def run_storage_uri(storage: str, name: str) -> str:
     """The URI of a run's checkpoints (its job's storage joined with the job name) for serving/app.py."""
     from urllib.parse import urlsplit, urlunsplit
@@ -279,20 +295,9 @@ class ServeFillin:
         self.start()
 
     def _prestart_run(self) -> None:
-        import ray
-
-        from spotfill.fillin.arbiter import IDLE_RECLAIM_S, ensure_arbiter
-        from spotfill.fillin.local import start_serve
-        t = self.scenario.training
+        from spotfill.fillin.wiring import start_serve
         try:
-            autoscaler = self.scenario.cluster.autoscaler
-            self.arbiter = ensure_arbiter(self.scenario.cluster.gpu_resource, runtime_env={"env_vars": self.env},
-                                          order=tuple(self.scenario.fillin.reclaim_order),
-                                          state_path=os.path.join(self.out_dir, "arbiter", "state.json"),
-                                          autoscaled=bool(autoscaler),
-                                          launch_nodes=bool(self.scenario.fillin.serve.get("launch_nodes")),
-                                          idle_reclaim_s=IDLE_RECLAIM_S)
-            ray.get(self.arbiter.register_job.remote(self.name, t.min_workers, t.max_workers, 1), timeout=30)
+            self.arbiter = fillin_arbiter(self.scenario, self.name, self.out_dir, self.env)
             start_serve(self.port, self.scenario.cluster.gpu_resource)
         except Exception as exc:  # noqa: BLE001 - reported, and the run is not ok
             self.error = f"serve fill-in did not start: {type(exc).__name__}: {exc}"
@@ -310,7 +315,7 @@ class ServeFillin:
 
     def _start(self) -> None:
         from spotfill.fillin.load import ServeLoad
-        from spotfill.fillin.local import deploy_serve
+        from spotfill.fillin.wiring import deploy_serve
         spec = self.scenario.fillin.serve
         total = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes) + sum(   # + what may be launched
             t.gpus * t.max_workers for t in self.scenario.cluster.node_types())
@@ -318,9 +323,8 @@ class ServeFillin:
         if self.error:
             return
         try:
-            out = deploy_serve(self.uri, port=self.port, dashboard_url=self.cluster.cluster.webui_url,
-                               gpu_resource=self.scenario.cluster.gpu_resource,
-                               max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16,
+            out = deploy_serve(self.uri, port=self.port, gpu_resource=self.scenario.cluster.gpu_resource,
+                               max_replicas=spec["max_replicas"] or total, max_tokens=16, fillin="true",
                                replicas=0 if self.scenario.cluster.autoscaler else 1,
                                cpu_nice=self.scenario.fillin.cpu_nice, cpu_idle=self.scenario.fillin.cpu_idle)
             self.serving_since = time.time()

@@ -1,6 +1,6 @@
 """Scenario files (CONTRACTS): the timeline `spotfill demo --scenario` runs on the embedded cluster (pure).
 
-    cluster:  {gpu_resource: GPU_SLOT, nodes: [{gpus: 2}, {gpus: 2}]}
+    cluster:  {gpu_resource: GPU, nodes: [{gpus: 2}, {gpus: 2}]}
     training: {model: tiny, workers: [1, 4], steps: 200, global_batch: 16, checkpoint_every: 20, ...}
     fillin:   {serve: {enabled: true, load_rps: 2}}          # Serve on the GPUs training leaves spare
               # also batch: {enabled, rows, prompts}, sweep: {enabled, trials, steps} and reclaim_order: [sweep, batch, serve] (sim/fillin_spec.py)
@@ -79,7 +79,7 @@ AUTOSCALER_KEYS = {"node_types", "idle_timeout_s", "allocate_timeout_s", "max_wo
 
 @dataclass
 class ClusterSpec:
-    gpu_resource: str = "GPU_SLOT"
+    gpu_resource: str = "GPU"
     nodes: list[dict] = field(default_factory=lambda: [{"gpus": 2}, {"gpus": 2}])
     # Ray's autoscaler (v2, fake multi-node provider) adds nodes of these types on demand:
     # {node_types: {name: {gpus, market, min_workers, max_workers, priority}}, idle_timeout_s, allocate_timeout_s,
@@ -328,7 +328,7 @@ def load_scenario(path: str) -> Scenario:
 DEFAULT_SCENARIO = {
     # 5 GPU slots, training at most 4: the 5th (and any training cannot use) is lent to Serve, which
     # generates from the run's own checkpoints under a steady load; training takes it back when it needs it
-    "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}, {"gpus": 1}]},
+    "cluster": {"gpu_resource": "GPU", "nodes": [{"gpus": 2}, {"gpus": 2}, {"gpus": 1}]},
     "training": {"model": "tiny", "workers": [1, 4], "steps": 240, "global_batch": 12,
                  "max_micro_batch": 3, "checkpoint_every": 20, "zero_stage": 2, "warmup_steps": 10},
     # batch (evaluation + generation over the run's checkpoint) and a 2-trial sweep share what Serve leaves
@@ -379,7 +379,7 @@ def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 
                 event["deadline_s"] = rng.choice([15, 30])
             events.append(event)
     return {
-        "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": gpus}] * nodes},
+        "cluster": {"gpu_resource": "GPU", "nodes": [{"gpus": gpus}] * nodes},
         "training": {"model": "tiny", "workers": [1, 4], "steps": steps, "global_batch": 12,
                      "max_micro_batch": 3, "checkpoint_every": 20, "seed": seed},
         "events": events,
@@ -415,7 +415,7 @@ AUTOSCALING_SCENARIO = {
     "fillin": {**DEFAULT_SCENARIO["fillin"], "serve": {**DEFAULT_SCENARIO["fillin"]["serve"], "max_replicas": 1},
                "batch": {"enabled": True, "rows": 48, "prompts": 8},
                "sweep": {"enabled": True, "trials": 3, "steps": 16}},
-    "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
+    "cluster": {"gpu_resource": "GPU", "autoscaler": {
         "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
             "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},
             "gpu_ondemand": {"gpus": 3, "market": "on-demand", "max_workers": 1, "priority": 0}}}},

@@ -54,10 +54,17 @@ def ds_config(job: JobConfig, micro: int, accum: int, precision: str, universal:
     return cfg
 
 
-def resolve_precision(requested: str, on_gpu: bool) -> str:
-    if requested == "auto":
-        return "bf16" if on_gpu else "fp32"
-    return requested
+def resolve_precision(requested: str, device) -> str:
+    """The precision a worker trains in on `device` (spotfill.devices.choose_precision: auto = bf16 where the
+    GPU has bf16 tensor cores, fp16 with loss scaling on older GPUs, fp32 on the CPU). A precision the device
+    cannot run fails the worker with a one-line ConfigError naming training.precision."""
+    from spotfill.config.errors import ConfigError
+    from spotfill.devices import device_capability, choose_precision
+    try:
+        return choose_precision(requested, str(device), device_capability(device))
+    except ValueError as exc:
+        raise ConfigError("training.precision", requested, reason=str(exc),
+                          accepted="auto, or a precision the workers' device supports") from None
 
 
 def jit_cache_dir(base: str | None = None) -> str:
@@ -116,9 +123,11 @@ def start_lr_schedule(engine) -> None:
         sched.step(FIRST_ITERATION)
 
 
-def build_engine(model, config: dict):
+def build_engine(model, config: dict, device=None):
     """deepspeed.initialize over the model's trainable parameters, with torch's AdamW as the client
-    optimizer (no JIT op) and the LR schedule started (start_lr_schedule); returns the engine."""
+    optimizer (no JIT op), on `device` -- the GPU Ray assigned this worker: DeepSpeed would otherwise pick
+    cuda:LOCAL_RANK, another worker's GPU wherever a worker holds more than one or CUDA_VISIBLE_DEVICES lists
+    its neighbours' too -- and the LR schedule started (start_lr_schedule). Returns the engine."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_cache_dir())
     from spotfill.ray_compat import guard_jit_op_builds, skip_deepspeed_muon
     guard_jit_op_builds()
@@ -128,7 +137,16 @@ def build_engine(model, config: dict):
     config = dict(config)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = client_optimizer(params, config.pop("optimizer")) if "optimizer" in config else None
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
-                                           config=config)
+    engine, _, _, _ = deepspeed.initialize(args=deepspeed_args(device), model=model, model_parameters=params,
+                                           optimizer=optimizer, config=config)
     start_lr_schedule(engine)
     return engine
+
+
+def deepspeed_args(device):
+    """deepspeed.initialize's `args`: `device_rank` = the CUDA device index to run on (DeepSpeed's engine
+    sets it as the current device and its own); None on the CPU, where DeepSpeed's default applies."""
+    import argparse
+    if device is None or getattr(device, "type", str(device)) != "cuda":
+        return None
+    return argparse.Namespace(device_rank=int(device.index or 0))

@@ -119,13 +119,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
         return _finish(sink, rank, {"ok": False, "reason": str(exc)})
     prep_s = time.perf_counter() - t0
 
-    precision = resolve_precision(t.precision, torch.cuda.is_available() and job.cluster.gpu_resource == "GPU")
+    # the device Ray Train assigned this worker (Ray's GPU resource -> CUDA_VISIBLE_DEVICES; the CPU where
+    # CUDA sees none, or on a logical resource), and the precision that device supports (spotfill.devices)
+    device = _assigned_device(job.cluster.gpu_resource)
+    precision = resolve_precision(t.precision, device)
     torch.manual_seed(t.seed)
     reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
     t_restored = time.time()
     warm.join()
     t_imported = time.time()
-    engine, vocab, flops = _engine(job, reader, shape, precision, plan.universal)
+    engine, vocab, flops = _engine(job, reader, shape, precision, plan.universal, device)
     t_engine = time.time()
     device = _device_info(engine, precision) if rank == 0 else {}
     start_step, ledger, load_s = 0, SampleLedger(), 0.0
@@ -271,7 +274,17 @@ def _finish(sink, rank: int, verdict: dict) -> None:
         ray.get(sink.finish.remote(verdict))
 
 
-def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: str, universal: bool):
+def _assigned_device(gpu_resource: str):
+    """ray.train.torch.get_device() on Ray's GPU resource (the GPU Ray assigned this worker, or the CPU when
+    CUDA sees none); the CPU on a logical accelerator resource (Ray assigns no device for it)."""
+    import torch
+    if gpu_resource != "GPU":
+        return torch.device("cpu")
+    import ray.train.torch
+    return ray.train.torch.get_device()
+
+
+def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: str, universal: bool, device):
     from spotfill.train.model import build_model
 
     t = job.training
@@ -285,7 +298,7 @@ def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: s
     params = count_params(model)
     fm, fh = model_flops(model.cfg, params, reader.seq_len, recompute="none")
     flops = {"params": params, "flops_per_token": fm, "hardware_flops_per_token": fh, "recompute": "none"}
-    return build_engine(model, config), model.cfg.vocab_size, flops
+    return build_engine(model, config, device), model.cfg.vocab_size, flops
 
 
 def _device_info(engine, precision: str) -> dict:
