@@ -30,11 +30,12 @@ STEPS = 900
 # tiny preset (presets.py): vocab 257, 64 positions, 2 layers of width 64, 4x MLP, untied head:
 #   wte 257*64 = 16,448   wpe 64*64 = 4,096   per block: 2 LayerNorms 2*128, qkv 64*192+192 = 12,480,
 #   proj 64*64+64 = 4,160, MLP 64*256+256 + 256*64+64 = 33,088 -> 49,984; two blocks 99,968;
-#   ln_f 128; head 64*257 = 16,448.  N = 137,088
-#   FLOPs/token = 6N + 12*L*h*s = 822,528 + 12*2*64*64 = 822,528 + 98,304 = 920,832
+#   ln_f 128; head 64*257 = 16,448.  All parameters: 137,088
+#   PaLM's N leaves out the lookups wte and wpe: 137,088 - 16,448 - 4,096 = 116,544
+#   FLOPs/token = 6N + 12*L*h*s = 699,264 + 12*2*64*64 = 699,264 + 98,304 = 797,568
 #   with training.activation_checkpointing: full, the blocks' forward runs again in backward:
-#   hardware FLOPs/token = 920,832 + 2 * 99,968 + 4*L*h*s (32,768) = 1,153,536
-TINY_PARAMS, TINY_FLOPS_PER_TOKEN, TINY_HARDWARE_FLOPS_PER_TOKEN = 137_088, 920_832.0, 1_153_536.0
+#   hardware FLOPs/token = 797,568 + 2 * 99,968 + 4*L*h*s (32,768) = 1,030,272
+TINY_PARAMS, TINY_FLOPS_PER_TOKEN, TINY_HARDWARE_FLOPS_PER_TOKEN = 137_088, 797_568.0, 1_030_272.0
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def sweep_config(env, name: str, trials: int = 2, max_units: int = 1) -> dict:
                       "checkpoint_every": CKPT_EVERY, "eval_rows": 32, "trials": trials,
                       "search": {"lr": [0.001, 0.003], "warmup_steps": [0, 4]}, "max_failures": 2},
             "fillin": {"grant": "fixed", "max_units": max_units, "grace_s": 5.0},
-            "cluster": {"gpu_resource": "GPU_SLOT", "cpus_per_trial": 1}}
+            "cluster": {"gpu_resource": "GPU", "cpus_per_trial": 1}}
 
 
 def experiment_state(exp_dir: str) -> dict:
@@ -225,7 +225,7 @@ def test_a_trial_paused_while_tune_has_only_staged_it_starts_when_units_are_lent
         return unstaged[-1]
     monkeypatch.setattr(ray_compat, "tune_unstage_trial", spy)
 
-    blocker = placement_group([{"GPU_SLOT": 1}, {"GPU_SLOT": 1}], strategy="SPREAD")   # "training" holds both
+    blocker = placement_group([{"GPU": 1}, {"GPU": 1}], strategy="SPREAD")   # "training" holds both
     ray.get(blocker.ready(), timeout=60)
     job_id = ray.get_runtime_context().get_job_id()
     blocker_id = blocker.id.hex()

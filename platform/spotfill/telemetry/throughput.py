@@ -4,8 +4,9 @@
     MFU       = tokens/s x model FLOPs per token / (GPUs x dense peak FLOP/s per GPU)
     HFU       = the same with hardware FLOPs per token (model FLOPs + activation recompute)
 
-FLOPs per token are the planner's (spotfill.planning.sizing.flops_per_token: PaLM App. B, 6N + 12*L*h*s,
-plus one recomputed forward with full activation checkpointing); the peak is the GPU catalogue's dense
+FLOPs per token are the planner's (spotfill.planning.sizing.flops_per_token: PaLM App. B, 6N + 12*L*h*s
+with N the parameters that enter a matmul -- embedding lookups left out -- plus one recomputed forward with
+full activation checkpointing); the peak is the GPU catalogue's dense
 tensor-core figure (spotfill.planning.hardware) for the detected device and the training precision. On a CPU,
 on a GPU the catalogue does not know, or in fp32 without TF32 tensor cores, the peak is unknown and MFU/HFU
 are None -- never an invented number.
@@ -64,10 +65,13 @@ def peak_flops_per_gpu(device_name: str | None, precision: str, tf32_allowed: bo
 
 
 def flops_per_token(n_params: int, layers: int, hidden: int, heads: int, seq_len: int,
-                    recompute: str = "none") -> tuple[float, float]:
-    """(model, hardware) FLOPs per trained token of a decoder, by the planner's formula."""
-    arch = Arch(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=0,
-                mlp="gelu", source="model")
+                    recompute: str = "none", vocab: int = 0, positions: int = 0,
+                    tied: bool = False) -> tuple[float, float]:
+    """(model, hardware) FLOPs per trained token of a decoder, by the planner's formula. `n_params`: all
+    its parameters; the lookups of a `vocab` x `hidden` token embedding (unless `tied` to the output
+    layer) and of a learned table of `positions` are left out of N."""
+    arch = Arch(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=vocab,
+                mlp="gelu", source="model", tied=tied, positions=positions)
     return _planner_flops_per_token(n_params, arch, seq_len, recompute=recompute)
 
 

@@ -8,7 +8,16 @@ It is torch's fused implementation (one kernel over all parameters, CPU and GPU,
 default on a CPU is a Python loop of per-tensor ops, which took 600 ms where FusedAdam takes 330 ms on the
 57M model (one thread) -- 6% of every step, the whole of spotfill's step overhead there.
 JIT ops DeepSpeed still loads (the CPU shared-memory comm op) build in a cache folder of this environment
-and through a lock that cannot outlive its owner (spotfill.train.opcache).
+and through a lock that cannot outlive its owner (spotfill.train.opcache); on a GPU nothing is JIT-built
+(DeepSpeed's CUDA accelerator has no such comm op), so an arch list such as TORCH_CUDA_ARCH_LIST=9.0a, which
+DeepSpeed's op builder cannot parse, never reaches it.
+
+The learning rate: DeepSpeed's WarmupCosineLR gives lr x iteration / warmup, and a fresh one stands at
+iteration -1 ("not started": lr 0) when the first optimizer step runs and at iteration 0 (lr 0 again) for
+the second -- two steps that train nothing. build_engine starts the schedule at iteration 1
+(FIRST_ITERATION): optimizer step k trains at lr x k / warmup_steps during the warm-up, then the cosine.
+DeepSpeed takes at least 2 warm-up steps (a smaller training.warmup_steps acts as 2: the first step trains
+at lr / 2). A restored engine takes the iteration its checkpoint saved.
 """
 from __future__ import annotations
 
@@ -103,11 +112,22 @@ def client_optimizer(params, optimizer: dict):
                              **({"fused": True} if fused else {}))
 
 
+FIRST_ITERATION = 1      # the scheduler iteration the first optimizer step trains at (lr x 1 / warmup)
+
+
+def start_lr_schedule(engine) -> None:
+    """Move a fresh DeepSpeed LR scheduler (iteration -1: lr 0) to FIRST_ITERATION, so the first optimizer
+    step trains; a scheduler that has started (or none) is left alone."""
+    sched = getattr(engine, "lr_scheduler", None)
+    if sched is not None and getattr(sched, "last_batch_iteration", None) == -1:
+        sched.step(FIRST_ITERATION)
+
+
 def build_engine(model, config: dict, device=None):
     """deepspeed.initialize over the model's trainable parameters, with torch's AdamW as the client
     optimizer (no JIT op), on `device` -- the GPU Ray assigned this worker: DeepSpeed would otherwise pick
     cuda:LOCAL_RANK, another worker's GPU wherever a worker holds more than one or CUDA_VISIBLE_DEVICES lists
-    its neighbours' too. Returns the engine."""
+    its neighbours' too -- and the LR schedule started (start_lr_schedule). Returns the engine."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_cache_dir())
     from spotfill.ray_compat import guard_jit_op_builds, skip_deepspeed_muon
     guard_jit_op_builds()
@@ -119,6 +139,7 @@ def build_engine(model, config: dict, device=None):
     optimizer = client_optimizer(params, config.pop("optimizer")) if "optimizer" in config else None
     engine, _, _, _ = deepspeed.initialize(args=deepspeed_args(device), model=model, model_parameters=params,
                                            optimizer=optimizer, config=config)
+    start_lr_schedule(engine)
     return engine
 
 

@@ -164,13 +164,17 @@ def flops_info(model: nn.Module, seq_len: int) -> dict:
 
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int | None = None,
                     recompute: str = "none") -> float:
-    """Training FLOPs per token of a preset, by the planner's formula (PaLM: 6N + 12*L*h*s)."""
+    """Training FLOPs per token of a preset, by the planner's formula (PaLM: 6N + 12*L*h*s, N without the
+    embedding lookups)."""
     return model_flops(cfg, n_params, seq_len, recompute)[0]
 
 
 def model_flops(cfg: GPTConfig, n_params: int, seq_len: int | None = None,
                 recompute: str = "none") -> tuple[float, float]:
-    """(model, hardware) FLOPs per trained token (telemetry.throughput: the planner's formula)."""
+    """(model, hardware) FLOPs per trained token (telemetry.throughput: the planner's formula). `n_params`:
+    all of GPT's parameters; its lookups -- the token embedding wte (vocab x n_embd; the output layer is a
+    matrix of its own) and the position table wpe (cfg.seq_len x n_embd) -- are left out of N."""
     from spotfill.telemetry.throughput import flops_per_token as per_token
 
-    return per_token(n_params, cfg.n_layer, cfg.n_embd, cfg.n_head, seq_len or cfg.seq_len, recompute)
+    return per_token(n_params, cfg.n_layer, cfg.n_embd, cfg.n_head, seq_len or cfg.seq_len, recompute,
+                     vocab=cfg.vocab_size, positions=cfg.seq_len)
