@@ -33,10 +33,14 @@ def test_a_lease_ends_as_reclaim_release_or_lease_end_with_its_cause():
     order = ReclaimOrder("serve:app/Gen", "r1", 29.0, "node_draining", "drain")
     events, left = lease_ended([drop("r1", A, 31.0, "node lost: the lease died with it")], known, [order], now=31.0)
     assert [e["kind"] for e in events] == ["lease_end"] and left == []
-    # an order nothing ended for expires instead of claiming a later, unrelated release
-    old = ReclaimOrder("serve:app/Gen", "r1", 0.0, "training_claim", "old")
+    # an order nothing ended for expires instead of claiming a later, unrelated release -- and is reported
+    # as a hand-back that never completed, not forgotten
+    old = ReclaimOrder("serve:app/Gen", "r1", 0.0, "training_claim", "old", job="j")
     events, left = lease_ended([drop("r3", B, 500.0)], known, [old], now=500.0)
-    assert [e["kind"] for e in events] == ["release"] and left == []
+    assert [e["kind"] for e in events] == ["handback_incomplete", "release"] and left == []
+    assert {k: events[0][k] for k in ("tenant", "lease_id", "requested_at", "waited_s", "cause", "job")} == {
+        "tenant": "serve:app/Gen", "lease_id": "r1", "requested_at": 0.0, "waited_s": 500.0,
+        "cause": "training_claim", "job": "j"}
     # a drop dated back (let_go: the GPU showed free at t=40, confirmed at 41) ends at that date, and a
     # lease that ended before an order was placed is not that order's hand-back
     order = ReclaimOrder("serve:app/Gen", "r2", 40.5, "training_claim", "job j claims 1", job="j")
