@@ -32,10 +32,11 @@ def arb(tmp_path):
 
 
 class _Job(JobTenant):
-    """A batch tenant whose holdings the test sets (or makes fail)."""
+    """A job tenant whose holdings the test sets (or makes fail)."""
 
-    def __init__(self, units: int = 2):
-        super().__init__(JobTenantSpec("b", "batch", job_id="01000000", max_replicas=units, grace_s=5.0))
+    def __init__(self, units: int = 2, kind: str = "batch", cpus: float = 0.0):
+        super().__init__(JobTenantSpec(kind[0], kind, job_id="01000000", max_replicas=units, grace_s=5.0,
+                                       cpus_per_replica=cpus))
         self.held: list[Holding] = []
         self.fail: Exception | None = None
         self.target = 0
@@ -147,3 +148,37 @@ def test_busy_reports_are_checked_and_journaled(arb):
     assert arb.report_busy([good] + bad) == 1
     (event,) = [e for e in arb.journal_since(0)["events"] if e["kind"] == "fillin_busy"]
     assert event["busy_s"] == 4.0 and event["lease_id"] == "actor-1"      # capped at its interval
+
+
+def test_a_trial_is_lent_a_gpu_only_where_its_cpu_is_free_too(arb):
+    # n1: a free GPU but training's workers hold its CPUs; n2: a free GPU and a free CPU
+    arb._nodes = lambda: [Node("n1", 2, 1, free_cpus=0.0), Node("n2", 2, 1, free_cpus=1.0)]
+    sweep = _Job(units=2, kind="sweep", cpus=1.0)
+    arb.tenants[sweep.tenant] = sweep
+    arb._lend(arb._snapshot(T0), T0)
+    assert sweep.target == 1
+    (lend,) = [d for d in arb.decisions.items if d.action == "lend"]
+    assert lend.node_id == "n2"
+
+
+def test_a_trial_group_the_autoscaler_reports_waiting_is_given_up_at_once(tmp_path):
+    """Autoscaled cluster, launch_nodes off: a lent unit whose placement group the autoscaler reports as
+    pending demand (it would launch a node for it) is taken back at once, not after the 30 s patience."""
+    from spotfill.fillin.cluster_view import Demand
+
+    arb = Arbiter("GPU", state_path=str(tmp_path / "state.json"), interval_s=3600, autoscaled=True)
+    try:
+        arb._nodes = lambda: [Node("n1", 2, 1, free_cpus=0.0)]
+        sweep = _Job(units=1, kind="sweep", cpus=1.0)
+        sweep.target, sweep.pending_groups = 1, frozenset({"pg-waiting"})
+        arb.tenants[sweep.tenant] = sweep
+        arb.asked_at[sweep.tenant] = T0
+        snap = arb._snapshot(T0 + 1.0)
+        arb._lend(snap, T0 + 1.0, Demand(groups=frozenset({"someone-elses"})))
+        assert sweep.target == 1, "another group's demand is not this tenant's"
+        arb._lend(snap, T0 + 1.0, Demand(groups=frozenset({"pg-waiting"})))
+        assert sweep.target == 0
+        (refused,) = [d for d in arb.decisions.items if d.action == "refuse"]
+        assert "the autoscaler sees it as demand" in refused.reason
+    finally:
+        arb._stop.set()

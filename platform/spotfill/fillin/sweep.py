@@ -380,7 +380,8 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     control = SweepControl(grant, configs, clock=clock, emit=emit)
     job = {"data": cfg.data.path, "model": s.model, "steps": s.steps, "batch": s.batch,
            "steps_per_report": s.steps_per_report, "eval_rows": s.eval_rows, "seed": s.seed,
-           "step_sleep_s": step_sleep_s, "setup_sleep_s": setup_sleep_s}
+           "step_sleep_s": step_sleep_s, "setup_sleep_s": setup_sleep_s,
+           "tenant": f"sweep:{cfg.name}", "gpu_resource": cfg.cluster.gpu_resource}
     control.job, control.experiment = dict(job), experiment_path(cfg.storage, cfg.name)
     resources = tune.PlacementGroupFactory([{"CPU": float(cfg.cluster.cpus_per_trial),
                                              cfg.cluster.gpu_resource: 1.0}])

@@ -40,8 +40,10 @@ def make_grant(cfg, runtime_env: dict | None = None):
     f = cfg.fillin
     if f.grant == "fixed":
         return FixedGrant(f.max_units, grace_s=f.grace_s)
+    # a trial asks for {CPU: cpus_per_trial, GPU: 1}: the arbiter lends its GPU only where the CPUs are free too
     return ArbiterGrant("sweep", cfg.name, max_units=f.max_units, gpus_per_unit=1, grace_s=f.grace_s,
-                        gpu_resource=cfg.cluster.gpu_resource, runtime_env=runtime_env)
+                        gpu_resource=cfg.cluster.gpu_resource, runtime_env=runtime_env,
+                        cpus_per_unit=cfg.cluster.cpus_per_trial)
 
 
 def sweep_handbacks(tenant: str, since: float) -> list[float]:
