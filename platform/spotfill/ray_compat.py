@@ -164,13 +164,21 @@ _PRESTART_FIELDS = ("language", "job_id", "runtime_env_info", "keep_alive_durati
 if not set(_PRESTART_FIELDS) <= set(_nm_pb2.PrestartWorkersRequest.DESCRIPTOR.fields_by_name):
     raise RayCompatError(f"spotfill needs PrestartWorkersRequest{_PRESTART_FIELDS} (checked against ray "
                          f"{RAY_VERSION_CHECKED}); installed ray {ray.__version__} differs")
-# the experiment state files a sweep rerun checks before Tune restores them (fillin/sweep_state.py)
-from spotfill.fillin import sweep_state as _sweep_state  # noqa: E402 - pure, no Ray
-for _tmpl, (_head, _tail) in ((_TuneController.CKPT_FILE_TMPL, _sweep_state.EXPERIMENT_STATE),
-                              (_TuneSearcher.CKPT_FILE_TMPL, _sweep_state.SEARCHER_STATE)):
-    if _tmpl != f"{_head}{{}}{_tail}":
-        raise RayCompatError(f"spotfill expects Tune's state file {_head}{{}}{_tail} (checked against ray "
-                             f"{RAY_VERSION_CHECKED}); installed ray {ray.__version__} writes {_tmpl}")
+# the names of the experiment state files a sweep rerun checks before Tune restores them: fillin/sweep.py
+# compares them with fillin/sweep_state.py's when a sweep runs (check_tune_state_files)
+TUNE_STATE_FILE_TEMPLATES = {"experiment": _TuneController.CKPT_FILE_TMPL, "searcher": _TuneSearcher.CKPT_FILE_TMPL}
+
+
+def check_tune_state_files(expected: dict[str, tuple[str, str]]) -> None:
+    """Tune writes its experiment and searcher state under the names `expected` ({kind: (head, tail)}) gives,
+    or RayCompatError."""
+    for kind, (head, tail) in expected.items():
+        tmpl = TUNE_STATE_FILE_TEMPLATES[kind]
+        if tmpl != f"{head}{{}}{tail}":
+            raise RayCompatError(f"spotfill expects Tune's {kind} state file {head}{{}}{tail} (checked against ray "
+                                 f"{RAY_VERSION_CHECKED}); installed ray {ray.__version__} writes {tmpl}")
+
+
 if "actor" not in getattr(_wg_worker.Worker, "__dataclass_fields__", {}):
     raise RayCompatError(f"spotfill needs ray.train.v2 Worker.actor (checked against ray {RAY_VERSION_CHECKED}); "
                          f"installed ray {ray.__version__} does not have it")

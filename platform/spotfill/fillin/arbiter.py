@@ -25,11 +25,10 @@ from dataclasses import replace
 from spotfill.fillin.arbiter_state import read_state, restore, state_text, write_atomically
 from spotfill.fillin.busy import check_busy
 from spotfill.fillin.cluster_view import READ_WAIT_S, HoldingsReads, View, read_demand, read_nodes
-from spotfill.fillin.hosts import RESOURCE_VIEW_LAG_S, RESTART_GRACE_S, HostTracker  # noqa: F401
+from spotfill.fillin.hosts import RESOURCE_VIEW_LAG_S, HostTracker
 from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
-from spotfill.fillin.lending import (PLACE_PATIENCE_S, START_PATIENCE_S, TenantView, fair_share,  # noqa: F401
-                                     held_units, lend_round)
+from spotfill.fillin.lending import START_PATIENCE_S, TenantView, fair_share, lend_round
 from spotfill.fillin.let_go import LetGo
 from spotfill.fillin.policy import (DEFAULT_ORDER, Decision, DecisionLog, Lease, Snapshot, TrainingJob,
                                     claim_finished, decide_claim, extra_replicas, mark_reclaiming, ownership,

@@ -445,12 +445,12 @@ class BatchJob:
 def run_batch(cfg, runtime_env: dict | None = None, wait_timeout_s: float | None = None, grant=None) -> dict:
     """jobs/batch_infer.py: plan (exit 2 on bad input before Ray starts), connect, take the grant (the
     arbiter's, or a fixed one with `grant.units`), run, and add the arbiter's reclaims of this tenant."""
-    from spotfill.cli.jobkit import init_ray
     from spotfill.fillin.grant import ArbiterGrant, FixedGrant
+    from spotfill.fillin.wiring import connect_ray
 
     job = BatchJob(cfg, None, runtime_env)
     job.prepare()
-    init_ray(runtime_env or {})
+    connect_ray(runtime_env or {})
     own = grant is None
     if grant is None:
         grant = (FixedGrant(cfg.grant.units, cfg.cluster.grace_s) if cfg.grant.units else

@@ -369,6 +369,10 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     and continued rather than started over (`restored`, `carried_over`, `restored_trials` say so); then
     Tune keeps that experiment's run config, so `callbacks` are the ones it was created with."""
     global _LIVE_CONTROL
+    from spotfill import ray_compat
+    from spotfill.fillin import sweep_state
+    ray_compat.check_tune_state_files({"experiment": sweep_state.EXPERIMENT_STATE,
+                                       "searcher": sweep_state.SEARCHER_STATE})
     os.environ.setdefault("TUNE_FORCE_TRIAL_CLEANUP_S", CLEANUP_S)
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", RESTORE_STATE_S)
     os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")

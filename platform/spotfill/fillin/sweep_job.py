@@ -64,12 +64,12 @@ def sweep_handbacks(tenant: str, since: float) -> list[float]:
 
 
 def run_sweep_job(cfg, *, runtime_env: dict | None = None, step_sleep_s: float = 0.0, grant=None) -> dict:
-    from spotfill.cli import jobkit
     from spotfill.fillin.sweep import run_sweep
+    from spotfill.fillin.wiring import connect_ray
     from spotfill.telemetry.events import EventLog
 
     check_inputs(cfg)
-    jobkit.init_ray(runtime_env or {})
+    connect_ray(runtime_env or {})
     os.makedirs(cfg.run_dir, exist_ok=True)
     events = EventLog(os.path.join(cfg.run_dir, "events.jsonl"))
     t0 = time.time()
