@@ -182,3 +182,27 @@ def test_a_trial_group_the_autoscaler_reports_waiting_is_given_up_at_once(tmp_pa
         assert "the autoscaler sees it as demand" in refused.reason
     finally:
         arb._stop.set()
+
+
+def test_a_read_slower_than_a_round_is_used_by_the_next_round():
+    """A State API listing that takes longer than READ_WAIT_S: that round the tenant is unknown, the next
+    round uses the answer (a dashboard that is always slow must not leave a tenant unknown for good)."""
+    from spotfill.fillin.cluster_view import HoldingsReads
+
+    class Slow:
+        def __init__(self):
+            self.calls = 0
+
+        def holdings(self):
+            self.calls += 1
+            time.sleep(0.3)
+            return [Holding("batch:b", "batch", "n1", 1, key=f"actor-{self.calls}")]
+
+    reads, slow = HoldingsReads(), Slow()
+    held, unknown, errors = reads.read({"batch:b": slow}, wait_s=0.05)
+    assert held == [] and unknown == {"batch:b"} and "no answer within" in errors["batch:b"]
+    time.sleep(0.4)
+    held, unknown, _ = reads.read({"batch:b": slow}, wait_s=0.05)
+    assert [h.key for h in held] == ["actor-1"] and unknown == set() and slow.calls == 1
+    held, _, _ = reads.read({"batch:b": slow}, wait_s=1.0)           # used: a new read, waited for
+    assert [h.key for h in held] == ["actor-2"]

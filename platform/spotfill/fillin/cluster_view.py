@@ -49,30 +49,39 @@ class HoldingsReads:
     def __init__(self, workers: int = 4):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="arbiter-holdings")
         self._lock = threading.Lock()
-        self._out: dict[str, Future] = {}
+        self._out: dict[str, tuple[Future, bool]] = {}     # tenant -> (its latest read, used yet)
 
     def read(self, tenants: dict, wait_s: float = READ_WAIT_S) -> tuple[list[Holding], set[str], dict[str, str]]:
-        """(holdings, unknown tenants, tenant -> why unknown) of `tenants` (name -> tenant)."""
-        futures = {}
+        """(holdings, unknown tenants, tenant -> why unknown) of `tenants` (name -> tenant). A read that
+        answered after an earlier round stopped waiting for it is used now (it is newer than any used
+        before: one read per tenant at a time); else a new one is made and waited for."""
+        futures, late = {}, set()
         with self._lock:
             for name, tenant in tenants.items():
-                f = self._out.get(name)
-                if f is None or f.done():
-                    f = self._out[name] = self._pool.submit(tenant.holdings)
+                f, used = self._out.get(name, (None, True))
+                if f is not None and f.done() and not used:
+                    late.add(name)
+                elif f is None or f.done():
+                    f = self._pool.submit(tenant.holdings)
+                self._out[name] = (f, False)
                 futures[name] = f
             for name in [k for k in self._out if k not in tenants]:
                 del self._out[name]
-        done, _ = wait(list(futures.values()), timeout=wait_s)
+        done, _ = wait([f for n, f in futures.items() if n not in late], timeout=wait_s)
         holdings, unknown, errors = [], set(), {}
-        for name, f in futures.items():
-            if f not in done:
-                unknown.add(name)
-                errors[name] = f"no answer within {wait_s:g}s"
-            elif f.exception() is not None:
-                unknown.add(name)
-                errors[name] = f"{type(f.exception()).__name__}: {f.exception()}"
-            else:
-                holdings += list(f.result())
+        with self._lock:
+            for name, f in futures.items():
+                if name not in late and f not in done:
+                    unknown.add(name)
+                    errors[name] = f"no answer within {wait_s:g}s"
+                    continue
+                if self._out.get(name, (None,))[0] is f:
+                    self._out[name] = (f, True)
+                if f.exception() is not None:
+                    unknown.add(name)
+                    errors[name] = f"{type(f.exception()).__name__}: {f.exception()}"
+                else:
+                    holdings += list(f.result())
         return holdings, unknown, errors
 
 
