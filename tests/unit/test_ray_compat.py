@@ -185,15 +185,29 @@ def test_a_required_ray_name_gone_fails_only_its_command_with_one_line():
                            "which ray 2.60 has; installed: ray "), line
 
 
-def test_a_tune_without_the_unstage_hook_fails_the_sweep_when_built_not_at_import():
-    code = ("from ray.tune.execution.tune_controller import TuneController as T\n"
-            "del T._unstage_trial_with_resources\n" + IMPORT_ALL +
-            "from spotfill.fillin import sweep\nfrom spotfill.ray_compat import RayCompatError\n"
-            "try:\n    sweep._searcher_class()\nexcept RayCompatError as e:\n    print('REFUSED', e)\n")
+REQUIRED_GONE = {
+    "tune_fillin_sweep": (
+        "from ray.tune.execution.tune_controller import TuneController as T\ndel T._unstage_trial_with_resources\n",
+        "from spotfill.fillin import sweep\nsweep._searcher_class()\n",
+        "the fill-in Tune sweep (jobs/sweep.py) needs ray's ray.tune.execution.tune_controller.TuneController."
+        "_unstage_trial_with_resources (missing), which ray 2.60 has"),
+    "fake_multinode_cluster": (   # the class testing.fake_market subclasses at import
+        "import ray.autoscaler._private.fake_multi_node.node_provider as p\ndel p.FakeMultiNodeProvider\n",
+        "from spotfill.testing.fake_market import MarketFakeProvider\nMarketFakeProvider({}, 'c')\n",
+        "the autoscaling local cluster (`spotfill demo` without --static, scenarios with autoscaling) needs "
+        "ray's ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider (missing)"),
+}
+
+
+@pytest.mark.parametrize("hook", sorted(REQUIRED_GONE))
+def test_a_required_name_gone_fails_its_feature_when_used_not_at_import(hook):
+    remove, use, says = REQUIRED_GONE[hook]
+    code = (remove + IMPORT_ALL + "from spotfill.ray_compat import RayCompatError\nprint('IMPORTED', flush=True)\n"
+            "try:\n" + "".join(f"    {ln}\n" for ln in use.splitlines()) +
+            "except RayCompatError as e:\n    print('REFUSED', e)\n")
     proc = _run(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "REFUSED the fill-in Tune sweep (jobs/sweep.py) needs ray's ray.tune.execution.tune_controller." \
-           "TuneController._unstage_trial_with_resources (missing), which ray 2.60 has" in proc.stdout, proc.stdout
+    assert "IMPORTED" in proc.stdout and f"REFUSED {says}" in proc.stdout, proc.stdout
     assert _spotfill_lines(proc.stderr) == []         # nothing said at import
 
 

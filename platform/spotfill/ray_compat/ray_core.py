@@ -182,12 +182,16 @@ def __getattr__(name: str):
     """The spot watcher's protobuf modules and Ray's fake multi-node provider (ray.autoscaler._private;
     what ray.cluster_utils.AutoscalingCluster runs: each "instance" it launches is a real raylet on this
     machine, node id = cloud instance id; the fake head's node id is fixed, FAKE_HEAD_NODE_ID; the provider
-    needs RAY_FAKE_CLUSTER=1 in its environment), resolved when first imported: that is their use."""
+    needs RAY_FAKE_CLUSTER=1 in its environment), resolved when first imported. The provider class may be
+    a stand-in (hooks.stand_in_base): building one raises the feature's RayCompatError."""
     if name in ("gcs_pb2", "autoscaler_pb2"):
         require("spot_drain")
         import importlib
         return importlib.import_module(f"ray.core.generated.{name}")
-    if name in ("FakeMultiNodeProvider", "FAKE_HEAD_NODE_ID"):
+    if name == "FakeMultiNodeProvider":     # subclassed at import (testing.fake_market): a stand-in if moved
+        from spotfill.ray_compat.hooks import stand_in_base
+        return stand_in_base(f"{_FAKE}:{name}", "fake_multinode_cluster")
+    if name == "FAKE_HEAD_NODE_ID":
         require("fake_multinode_cluster")
         from spotfill.ray_compat.hooks import resolve
         return resolve(f"{_FAKE}:{name}")
