@@ -133,6 +133,13 @@ def test_the_driver_refuses_a_zero2_job_whose_deepspeed_lacks_the_elastic_load(m
     from spotfill.config.job import JobConfig, from_mapping
     from spotfill.train.preflight import preflight
 
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("preflight reached Ray: the check did not come first")
+
+    monkeypatch.setattr(ray, "is_initialized", no_ray)
+    monkeypatch.setattr(ray, "init", no_ray)
     monkeypatch.setattr(catalog, "deepspeed_source", lambda rel: (f"/x/{rel}", "def load_checkpoint(self):\n"))
     cfg = from_mapping(JobConfig, {"storage": "/tmp/x", "data": {"path": "/tmp/d"}, "training": {"zero_stage": 2}})
     hooks._problems.pop("zero_elastic_load", None)
@@ -332,6 +339,12 @@ def test_without_serves_push_the_replica_watch_polls_serve_status(monkeypatch):
         return SimpleNamespace(applications={"app": SimpleNamespace(deployments=deps)})
 
     monkeypatch.setattr(serve, "status", status)
+
+    def no_controller(*args, **kwargs):
+        raise AssertionError("the watch asked for Serve's controller: it did not fall back to serve.status()")
+
+    import ray
+    monkeypatch.setattr(ray, "get_actor", no_controller)
     seen = []
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
