@@ -171,8 +171,9 @@ HOOKS = _hooks(
          "restarts are sized from the free capacity of nodes that are alive and not draining; rank 0 grows "
          "the group gracefully when capacity returns",
          "restarts are sized by Ray Train's own elastic policy, which counts draining and just-lost nodes "
-         "(a restart after a loss can wait out RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S), the group does not "
-         "grow back until its next restart, and the teardown reaper runs after Ray's own callbacks",
+         "(a restart after a loss can wait out RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S) and the group does not "
+         "grow back until its next restart (where TorchTrainer._initialize_and_run_controller itself moved, the "
+         "teardown reaper also runs after Ray's own teardown callbacks)",
          "train.elastic: SpotfillTorchTrainer falls back to TorchTrainer's controller and policy",
          names=("ray.train.torch:TorchTrainer._initialize_and_run_controller",
                 "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy._count_possible_workers"
