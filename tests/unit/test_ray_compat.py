@@ -29,7 +29,8 @@ ENTRY_MODULES = ["spotfill.cli.main", "spotfill.cli.demo", "spotfill.cli.serve",
                  "spotfill.train.elastic", "spotfill.train.sink", "spotfill.train.teardown", "spotfill.train.engine",
                  "spotfill.fillin.training_hook", "spotfill.fillin.arbiter", "spotfill.fillin.sweep",
                  "spotfill.fillin.batch", "spotfill.spot.watcher", "spotfill.sim.cluster", "spotfill.sim.autoscaling",
-                 "spotfill.testing.fake_market", "serving.app"]
+                 "spotfill.testing.fake_market", "spotfill.train.pipeline", "spotfill.train.bubble_probe",
+                 "spotfill.train.backend", "spotfill.fillin.wiring", "spotfill.fillin.cluster_kind", "serving.app"]
 IMPORT_ALL = "import importlib\nfor _m in %r:\n    importlib.import_module(_m)\n" % ENTRY_MODULES
 
 
@@ -128,29 +129,54 @@ def test_a_missing_base_class_can_be_subclassed_but_using_it_raises_the_feature_
     assert hooks.stand_in_base("json:JSONDecoder", "t_base") is __import__("json").JSONDecoder
 
 
-def test_the_driver_refuses_a_zero2_job_whose_deepspeed_lacks_the_elastic_load(monkeypatch):
-    """preflight: before any worker starts (no Ray touched), one line naming the feature."""
+DRIVER_CHECKS = {   # training section -> (hook, what the one line starts with, what it names)
+    "zero_elastic_load": ({"zero_stage": 2}, "resuming a ZeRO-1/2 run", "runtime/engine.py defining _get_all_zero"),
+    "pipe_bubble_probe": ({"zero_stage": 0, "pipeline_stages": 2, "workers": [2]}, "pipeline-parallel training",
+                          "runtime/pipe/engine.py with def _exec_schedule("),
+}
+
+
+@pytest.mark.parametrize("hook", sorted(DRIVER_CHECKS))
+def test_the_driver_refuses_a_job_whose_deepspeed_lacks_an_internal_it_needs(monkeypatch, hook):
+    """preflight: before any worker starts (Ray not touched), one line naming the feature: a DeepSpeed whose
+    source lacks what ZeRO-1/2 resumes, or pipeline stages run, through."""
+    import ray
+
     from spotfill.config.job import JobConfig, from_mapping
     from spotfill.train.preflight import preflight
-
-    import ray
 
     def no_ray(*args, **kwargs):
         raise AssertionError("preflight reached Ray: the check did not come first")
 
+    training, starts, names = DRIVER_CHECKS[hook]
     monkeypatch.setattr(ray, "is_initialized", no_ray)
     monkeypatch.setattr(ray, "init", no_ray)
     monkeypatch.setattr(catalog, "deepspeed_source", lambda rel: (f"/x/{rel}", "def load_checkpoint(self):\n"))
-    cfg = from_mapping(JobConfig, {"storage": "/tmp/x", "data": {"path": "/tmp/d"}, "training": {"zero_stage": 2}})
-    hooks._problems.pop("zero_elastic_load", None)
+    cfg = from_mapping(JobConfig, {"storage": "/tmp/x", "data": {"path": "/tmp/d"}, "training": training})
+    hooks._problems.pop(hook, None)
     try:
         with pytest.raises(ray_compat.RayCompatError) as err:
             preflight(cfg, {"seq_len": 10 ** 6})
     finally:
-        hooks._problems.pop("zero_elastic_load", None)     # the next check reads the real DeepSpeed again
+        hooks._problems.pop(hook, None)     # the next check reads the real DeepSpeed again
     msg = str(err.value)
-    assert msg.startswith("resuming a ZeRO-1/2 run") and "runtime/engine.py defining _get_all_zero_checkpoints" in msg
-    assert "deepspeed 0.19 has" in msg and "\n" not in msg
+    assert msg.startswith(starts) and names in msg and "deepspeed 0.19 has" in msg and "\n" not in msg, msg
+
+
+def test_the_pipeline_map_is_refused_in_one_line_where_deepspeed_dispatches_otherwise():
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    class Moved(PipelineEngine):       # a DeepSpeed whose schedule no longer dispatches through the map
+        def _exec_schedule(self, pipe_schedule):
+            return None
+
+    engine = object.__new__(Moved)
+    with pytest.raises(ray_compat.RayCompatError, match=r"^pipeline-parallel training .* needs deepspeed's "
+                       r"Moved._exec_schedule dispatching through self._INSTRUCTION_MAP\[type\(cmd\)\]"):
+        ray_compat.pipe_instruction_map(engine)
+    real = object.__new__(PipelineEngine)
+    table = ray_compat.pipe_instruction_map(real)
+    assert table == PipelineEngine._INSTRUCTION_MAP and table is not PipelineEngine._INSTRUCTION_MAP
 
 
 # -- faults injected into the real libraries, in a fresh interpreter -------------------------------------

@@ -31,13 +31,22 @@ MUON_MODULES = {
 }
 # DeepSpeed ZeRO-1/2 internals the elastic (no conversion) resharding load uses, checked by name in the
 # installed source (the driver checks before any worker starts, without importing DeepSpeed) and by
-# signature when first used (ray_compat.deepspeed_zero).
+# signature when first used (ray_compat.deepspeed_engine).
 ZERO_ELASTIC_SOURCES = {
     "runtime/engine.py": ("_get_all_zero_checkpoints", "zero_elastic_checkpoint", "load_checkpoint"),
     "runtime/zero/stage_1_and_2.py": ("_load_global_state", "_partition_base_optimizer_state",
                                       "_restore_from_elastic_fp32_weights", "_link_all_hp_params",
                                       "_get_state_without_padding", "state_dict"),
 }
+
+
+# DeepSpeed's PipelineEngine runs a step's schedule in `_exec_schedule`, dispatching every instruction
+# through `self._INSTRUCTION_MAP[type(cmd)]` (deepspeed 0.19; unchanged since 2023). The bubble probe
+# (train/bubble_probe.py) gives one engine instance its own copy of that map with timed wrappers: no fork,
+# no subclass (deepspeed.initialize builds PipelineEngine itself). Checked in the source (the driver, without
+# importing DeepSpeed), the map and the dispatch again when first used (ray_compat.deepspeed_engine).
+PIPE_ENGINE_SOURCE = "runtime/pipe/engine.py"
+PIPE_DISPATCH = "self._INSTRUCTION_MAP[type(cmd)]"
 
 
 def deepspeed_source(rel: str) -> tuple[str, str]:
@@ -63,6 +72,12 @@ def _zero_elastic_files() -> str | None:
         if not text or missing:
             return f"{rel} defining {', '.join(missing or names)} ({path})"
     return None
+
+
+def _pipe_engine_file() -> str | None:
+    path, text = deepspeed_source(PIPE_ENGINE_SOURCE)
+    missing = [n for n in ("def _exec_schedule(", "_INSTRUCTION_MAP = {", PIPE_DISPATCH) if n not in text]
+    return f"{PIPE_ENGINE_SOURCE} with {', '.join(missing)} ({path})" if not text or missing else None
 
 
 def _sets_in_init(owner: str, attr: str):
@@ -151,6 +166,13 @@ HOOKS = _hooks(
          "train.engine.load_checkpoint has no other way to restore these checkpoints (DeepSpeed 0.19's own "
          "load refuses another data-parallel size); the driver checks before any worker starts",
          checks=(_zero_elastic_files,)),
+    Hook("pipe_bubble_probe", REQUIRED, "deepspeed", DS,
+         "one PipelineEngine instance gets its own instruction map with timed wrappers (the bubble probe)",
+         "pipeline-parallel training (training.pipeline_stages > 1: its bubble probe times every instruction "
+         "of a stage and fills the bubbles)",
+         "train.pipeline builds a BubbleProbe for every pipeline engine; it has no path without the map; the "
+         "driver checks before any worker starts",
+         checks=(_pipe_engine_file,)),
     # -- Ray Train ---------------------------------------------------------------------------------------
     Hook("train_controller_callbacks", REQUIRED, "ray", RAY,
          "Ray Train's controller and worker-group callbacks report each controller state change to the "
@@ -161,6 +183,17 @@ HOOKS = _hooks(
          names=(f"{_CB}:ControllerCallback.after_controller_state_update(previous_state, current_state)",
                 f"{_CB}:WorkerGroupCallback.after_worker_group_start(worker_group)",
                 f"{_WG}.worker_group:WorkerGroup.get_worker_group_state")),
+    Hook("ledger_group_end", ROBUSTNESS, "ray", RAY,
+         "the GPU-seconds ledger learns when a worker group's GPUs were let go (train/sink.py, group_end)",
+         "the GPU-seconds ledger dates a worker group's end from the run's other events, not from its teardown",
+         "train.sink.RestartCauseCallback's hook is simply not called; the ledger falls back on other events",
+         names=(f"{_CB}:WorkerGroupCallback.after_worker_group_shutdown(worker_group_context)",)),
+    Hook("device_aware_torch_backend", ROBUSTNESS, "ray", RAY,
+         "the torch.distributed backend follows what the first worker has (NCCL with CUDA, else gloo)",
+         "the torch backend follows Ray's choice (NCCL for any GPU worker), which fails where the GPU resource "
+         "has no CUDA device behind it",
+         "train.backend then keeps Ray's TorchConfig backend",
+         names=("ray.train.torch.config:_TorchBackend.on_start(worker_group, backend_config)",)),
     Hook("fillin_claims", REQUIRED, "ray", RAY,
          "training claims the GPUs fill-in lent before a worker group starts, restarts or grows",
          "fill-in beside training (the claim of lent GPUs before a worker group starts)",
@@ -242,6 +275,27 @@ HOOKS = _hooks(
          names=(f"{_STATE}:state", f"{_STATE}:GlobalState.available_resources_per_node",
                 f"{_STATE}:GlobalState.get_draining_nodes",
                 f"{_STATE}:GlobalState.actor_table(actor_id, job_id, actor_state_name)")),
+    Hook("gcs_cluster_config", ROBUSTNESS, "ray", RAY,
+         "whether the cluster autoscales, from the cluster config an autoscaler reported to the GCS",
+         "fill-in decides whether the cluster autoscales from the head's autoscaler config file alone",
+         "fillin.cluster_kind already decides from the head's files when the GCS says nothing",
+         names=(f"{_STATE}:state", f"{_STATE}:GlobalState.get_cluster_config")),
+    Hook("gcs_dashboard_url", ROBUSTNESS, "ray", RAY,
+         "the dashboard's address as the head registered it in the GCS (Serve's scale endpoint lives there)",
+         "a Serve tenant must register with its own dashboard URL",
+         "fillin.arbiter already takes a tenant's own URL when the GCS gives none",
+         names=(f"{_KV}:_internal_kv_get(key)", "ray._private.ray_constants:KV_NAMESPACE_DASHBOARD")),
+    Hook("gcs_dead_jobs", ROBUSTNESS, "ray", RAY,
+         "the arbiter drops the training record of a driver that ended without withdrawing it",
+         "a killed training driver's record stays: its GPUs are not lent again until the record is removed",
+         "fillin.arbiter keeps the records it has",
+         names=(f"{_STATE}:state", f"{_STATE}:GlobalState.job_table")),
+    Hook("dashboard_token_auth", ROBUSTNESS, "ray", RAY,
+         "requests to the dashboard carry the cluster's token when it runs with token authentication",
+         "requests to a dashboard with token authentication carry no token (Serve's scale endpoint answers "
+         "401 there: fill-in cannot scale Serve tenants on such a cluster)",
+         "fillin.serve_tenant sends its request without the header",
+         names=("ray._private.authentication.http_token_authentication:get_auth_headers_if_auth_enabled",)),
     Hook("kill_stuck_batch_actors", ROBUSTNESS, "ray", RAY,
          "a batch wave's Ray Data pool actor that waits for a GPU no one lent is killed by its id",
          "a batch wave stuck on such an actor is not cut short: it ends when Ray Data gives up",

@@ -178,6 +178,48 @@ def node_death_reason_name(value) -> str | None:
         return str(value)
 
 
+# -- what the cluster says about itself (the fill-in arbiter, on the head) ----------------------------------
+def cluster_config_node_groups() -> list[tuple[int, int]] | None:
+    """(min_count, max_count) of every node group in the cluster config an autoscaler reported to the GCS
+    (what Ray Data's autoscaling check reads), or None when none was reported -- or this Ray cannot say
+    (gcs_cluster_config)."""
+    if not usable("gcs_cluster_config"):
+        return None
+    config = _state().get_cluster_config()
+    if config is None:
+        return None
+    return [(int(g.min_count), int(g.max_count)) for g in config.node_group_configs if g.resources]
+
+
+def dashboard_url() -> str | None:
+    """The dashboard's address as the head registered it in the GCS (Serve's scale endpoint lives there);
+    None where this Ray does not keep it there (gcs_dashboard_url)."""
+    if not usable("gcs_dashboard_url"):
+        return None
+    import ray._private.ray_constants as ray_constants
+    from ray.experimental import internal_kv
+    raw = internal_kv._internal_kv_get("webui:url", namespace=ray_constants.KV_NAMESPACE_DASHBOARD)
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def dead_job_ids() -> set[str]:
+    """Hex ids of the Ray jobs (drivers) the GCS knows to have ended; none where this Ray cannot list them
+    (gcs_dead_jobs)."""
+    if not usable("gcs_dead_jobs"):
+        return set()
+    return {j["JobID"] for j in _state().job_table() if j.get("IsDead")}
+
+
+def dashboard_auth_headers() -> dict[str, str]:
+    """The Authorization header a request to this cluster's dashboard needs when the cluster runs with token
+    authentication (RAY_AUTH_MODE=token; Ray 2.60 turns it on for local clusters when ~/.ray/auth_token
+    exists): {} otherwise, and where this Ray has no such helper (dashboard_token_auth)."""
+    if not usable("dashboard_token_auth"):
+        return {}
+    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+    return dict(get_auth_headers_if_auth_enabled({}) or {})
+
+
 def __getattr__(name: str):
     """The spot watcher's protobuf modules and Ray's fake multi-node provider (ray.autoscaler._private;
     what ray.cluster_utils.AutoscalingCluster runs: each "instance" it launches is a real raylet on this

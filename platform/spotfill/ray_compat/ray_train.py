@@ -184,3 +184,13 @@ def prestart_workers(num_workers: int, keep_alive_s: int, timeout_s: float = 5.0
     finally:
         channel.close()
     return True
+
+
+def torch_train_backend():
+    """Ray Train's torch Backend class (ray.train.torch.config._TorchBackend), or None (after one warning)
+    where it is gone: then Ray's own backend choice applies (NCCL for any GPU worker, which fails where the
+    GPU resource has no CUDA device behind it)."""
+    if not usable("device_aware_torch_backend"):
+        return None
+    from ray.train.torch.config import _TorchBackend
+    return _TorchBackend

@@ -1,5 +1,5 @@
-"""DeepSpeed's private names: the Muon optimizer modules spotfill keeps out of its workers, and the ZeRO-1/2
-internals of the elastic (no conversion) resharding load.
+"""DeepSpeed's private names: the Muon optimizer modules spotfill keeps out of its workers, the ZeRO-1/2
+internals of the elastic (no conversion) resharding load, and the pipeline engine's instruction map.
 """
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import sys
 import types
 
-from spotfill.ray_compat.catalog import MUON_MODULES, deepspeed_source
+from spotfill.ray_compat.catalog import MUON_MODULES, PIPE_DISPATCH, deepspeed_source
 from spotfill.ray_compat.hooks import RayCompatError, require, required_message, usable
 
 ZERO_ELASTIC_KEYS = ("BASE_OPTIMIZER_STATE", "SINGLE_PARTITION_OF_FP32_GROUPS")
@@ -145,3 +145,26 @@ def zero_load_elastic(engine, load_dir: str, tag: str) -> dict:
     if sched is not None and hasattr(sched, "last_batch_iteration"):
         sched.step(sched.last_batch_iteration)
     return client_state
+
+
+def pipe_instruction_map(engine) -> dict:
+    """Give this PipelineEngine instance its own copy of the class's instruction map (type -> function
+    taking (engine, **kwargs)) and return it: what the caller puts in it runs in place of DeepSpeed's
+    functions for this engine only. RayCompatError (one line) where DeepSpeed dispatches otherwise."""
+    import inspect
+
+    from spotfill.ray_compat.catalog import HOOKS
+
+    require("pipe_bubble_probe")
+    cls = type(engine)
+    table, run = getattr(cls, "_INSTRUCTION_MAP", None), getattr(cls, "_exec_schedule", None)
+    try:
+        dispatches = run is not None and PIPE_DISPATCH in inspect.getsource(run)
+    except (OSError, TypeError):
+        dispatches = False
+    found = (f"{cls.__name__}._INSTRUCTION_MAP (missing)" if not isinstance(table, dict) else
+             None if dispatches else f"{cls.__name__}._exec_schedule dispatching through {PIPE_DISPATCH}")
+    if found:
+        raise RayCompatError(required_message(HOOKS["pipe_bubble_probe"], found))
+    engine._INSTRUCTION_MAP = dict(table)
+    return engine._INSTRUCTION_MAP
