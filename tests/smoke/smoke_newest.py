@@ -33,7 +33,7 @@ import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JIT_OP = "deepspeed_shm_comm"         # the op DeepSpeed's CPU comm backend loads at every engine start
-STEP_TIMEOUT_S = 900                  # a JIT build lock that hangs turns into a failure
+STEP_TIMEOUT_S = 1500                 # a JIT build lock that hangs turns into a failure (a build under load: minutes)
 
 
 def stage(name: str):
