@@ -32,6 +32,8 @@ def ensure_arbiter(gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_O
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from spotfill.fillin.arbiter import IDLE_RECLAIM_S, Arbiter
+    from spotfill.ray_compat import require
+    require("fillin_arbiter")       # one line (RayCompatError) where Ray moved what the arbiter reads
     idle_reclaim_s = IDLE_RECLAIM_S if idle_reclaim_s is None else idle_reclaim_s
 
     head = next((n["NodeID"] for n in ray.nodes() if n.get("Alive")

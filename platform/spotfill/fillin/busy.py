@@ -127,8 +127,9 @@ class BusyReporter:
                  flush_s: float = FLUSH_S):
         import ray
         node, key = None, None
-        try:
-            node, key = ray.get_runtime_context().get_node_id(), holder_key(gpu_resource)
+        try:        # never ray.init() here: outside a Ray worker the meter measures, unmatched to a lease
+            if ray.is_initialized():
+                node, key = ray.get_runtime_context().get_node_id(), holder_key(gpu_resource)
         except Exception as exc:  # noqa: BLE001 - outside a Ray worker: measured, not matched to a lease
             log.debug("no Ray context for the busy meter: %s", exc)
         self.meter = BusyMeter(tenant, workload, gpus, node=node, lease_id=key)
@@ -164,8 +165,10 @@ class BusyReporter:
         if self._arbiter is None and time.monotonic() - self._looked_at >= ARBITER_RETRY_S:
             self._looked_at = time.monotonic()
             try:
+                import ray
+
                 from spotfill.fillin.arbiter_handle import get_arbiter
-                self._arbiter = get_arbiter()
+                self._arbiter = get_arbiter() if ray.is_initialized() else None
             except Exception as exc:  # noqa: BLE001
                 log.debug("no arbiter for busy time: %s", exc)
         return self._arbiter

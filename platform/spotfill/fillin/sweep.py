@@ -135,7 +135,8 @@ def _check_same_sweep(check, c: SweepControl) -> int:
 
 
 def _searcher_class():
-    from spotfill import ray_compat  # noqa: F401 - checks the Tune extension points used here
+    from spotfill import ray_compat
+    ray_compat.require_sweep()       # the Tune extension points used here (one line where Ray moved one)
     from ray.tune.search import Searcher
 
     class GrantSearcher(Searcher):
@@ -370,9 +371,7 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     Tune keeps that experiment's run config, so `callbacks` are the ones it was created with."""
     global _LIVE_CONTROL
     from spotfill import ray_compat
-    from spotfill.fillin import sweep_state
-    ray_compat.check_tune_state_files({"experiment": sweep_state.EXPERIMENT_STATE,
-                                       "searcher": sweep_state.SEARCHER_STATE})
+    ray_compat.require_sweep()       # Tune's extension points and state-file names (one line where Ray moved one)
     os.environ.setdefault("TUNE_FORCE_TRIAL_CLEANUP_S", CLEANUP_S)
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", RESTORE_STATE_S)
     os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
