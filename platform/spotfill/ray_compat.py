@@ -43,6 +43,7 @@ from ray.tune.execution.tune_controller import TuneController as _TuneController
 from ray.tune.experiment import Trial as _TuneTrial
 from ray.tune.schedulers import TrialScheduler as _TrialScheduler
 from ray.tune.search import Searcher as _TuneSearcher
+import torch.distributed.distributed_c10d as _c10d
 import torch.utils.cpp_extension as _cpp_ext
 from torch.utils.file_baton import FileBaton as _FileBaton
 
@@ -98,6 +99,9 @@ HOOKS = [
     (_pg_callback.PlacementGroupCleanerCallback, "after_controller_start", ("train_run_context",)),
     (ControllerCallback, "after_controller_state_update", ("previous_state", "current_state")),
     (WorkerGroupCallback, "after_worker_group_start", ("worker_group",)),
+    # torch's defaults for process groups created without a timeout (DeepSpeed's): new_groups_timeout
+    (_c10d, "_get_default_timeout", ("backend",)),
+    (_c10d, "default_pg_timeout", None),
     # torch's JIT extension build (DeepSpeed ops load through it): its lock and its version memo
     (_cpp_ext, "FileBaton", None),
     (_cpp_ext, "load", ("name", "sources")),
@@ -754,3 +758,18 @@ def watch_running_replicas(app: str, deployment: str, on_change, event_loop):
     return LongPollClient(controller, {key: lambda info: on_change(len(info.running_replicas))},
                           call_in_event_loop=event_loop,
                           client_id=f"spotfill-replica-watch:{app}/{deployment}:{os.getpid()}")
+
+
+def new_groups_timeout(seconds: float) -> None:
+    """Process groups this process creates from now on without a timeout of their own time out after
+    `seconds`, as the default group does (Ray Train creates it with TorchConfig(timeout_s)). DeepSpeed's
+    groups are such groups: its ZeRO data-parallel group is `new_group(ranks)`, a clone of the world group,
+    and torch gives it its global default instead (30 minutes; NCCL 10), so a rank waiting for a silent
+    peer in a gradient reduce would wait that long. PRIVATE TORCH API: new_group() takes its default from
+    distributed_c10d._get_default_timeout, which reads the module's `default_pg_timeout` and
+    `default_pg_nccl_timeout` (torch 2.13)."""
+    from datetime import timedelta
+    value = timedelta(seconds=seconds)
+    _c10d.default_pg_timeout = value
+    if isinstance(getattr(_c10d, "default_pg_nccl_timeout", None), timedelta):   # None: no NCCL built
+        _c10d.default_pg_nccl_timeout = value

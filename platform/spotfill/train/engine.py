@@ -100,9 +100,13 @@ def build_engine(model, config: dict):
     """deepspeed.initialize over the model's trainable parameters, with torch's AdamW as the client
     optimizer (no JIT op); returns the engine."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_cache_dir())
-    from spotfill.ray_compat import guard_jit_op_builds, skip_deepspeed_muon
+    from spotfill.config import constants
+    from spotfill.ray_compat import guard_jit_op_builds, new_groups_timeout, skip_deepspeed_muon
     guard_jit_op_builds()
     skip_deepspeed_muon()    # no torch.compile/inductor import for an optimizer spotfill never builds
+    # DeepSpeed's groups (its ZeRO data-parallel group is a new_group clone of the world) time out with the
+    # default group Ray Train made, not after torch's global 30 minutes
+    new_groups_timeout(constants.COLLECTIVE_TIMEOUT_S)
     import deepspeed
 
     config = dict(config)
