@@ -9,27 +9,20 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
-import time
 
 import pytest
 
 from collective_freeze_worker import run
+from test_jobs_submit import _free_ports
 
 TIMEOUT_S = 4.0
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("collective") / "rank0.json")
     ctx = mp.get_context("spawn")
-    port = _port()
+    (port,) = _free_ports(1)
     procs = [ctx.Process(target=run, args=(rank, 2, port, TIMEOUT_S, out), daemon=True) for rank in (0, 1)]
     for p in procs:
         p.start()
