@@ -20,6 +20,7 @@ PURE = [
     "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.train.opcache",
     "spotfill.fillin.policy", "spotfill.fillin.journal", "spotfill.fillin.batch_plan", "spotfill.sim.fillin_spec", "spotfill.sim.nodes", "spotfill.sim.autoscaler_config",
     "spotfill.fillin.sweep_policy", "spotfill.config.sweep", "spotfill.fillin.cpu_priority",
+    "spotfill.config.failure_detection",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 
