@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from spotfill import ray_compat     # light: each private hook loads when first used
 from spotfill.config.errors import ConfigError
 
 log = logging.getLogger("spotfill.serving")
@@ -62,11 +63,13 @@ COLD_START_METRICS = {"metrics_interval_s": 1.0, "look_back_period_s": 2.0, "agg
 class ServeArgs:
     checkpoint: str = ""                 # a run's storage URI (file://, s3://); checkpoints/ inside
     model: str = "auto"                  # preset name, or auto (from the weights' shape)
-    gpu_resource: str = "GPU_SLOT"       # "GPU" on a real cluster
+    gpu_resource: str = "GPU"            # Ray's GPU resource (a logical one such as GPU_SLOT on test clusters)
     replicas: int = 1                    # Generator replicas at deploy: 1 for `serve run` alone; 0 under
                                          # the fill-in arbiter, which sets the count (only its lends
                                          # create replicas: no GPU request it did not grant)
     max_replicas: int = 64               # with replicas 0: the most the arbiter may ask Serve for
+    fillin: str = "auto"                 # register with the fill-in arbiter (started if absent), which sets
+                                         # the Generator's count: auto = when replicas is 0; true; false
     max_tokens: int = 64                 # cap on tokens per request
     max_generation_s: float = 1.5        # cap on seconds per request: below the 3 s shutdown grace
     reload_s: float = 2.0                # how often to look for a newer checkpoint
@@ -94,6 +97,8 @@ class ServeArgs:
                 except ValueError:
                     raise ConfigError(f"serving.app args {f.name}", args[f.name],
                                       accepted=f"a {kind.__name__}") from None
+        if "fillin" in out:
+            out["fillin"] = str(out["fillin"]).lower()
         parsed = cls(**out)
         if not parsed.checkpoint:
             raise ConfigError("serving.app args checkpoint", reason="required",
@@ -103,12 +108,19 @@ class ServeArgs:
                               accepted="an integer >= 0 (0 under the fill-in arbiter, which sets the count)")
         from spotfill.fillin.cpu_priority import configured_nice
         configured_nice(parsed.cpu_nice, "serving.app args cpu_nice")
+        if parsed.fillin not in ("auto", "true", "false"):
+            raise ConfigError("serving.app args fillin", parsed.fillin, accepted="auto, true, false")
         if parsed.max_replicas < 1:
             raise ConfigError("serving.app args max_replicas", parsed.max_replicas, accepted="an integer >= 1")
         if parsed.max_generation_s >= GRACEFUL["graceful_shutdown_timeout_s"]:
             raise ConfigError("serving.app args max_generation_s", parsed.max_generation_s,
                               accepted=f"< graceful_shutdown_timeout_s={GRACEFUL['graceful_shutdown_timeout_s']}")
         return parsed
+
+    @property
+    def under_arbiter(self) -> bool:
+        """The fill-in arbiter sets the Generator's replica count (the app registers itself with it)."""
+        return self.fillin == "true" or (self.fillin == "auto" and self.replicas == 0)
 
 
 @serve.deployment(name=GENERATOR, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=8, **GRACEFUL)
@@ -191,6 +203,12 @@ class Ingress:
         self.live = 0
         self.admit_timeout_s = args.max_generation_s + 2.0
         threading.Thread(target=self._watch_replicas, daemon=True, name="replica-watch").start()
+        if args.under_arbiter:
+            # a deployed app registers itself -- `serve deploy`, `serve run`, `spotfill serve` and the demo
+            # alike -- so the arbiter lends it GPUs training does not use (fillin/wiring.py)
+            from spotfill.fillin.wiring import register_in_background
+            register_in_background(app_name, GENERATOR, gpu_resource=args.gpu_resource,
+                                   max_replicas=args.max_replicas, grace_s=GRACEFUL["graceful_shutdown_timeout_s"])
 
     def _set_live(self, live: int) -> None:
         self.live = live
@@ -200,15 +218,14 @@ class Ingress:
         set -- the long poll Serve's own routers use: an update as soon as a replica runs or is told to stop,
         and no call at all while nothing changes (serve.status() every 0.1 s cost this replica and the
         controller about 10% of a core on a 2-core node, beside training). A watch that ended (a new
-        controller) is started again; `live` keeps its last count meanwhile."""
-        from spotfill import ray_compat      # here: imported at this replica's lowered CPU priority
+        controller) is started again; `live` keeps its last count meanwhile. Where Ray lacks the push, the
+        watch polls serve.status() (ray_compat.ray_serve, after one warning)."""
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, daemon=True, name="replica-watch-loop").start()
         watch = None
         while True:
             if watch is None or not watch.is_running:
                 try:
-                    ray_compat.check_serve_hooks()
                     watch = ray_compat.watch_running_replicas(self.app_name, GENERATOR, self._set_live, loop)
                 except Exception as exc:  # noqa: BLE001 - the controller may be restarting; keep the last count
                     log.warning("replica watch not started (retrying): %s", exc)
@@ -235,7 +252,7 @@ class Ingress:
 
     async def _forward_once(self, prompt: str, max_tokens: int, temperature: float, seed: int):
         response = self.generator.generate.remote(prompt, max_tokens, temperature, seed)
-        assigned = asyncio.ensure_future(response._to_object_ref())
+        assigned = asyncio.ensure_future(ray_compat.request_taken(response))
         assigned.add_done_callback(_retrieve)
         t0 = time.monotonic()
         while not assigned.done():
@@ -296,7 +313,7 @@ def keep_external_target(ctx):
 def build(args: ServeArgs):
     """The application graph for these arguments."""
     from spotfill.ray_compat import check_serve_hooks
-    check_serve_hooks()                  # the Ingress's replica watch: fail at deploy if Ray moved a hook
+    check_serve_hooks()                  # the Ingress's replica watch: said once at deploy if it must poll
     env = dict(QUIET_METRICS)
     if args.replicas == 0:
         env.update(NO_HANDLE_METRICS)

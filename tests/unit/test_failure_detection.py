@@ -57,24 +57,53 @@ def test_the_embedded_cluster_uses_the_embedded_settings():
 
 
 # --- the collective timeout -------------------------------------------------------------------------
-def _job(**training):
+def _job(cluster=None, **training):
     from spotfill.config.job import JobConfig, from_mapping
     return from_mapping(JobConfig, {"storage": "/tmp/unused", "data": {"path": "/tmp/unused"},
-                                    "training": {"workers": [1, 2], **training}})
+                                    "cluster": cluster or {}, "training": {"workers": [1, 2], **training}})
 
 
 def test_the_default_process_group_gets_the_collective_timeout():
     """TrainingJob's TorchConfig carries SPOTFILL_COLLECTIVE_TIMEOUT_S (Ray Train passes it to
     init_process_group), not Ray Train's 1800 s, and the workers get the variable (DeepSpeed's groups)."""
+    from ray.train.torch import TorchConfig
+
     from spotfill.config import constants
+    from spotfill.train.backend import DeviceAwareTorchConfig
     from spotfill.train.job import TrainingJob, worker_env_vars
 
     for mode in ("spotfill", "stock"):
-        trainer = TrainingJob(_job(elastic_restarts=mode))._trainer("sink", "ns")
-        assert trainer.backend_config.timeout_s == constants.COLLECTIVE_TIMEOUT_S
+        for resource, config_cls in (("GPU", DeviceAwareTorchConfig), ("GPU_SLOT", TorchConfig)):
+            trainer = TrainingJob(_job({"gpu_resource": resource}, elastic_restarts=mode))._trainer("sink", "ns")
+            assert type(trainer.backend_config) is config_cls, (mode, resource)
+            assert trainer.backend_config.timeout_s == constants.COLLECTIVE_TIMEOUT_S, (mode, resource)
     assert constants.COLLECTIVE_TIMEOUT_S == constants.CHECKPOINT_COMMIT_TIMEOUT_S + 60 < 1800
     assert worker_env_vars({})["SPOTFILL_COLLECTIVE_TIMEOUT_S"] == str(constants.COLLECTIVE_TIMEOUT_S)
     assert worker_env_vars({"SPOTFILL_COLLECTIVE_TIMEOUT_S": "99"})["SPOTFILL_COLLECTIVE_TIMEOUT_S"] == "99"
+
+
+def test_the_backend_chosen_on_the_first_worker_keeps_the_timeout(monkeypatch):
+    """DeviceAwareTorchConfig replaces the backend Ray filled in by what the first worker has; the process
+    group Ray Train then sets up still gets timeout_s (not Ray Train's 1800 s)."""
+    from ray.train.torch.config import _TorchBackend
+
+    from spotfill.config import constants
+    from spotfill.train.backend import DeviceAwareTorchConfig
+
+    started = []
+    monkeypatch.setattr(_TorchBackend, "on_start", lambda self, worker_group, backend_config:
+                        started.append(backend_config))
+
+    class FirstWorkerWithoutCuda:
+        def execute_single(self, rank, fn):
+            return {"cuda_devices": 0, "nccl_built": True}
+
+    cfg = DeviceAwareTorchConfig(backend="nccl", timeout_s=constants.COLLECTIVE_TIMEOUT_S)   # as Ray fills it in
+    backend = cfg.backend_cls()
+    assert isinstance(backend, _TorchBackend) and type(backend) is not _TorchBackend
+    backend.on_start(FirstWorkerWithoutCuda(), cfg)
+    (seen,) = started
+    assert seen.backend == "gloo" and seen.timeout_s == constants.COLLECTIVE_TIMEOUT_S
 
 
 def test_the_variable_sets_it():
@@ -97,7 +126,7 @@ def test_new_groups_get_the_timeout_instead_of_torchs_global_default():
     before = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)
     assert c10d._get_default_timeout(c10d.Backend.GLOO) == timedelta(minutes=30)
     try:
-        new_groups_timeout(12.5)
+        assert new_groups_timeout(12.5) is True
         assert c10d._get_default_timeout(c10d.Backend.GLOO) == timedelta(seconds=12.5)
         if before[1] is not None:                      # a torch built with NCCL
             assert c10d._get_default_timeout(c10d.Backend.NCCL) == timedelta(seconds=12.5)
