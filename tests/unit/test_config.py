@@ -281,6 +281,7 @@ ENV_NUMBERS = {
     "SPOTFILL_SPOT_POLL_S": ("0", "a number > 0"),
     "SPOTFILL_IMDS_TIMEOUT_S": ("1s", "a number > 0"),
     "SPOTFILL_WORKER_GROUP_START_TIMEOUT_S": ("-3", "a number > 0"),
+    "SPOTFILL_COLLECTIVE_TIMEOUT_S": ("0", "a number > 0"),
     "SPOTFILL_UNIVERSAL_INPROCESS_MAX_BYTES": ("1GB", "an integer >= 0"),
 }
 

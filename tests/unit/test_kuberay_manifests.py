@@ -370,3 +370,15 @@ def test_autoscaler_gives_up_on_a_pending_spot_pod_well_before_ray_default(clust
     read = int(subprocess.run([sys.executable, "-c", code], env={**base, name: env[name]}, capture_output=True,
                               text=True, check=True).stdout)
     assert read == int(env[name]) and 300 <= read < default == 3600
+
+
+def test_head_sets_the_clusters_health_checks(cluster):
+    """The GCS runs in the head container: its environment carries spotfill's health-check settings
+    (config/failure_detection.py CLUSTER, the same as cluster.yaml's head), as Ray's config reader reads them."""
+    from spotfill.config.failure_detection import CLUSTER
+    from test_failure_detection import ray_reads
+
+    env = {e["name"]: e["value"] for e in ray_container(cluster["spec"]["headGroupSpec"]).get("env", [])}
+    health = {k: v for k, v in env.items() if k.startswith("RAY_health_check_")}
+    assert health == CLUSTER.env()
+    assert ray_reads(health) == CLUSTER

@@ -23,7 +23,7 @@ PURE = [
     "spotfill.fillin.sweep_policy", "spotfill.config.sweep", "spotfill.fillin.cpu_priority",
     "spotfill.devices", "spotfill.fillin.cluster_kind",
     "spotfill.train.pipe_layout", "spotfill.train.bubble", "spotfill.train.pipeline_summary",
-    "spotfill.planning.pipeline_advice",
+    "spotfill.planning.pipeline_advice", "spotfill.config.failure_detection",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 

@@ -188,3 +188,12 @@ def test_a_notice_that_lands_during_a_grow_exit_is_covered_by_the_grow_checkpoin
     assert late["covered_by_planned_exit"] == "grow" and late["committed_before_deadline"] is False
     report["preemptions"] = [{"kind": "announced", "affected": True, **late}]
     assert not invariants(report, 20)["announced_preemption_loses_nothing"]["ok"]
+
+
+def test_detected_is_when_the_controller_left_running_after_the_fault():
+    ev = _timeline() + [{"t": 123.3 + 6.4, "kind": "controller_state", "state": "RESTARTING", "previous": "RUNNING"},
+                        {"t": 123.3 + 6.5, "kind": "controller_state", "state": "SCHEDULING",
+                         "previous": "RESTARTING"}]
+    out = node_event_outcome(sorted(ev, key=lambda e: e["t"]), fired_at=123.3)
+    assert out["detected_s"] == 6.4
+    assert node_event_outcome(_timeline(), fired_at=123.3)["detected_s"] is None     # no controller events

@@ -218,6 +218,40 @@ def test_a_required_ray_name_gone_fails_only_its_command_with_one_line():
                            "which ray 2.60 has; installed: ray "), line
 
 
+
+C10D_FAULTS = {   # how torch could move the default new process groups take -> what the warning names
+    "default_gone": ("del c.default_pg_timeout\n", "torch.distributed.distributed_c10d.default_pg_timeout (missing)"),
+    "read_elsewhere": ("_kept = c._get_default_timeout\n\ndef _get_default_timeout(backend):\n    return _kept(backend)\n\n"
+                       "c._get_default_timeout = _get_default_timeout\n",
+                       "torch.distributed.distributed_c10d._get_default_timeout reading default_pg_timeout"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(C10D_FAULTS))
+def test_a_torch_that_keeps_the_new_group_default_elsewhere_leaves_deepspeeds_groups_alone_with_one_warning(
+        tmp_path, fault):
+    """deepspeed_group_timeout (robustness): where torch no longer takes new groups' default from the module
+    names new_groups_timeout sets, every entry point imports, new_groups_timeout sets nothing and says so
+    once (the default group's timeout is TorchConfig's, public, and unaffected)."""
+    change, names = C10D_FAULTS[fault]
+    script = tmp_path / "c10d.py"
+    script.write_text("import torch.distributed.distributed_c10d as c\n" + change + IMPORT_ALL +
+                      "from spotfill.ray_compat import new_groups_timeout\n"
+                      "before = c._get_default_timeout(c.Backend.GLOO) if hasattr(c, 'default_pg_timeout') else None\n"
+                      "print('SET', new_groups_timeout(5.0), new_groups_timeout(5.0))\n"
+                      "if before is not None:\n"
+                      "    print('UNCHANGED', c._get_default_timeout(c.Backend.GLOO) == before)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=str(REPO),
+                          env={**os.environ, "PYTHONPATH": f"{PLATFORM}:{REPO}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SET False False" in proc.stdout, proc.stdout
+    if fault == "read_elsewhere":
+        assert "UNCHANGED True" in proc.stdout, proc.stdout
+    (warning,) = _spotfill_lines(proc.stderr)
+    assert "deepspeed_group_timeout is off" in warning and names in warning, warning
+    assert "torch 2.11 to 2.13 has it" in warning and "Lost: DeepSpeed's groups keep torch's global default" in warning
+
+
 REQUIRED_GONE = {
     "tune_fillin_sweep": (
         "from ray.tune.execution.tune_controller import TuneController as T\ndel T._unstage_trial_with_resources\n",

@@ -136,6 +136,22 @@ def test_pick_node_follows_who_holds_the_gpus():
     assert pick_node("most_training", {}, ids, alive) is None              # no view of the cluster
 
 
+def test_freeze_node_parses_on_listed_nodes_and_is_refused_with_an_autoscaler():
+    s = parse_scenario({"events": [{"at_step": 5, "action": "freeze_node", "node": 1}]})
+    (e,) = s.events
+    assert e.action == "freeze_node" and e.node == 1
+    assert e.describe() == "freeze node 1 (SIGSTOP, no TCP reset) at step 5"
+    with pytest.raises(ConfigError) as err:
+        parse_scenario({"events": [{"at_step": 5, "action": "freeze_node"}]})
+    assert str(err.value).startswith("events[0].node")
+    with pytest.raises(ConfigError) as err:
+        parse_scenario({"cluster": {"autoscaler": {"node_types": {"g": {"gpus": 2, "max_workers": 1}}}},
+                        "events": [{"at_step": 5, "action": "freeze_node", "node": 0}]})
+    msg = str(err.value)
+    assert msg.startswith("events[0].action: ") and "'freeze_node'" in msg and "cluster.autoscaler" in msg
+    assert "\n" not in msg
+
+
 def test_swap_shards_parses_with_default_shards_and_describes_them():
     s = parse_scenario({"events": [{"at_step": 4, "action": "swap_shards"},
                                    {"at_step": 5, "action": "swap_shards", "shards": [2, 0]}]})

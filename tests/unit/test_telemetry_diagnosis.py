@@ -112,3 +112,51 @@ def test_no_restart_no_recovery_rows():
     ev = [{"t": 0.0, "kind": "job_start"}, {"t": 0.0, "kind": "start", "attempt": 0, "step": 0, "world_size": 1}]
     ev += [step(2.0 * i, i, 0, 1) for i in range(1, 4)]
     assert recovery_breakdown(ev) == []
+
+
+def _cluster_yaml_health_env() -> dict[str, str]:
+    """RAY_health_check_* as cluster.yaml's head start command exports them."""
+    import re
+    from pathlib import Path
+
+    import yaml
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "cluster.yaml").read_text())
+    head = next(c for c in cfg["head_start_ray_commands"] if "ray start --head" in c)
+    return dict(re.findall(r"\b(RAY_health_check_\w+)=(\d+)", head))
+
+
+def test_slow_detection_of_a_hard_loss_names_the_settings_that_decide_it():
+    """A hard loss whose detection dominates: the remedy names the health-check settings and their bound as
+    the cluster files really set them, and Ray's defaults -- not a setting the run is assumed to have."""
+    from spotfill.config.failure_detection import CLUSTER, RAY_DEFAULT, HealthCheck
+
+    ev = hard_loss_log()
+    for e in ev:
+        if e["kind"] == "attempt" and e["attempt"] == 1:
+            e["cause"] = "unplanned: worker died or node lost"
+    # the node went silent at 26; Ray Train left RUNNING only at 36, when the GCS had declared it dead
+    ev = sorted(ev + [{"t": 36.0, "kind": "controller_state", "state": "RESTARTING", "previous": "RUNNING"},
+                      {"t": 36.5, "kind": "controller_state", "state": "SCHEDULING", "previous": "RESTARTING"}],
+                key=lambda e: e["t"])
+    (r,) = recovery_breakdown(ev, faults=[26.0])
+    assert r.detect_s == pytest.approx(10.0) and r.slowest == "detect_s" and r.cause.startswith("unplanned")
+    rec = next(f for f in diagnose(ev, compute_ledger(ev, NODES), [r]) if f.cause == "recovery")
+    shipped = _cluster_yaml_health_env()
+    assert shipped == CLUSTER.env()
+    for name, value in shipped.items():
+        assert f"{name}={value}" in rec.remedy
+    assert f"{CLUSTER.silent_node_bound_s():g}s" in rec.remedy and f"{RAY_DEFAULT.silent_node_bound_s():g}s" in rec.remedy
+    assert HealthCheck(**{k[len("RAY_health_check_"):]: int(v) for k, v in shipped.items()}) == CLUSTER
+    assert "spotfill sets" not in rec.remedy and "elastic_restarts" not in rec.remedy
+
+
+def test_slow_detection_of_a_planned_exit_is_not_blamed_on_health_checks():
+    """A notice's group leaves RUNNING after its emergency checkpoint: detection there is the save."""
+    ev = hard_loss_log() + [{"t": 31.0, "kind": "planned_exit", "reason": "preemption", "attempt": 0, "step": 7},
+                            {"t": 39.0, "kind": "controller_state", "state": "RESTARTING", "previous": "RUNNING"},
+                            {"t": 39.2, "kind": "controller_state", "state": "SCHEDULING", "previous": "RESTARTING"}]
+    ev = sorted(ev, key=lambda e: e["t"])
+    (r,) = recovery_breakdown(ev)
+    assert r.slowest == "detect_s" and not r.cause.startswith("unplanned")
+    rec = next(f for f in diagnose(ev, compute_ledger(ev, NODES), [r]) if f.cause == "recovery")
+    assert "health" not in rec.remedy and "emergency checkpoint" in rec.remedy

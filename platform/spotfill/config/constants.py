@@ -141,6 +141,18 @@ WORKER_GROUP_START_TIMEOUT_S = env_float("SPOTFILL_WORKER_GROUP_START_TIMEOUT_S"
 # Ray Train's controller polls its workers this often (stock: 2 s): a worker that exited or died is seen
 # at the next poll, so every restart waits up to one interval (a planned exit, two).
 HEALTH_CHECK_INTERVAL_S = env_float("SPOTFILL_HEALTH_CHECK_INTERVAL_S", 0.5, strict=True)
+# Collectives of a training run (the default process group, TorchConfig(timeout_s), and DeepSpeed's groups:
+# ray_compat.new_groups_timeout) give up after this many seconds without their peers: a rank that hangs
+# while its node stays up (no health check sees it) fails the group, and Ray Train restarts it. A node that
+# goes silent is found sooner, by the GCS's health checks (config/failure_detection.py). It must outlast the
+# longest legitimate wait in a collective: the ranks wait in one while rank 0 converts a checkpoint to the
+# universal format on a restore at another world size (minutes for a large model), for the emergency
+# checkpoint of a notice (120 s on AWS), and while a rank waits on its own checkpoint upload, up to
+# SPOTFILL_CHECKPOINT_COMMIT_TIMEOUT_S, before it reaches the next collective: so the default is that
+# timeout plus a minute (660 s; Ray Train's default is 1800 s, torch's own for NCCL 600 s). NCCL honours it
+# through its watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING, which Ray Train sets to 1 when unset: the process
+# that timed out aborts); gloo raises in the waiting collective.
+COLLECTIVE_TIMEOUT_S = env_float("SPOTFILL_COLLECTIVE_TIMEOUT_S", CHECKPOINT_COMMIT_TIMEOUT_S + 60.0, strict=True)
 # spotfill runs: each training worker has its node's raylet start this many spare worker processes, which
 # import torch and DeepSpeed while the group trains; the group after a restart starts on them (0: off).
 WARM_SPARES = env_int("SPOTFILL_WARM_SPARES", 1)

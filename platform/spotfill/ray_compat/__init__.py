@@ -10,7 +10,7 @@ not are hooks, each listed in catalog.py with its class, what it does, what is l
   teardown_reaper, local_preemption_info, warm_worker_setup_hook, prestart_spare_workers,
   kill_stuck_batch_actors, quiet_node_deaths, node_death_reasons, serve_replica_watch,
   serve_request_assignment, tune_fast_trial_cleanup, ledger_group_end, device_aware_torch_backend,
-  gcs_cluster_config, gcs_dashboard_url, gcs_dead_jobs, dashboard_token_auth.
+  gcs_cluster_config, gcs_dashboard_url, gcs_dead_jobs, dashboard_token_auth, deepspeed_group_timeout.
 - required hooks are what a feature is built on. Where one is missing, that feature -- only when it is
   used -- fails with a RayCompatError: one line naming the feature and the versions that have the hook
   (the CLI and the job scripts print it and exit 1): zero_elastic_load (resuming ZeRO-1/2 runs),
@@ -20,9 +20,10 @@ not are hooks, each listed in catalog.py with its class, what it does, what is l
   fake_multinode_cluster (the local and autoscaling demo clusters), tune_fillin_sweep.
 
 Importing this package imports no Ray, torch or DeepSpeed: each part (ray_core, ray_train, ray_serve,
-ray_tune, torch_jit, deepspeed_engine) loads when one of its names is first used, so importing spotfill's
-entry points never fails because a private name moved. `python -m spotfill.ray_compat` prints every hook's
-state against the installed versions; docs/compatibility.md lists the versions spotfill is tested with.
+ray_tune, torch_jit, torch_dist, deepspeed_engine) loads when one of its names is first used, so importing
+spotfill's entry points never fails because a private name moved. `python -m spotfill.ray_compat` prints
+every hook's state against the installed versions; docs/compatibility.md lists the versions spotfill is
+tested with.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ _PARTS = {
     "ray_serve": ("check_serve_hooks", "watch_running_replicas", "request_taken"),
     "ray_tune": ("require_sweep", "tune_force_cleanup_after", "tune_unstage_trial"),
     "torch_jit": ("guard_jit_op_builds", "StaleBuildLock"),
+    "torch_dist": ("new_groups_timeout",),
     "deepspeed_engine": ("skip_deepspeed_muon", "zero_elastic_supported", "zero_load_elastic",
                          "pipe_instruction_map"),
     "catalog": ("HOOKS", "MUON_MODULES"),

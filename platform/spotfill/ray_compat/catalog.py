@@ -21,6 +21,7 @@ _STATE = "ray._private.state"
 _KV = "ray.experimental.internal_kv"
 _TUNE = "ray.tune.execution.tune_controller:TuneController"
 _FAKE = "ray.autoscaler._private.fake_multi_node.node_provider"
+_C10D = "torch.distributed.distributed_c10d"
 
 # DeepSpeed imports its Muon optimizer modules lazily (ZeRO's optimizer check at initialize, its gradient
 # reduction on every step) and they apply torch.compile at import. Each is located without importing
@@ -140,6 +141,18 @@ def _torch_locks_itself() -> str | None:
     return None
 
 
+def _new_group_default_read() -> str | None:
+    """torch's _get_default_timeout still reads the module defaults new_groups_timeout sets (a torch that
+    kept the default elsewhere would leave the setting without effect, silently)."""
+    from spotfill.ray_compat.hooks import resolve
+    try:
+        if "default_pg_timeout" in inspect.getsource(resolve(f"{_C10D}:_get_default_timeout")):
+            return None
+    except (OSError, TypeError):
+        pass
+    return f"{_C10D}._get_default_timeout reading default_pg_timeout"
+
+
 def _hooks(*hooks: Hook) -> dict[str, Hook]:
     return {h.name: h for h in hooks}
 
@@ -158,6 +171,15 @@ HOOKS = _hooks(
                 "torch.utils.file_baton:FileBaton.try_acquire", "torch.utils.file_baton:FileBaton.wait",
                 "torch.utils.file_baton:FileBaton.release"),
          not_needed=_torch_locks_itself),
+    Hook("deepspeed_group_timeout", ROBUSTNESS, "torch", TORCH,
+         "DeepSpeed's process groups (its ZeRO data-parallel group, a new_group clone of the world) time out "
+         "after SPOTFILL_COLLECTIVE_TIMEOUT_S, as the run's default group does",
+         "DeepSpeed's groups keep torch's global default timeout (30 minutes; NCCL 10): a rank waiting for a "
+         "silent peer in ZeRO's gradient reduction waits that long before Ray Train restarts the group (the "
+         "default group's collectives still give up after SPOTFILL_COLLECTIVE_TIMEOUT_S)",
+         "train.engine builds the engine all the same; DeepSpeed's groups then take torch's own default",
+         names=(f"{_C10D}:_get_default_timeout(backend)", f"{_C10D}:default_pg_timeout"),
+         checks=(_new_group_default_read,)),
     # -- DeepSpeed ---------------------------------------------------------------------------------------
     Hook("deepspeed_muon_stand_in", ROBUSTNESS, "deepspeed", DS,
          "DeepSpeed's Muon optimizer modules are replaced by stand-ins that apply no torch.compile",
@@ -332,9 +354,11 @@ HOOKS = _hooks(
          "sim.cluster and sim.autoscaling only report it",
          names=("ray.core.generated.common_pb2:NodeDeathInfo.Reason.Name",)),
     Hook("local_node_processes", REQUIRED, "ray", RAY,
-         "a local test node's raylet pid, to kill its workers with it as a real node loss does",
-         "a scenario's kill_node on the local cluster (`spotfill demo`)",
-         "sim.cluster: removing a local node kills its raylet only; its workers would run on",
+         "a local test node's raylet pid, to kill its workers with it as a real node loss does, or to freeze "
+         "the node",
+         "a scenario's kill_node and freeze_node on the local cluster (`spotfill demo`)",
+         "sim.cluster: removing a local node kills its raylet only, its workers would run on; freezing one "
+         "stops the processes under its raylet",
          names=("ray._private.node:Node",), checks=(_sets_in_init("ray._private.node:Node", "all_processes"),)),
     Hook("fake_multinode_cluster", REQUIRED, "ray", RAY,
          "Ray's fake multi-node provider launches local nodes for the autoscaler",

@@ -4,8 +4,9 @@ Each worker node is a real raylet (ray.cluster_utils.Cluster) carrying `gpus` of
 (Ray accepts num_gpus on a machine without GPUs: it assigns them, sets CUDA_VISIBLE_DEVICES, and the code
 that follows Ray's assignment -- spotfill.devices -- runs as on a GPU cluster, computing on the CPU) and as
 many logical CPUs; a logical resource such as GPU_SLOT instead is an option. The head carries no GPUs, like
-cluster.yaml's head. Node failure detection is tightened
-(GCS health checks every second) so a killed node is noticed in seconds, as `cluster.yaml` configures too.
+cluster.yaml's head. Node failure detection is tightened (GCS health checks every second) so a lost node is
+noticed in seconds; cluster.yaml and deploy/kuberay tighten it too, with values for a real network
+(config/failure_detection.py).
 Every node binds to loopback (LOOPBACK): nothing of the embedded cluster is reachable from the network.
 """
 from __future__ import annotations
@@ -14,9 +15,10 @@ import logging
 import os
 import time
 
+from spotfill.config.failure_detection import EMBEDDED as EMBEDDED_HEALTH_CHECK
+
 log = logging.getLogger(__name__)
 
-# GCS health checks: a raylet that misses `failure_threshold` checks `period_ms` apart is declared dead.
 LOOPBACK = "127.0.0.1"
 # A process outside this one (a `jobs/pretrain.py` driver) reaches the cluster at 127.0.0.1 with this set.
 LOOPBACK_CLIENT_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -25,8 +27,9 @@ LOOPBACK_NODE = {"node_ip_address": LOOPBACK, "dashboard_host": LOOPBACK}
 # The head runs the dashboard (Serve's scale endpoint and the job API live there; with node_ip_address set,
 # Ray leaves it off unless asked).
 HEAD_DASHBOARD = {"include_dashboard": True}
-FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
-                          "health_check_timeout_ms": 1000}
+# GCS health checks on loopback (config/failure_detection.py EMBEDDED): a frozen node is declared dead within
+# 6 s, a killed one within 3 s. Real clusters get theirs from cluster.yaml / deploy/kuberay (CLUSTER).
+FAST_FAILURE_DETECTION = EMBEDDED_HEALTH_CHECK.system_config()
 
 
 def dashboard_port(preferred: int = 8265) -> int:
@@ -75,6 +78,7 @@ class EmbeddedCluster:
             **LOOPBACK_NODE, **HEAD_DASHBOARD, "dashboard_port": dashboard_port(), "num_cpus": head_cpus,
             "num_gpus": 0, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
+        self.frozen: list = []         # processes freeze_node stopped (killed at shutdown)
         self.node_ids: list[str] = []
         # what report.json's cluster.nodes starts from (sim/nodes.py): the head and every node added here
         self.records: list[dict] = [{"id": self.cluster.head_node.node_id, "type": "head", "market": "on-demand",
@@ -144,6 +148,16 @@ class EmbeddedCluster:
                 r["ended"] = round(time.time(), 3)
         log.info("node %d removed (%s)", index, "graceful" if graceful else "killed")
 
+    def freeze_node(self, index: int) -> int:
+        """SIGSTOP every process of the node (its raylet and everything under it): no TCP reset, nothing
+        answers (sim/freeze.py). Killed at shutdown. Returns how many processes were stopped."""
+        from spotfill.ray_compat import node_raylet_pids
+        from spotfill.sim.freeze import freeze_process_tree
+        procs = freeze_process_tree(node_raylet_pids(self.nodes[index]))
+        self.frozen.extend(procs)
+        log.info("node %d frozen (%d processes stopped)", index, len(procs))
+        return len(procs)
+
     def refresh(self) -> list[int]:
         """Nothing launches nodes here but the scenario (the autoscaling cluster's counterpart does)."""
         return []
@@ -169,11 +183,13 @@ class EmbeddedCluster:
         import ray
 
         from spotfill.ray_compat import single_host_loopback
+        from spotfill.sim.freeze import kill_frozen
         if self._pinning is not None:
             self._pinning.set()
         try:
             ray.shutdown()
         finally:
+            kill_frozen(self.frozen)
             self.cluster.shutdown()
             single_host_loopback(self._loopback_before)
             for tid, cpus in (self._driver_affinity or {}).items():

@@ -2,13 +2,15 @@
 
 For a node event fired at time T: the next worker-group attempt that started after T is the recovery.
 lost_steps = the last step the previous attempt finished - the step the recovery resumed from;
-recovery_seconds = the recovery's first finished step - T (notice or loss to stepping again).
+recovery_seconds = the recovery's first finished step - T (notice or loss to stepping again);
+detected_s = the first controller_state after T that leaves RUNNING (RESTARTING, RESIZING, RESCHEDULING) - T.
 """
 from __future__ import annotations
 
 import json
 import re
 
+from spotfill.telemetry.diagnosis import RESTART_STATES
 from spotfill.telemetry.events import step_count
 
 
@@ -46,9 +48,13 @@ def node_event_outcome(events: list[dict], fired_at: float, deadline_s: float | 
     # before it, so the bound on lost steps is the interval plus the steps run since that newest save.
     prev_saves = [e["step"] for e in events if e["kind"] == "checkpoint_save" and e["attempt"] == nxt - 1]
     newest_save = max(prev_saves) if prev_saves else None
+    # the controller leaving RUNNING: Ray Train saw the fault (a failed worker, a preemption notice)
+    left = next((e for e in events if e["kind"] == "controller_state" and e["t"] >= fired_at
+                 and e.get("state") in RESTART_STATES), None)
     out = {
         "affected": True,
         "lost_steps": lost,
+        "detected_s": round(left["t"] - fired_at, 2) if left else None,
         "recovery_seconds": round(first["t"] - fired_at, 2) if first else None,
         "emergency_checkpoint": bool(saves),
         "resumed_from_step": resumed_from,

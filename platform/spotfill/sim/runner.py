@@ -19,11 +19,14 @@ from spotfill.config.job import JobConfig, PrepareConfig, from_mapping
 from spotfill.config.errors import ConfigError
 from spotfill.sim import fillin_batch, fillin_sweep
 from spotfill.sim.data_faults import check_shard_refs, swap_outcome, swap_shards
+from spotfill.sim.freeze import dead_since
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
 from spotfill.sim.scenario import Event, Scenario, pick_node
 from spotfill.telemetry.events import EventTail, remove_log
 
 log = logging.getLogger(__name__)
+NODE_EVENTS = ("drain_node", "kill_node", "remove_node", "freeze_node")   # reported in `preemptions`
+HARD_LOSSES = ("kill_node", "freeze_node")                               # no notice
 CORPUS_PACKAGES = ("json", "http", "logging", "urllib")
 SETTLE_S = 15.0       # Serve fill-in: the timeline starts this long after the app answers (replicas on the spare GPUs)
 LOAD_NICE = 19        # the HTTP load generator stands in for remote clients: it must not take training's CPU
@@ -466,6 +469,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
     first_step_t, step, world, refreshed = None, 0, 0, 0.0
     requests: list[dict] = []       # the cluster's standing resource request, each time it changed
     world_at: dict[int, int] = {}   # event index -> workers training ran on when the node event fired
+    silent: dict[int, float] = {}   # frozen node index -> freeze time, until the GCS declares it dead
+    declared_dead: dict[int, float] = {}
     while thread.is_alive():
         new = tail.poll()
         if feed is not None and new:
@@ -487,6 +492,9 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                 request = cluster.resource_request()
                 if not requests or requests[-1]["request"] != request:
                     requests.append({"t": round(now, 3), "step": step, "request": request})
+        for index, t_dead in dead_since(silent, cluster.node_ids, now).items():   # polled while one is silent
+            declared_dead[index] = round(t_dead - silent.pop(index), 2)
+            say(f"node {index} declared dead by the GCS {declared_dead[index]:g}s after it froze")
         for when, index, graceful in [r for r in removals if r[0] <= now]:
             removals.remove((when, index, graceful))
             cluster.remove_node(index, graceful=graceful)
@@ -519,6 +527,9 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                 removals.append((t + ev.deadline_s, ev.node, True))
             elif ev.action == "kill_node":
                 cluster.remove_node(ev.node, graceful=False)
+            elif ev.action == "freeze_node":
+                cluster.freeze_node(ev.node)
+                silent[ev.node] = t
             elif ev.action == "add_node":
                 cluster.add_node(ev.gpus, launched_by="scenario")
                 n_added += 1
@@ -530,7 +541,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                 corrupted[ev.index] = corrupt_newest_checkpoint(job, say)
             elif ev.action == "swap_shards":
                 corrupted[ev.index] = swap_shards(job.config.data.path, ev.shards, say)
-            if ev.action in ("drain_node", "kill_node", "remove_node"):
+            if ev.action in NODE_EVENTS:
                 world_at[ev.index] = world
                 world = 0          # unknown until the next start/resume (min_world waits for the regrow)
             fired.append((ev, t))
@@ -546,13 +557,15 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
     report["preemptions"], report["events"] = [], []
     for ev, t in fired:
         entry = {"index": ev.index, "action": ev.action, "at": round(t, 3), "fired": True}
-        if ev.action in ("drain_node", "kill_node", "remove_node"):
-            out = node_event_outcome(events, t, ev.deadline_s if ev.action != "kill_node" else None)
+        if ev.action in NODE_EVENTS:
+            out = node_event_outcome(events, t, ev.deadline_s if ev.action not in HARD_LOSSES else None)
+            if ev.action == "freeze_node":   # the GCS's health checks: seconds from the freeze to "dead"
+                out["declared_dead_s"] = declared_dead.get(ev.node)
             entry.update(out)
             entry["node_id"] = cluster.node_ids[ev.node]
             if ev.picked:
                 entry["picked"] = ev.picked
-            report["preemptions"].append({"kind": "hard" if ev.action == "kill_node" else "announced",
+            report["preemptions"].append({"kind": "hard" if ev.action in HARD_LOSSES else "announced",
                                           "action": ev.action, "node": ev.node, "picked": ev.picked,
                                           "node_id": entry["node_id"],
                                           "at": round(t, 3), "world_size_before": world_at.get(ev.index), **out})

@@ -6,10 +6,11 @@
               # also batch: {enabled, rows, prompts}, sweep: {enabled, trials, steps} and reclaim_order: [sweep, batch, serve] (sim/fillin_spec.py)
     events:   [{at_step: 30, action: drain_node, node: 1, deadline_s: 20}, ...]
 
-Actions: drain_node, remove_node, kill_node, add_node, storage_outage, corrupt_checkpoint (flip bytes in
-the largest file of the newest committed checkpoint; the next restore must quarantine it and go past it)
-and swap_shards (two data shards exchange their contents in storage; a worker that reads one fails the job
-with one line naming it: sim/data_faults.py).
+Actions: drain_node, remove_node, kill_node, freeze_node (SIGSTOP every process of the node: it goes silent,
+no TCP reset, as a host that vanished), add_node, storage_outage, corrupt_checkpoint (flip bytes in the
+largest file of the newest committed checkpoint; the next restore must quarantine it and go past it) and
+swap_shards (two data shards exchange their contents in storage; a worker that reads one fails the job with
+one line naming it: sim/data_faults.py).
 A node event's `node` is an index, or (with fill-in on) a pick made when the event fires: `most_training`
 (the node where training holds the most GPUs) or `most_lent` (where fill-in holds the most).
 """
@@ -26,6 +27,7 @@ ACTIONS = {
     "drain_node": ({"node"}, {"deadline_s", "remove"}),
     "add_node": (set(), {"gpus"}),
     "kill_node": ({"node"}, set()),
+    "freeze_node": ({"node"}, set()),       # SIGSTOP every process of the node: no TCP reset, no answer
     "remove_node": ({"node"}, {"deadline_s"}),
     "storage_outage": ({"duration_s"}, set()),
     "corrupt_checkpoint": (set(), set()),   # flip bytes in one file of the newest committed checkpoint
@@ -70,6 +72,7 @@ class Event:
         what = {"drain_node": f"drain {node} (deadline {self.deadline_s:g}s)",
                 "add_node": f"add a node with {self.gpus} GPUs",
                 "kill_node": f"kill {node}",
+                "freeze_node": f"freeze {node} (SIGSTOP, no TCP reset)",
                 "remove_node": f"remove {node}",
                 "storage_outage": f"storage outage for {self.duration_s:g}s",
                 "corrupt_checkpoint": "corrupt the newest committed checkpoint",
@@ -302,6 +305,10 @@ def parse_scenario(data: dict, name: str = "scenario") -> Scenario:
                 raise ConfigError(f"events[{e.index}].node", e.node, reason="a pick needs fill-in on (the "
                                   "arbiter's view of who holds each node's GPUs)", accepted="a node index")
     node_types = cluster.node_types()
+    for e in events:
+        if e.action == "freeze_node" and cluster.autoscaler:
+            raise ConfigError(f"events[{e.index}].action", e.action, reason="freezes a node of cluster.nodes: "
+                              "not available with cluster.autoscaler", accepted=sorted(set(ACTIONS) - {"freeze_node"}))
     _check_node_refs(events, len(cluster.nodes), node_types)
     total = sum(n.get("gpus", 1) for n in cluster.nodes) + sum(t.gpus * t.max_workers for t in node_types)
     if node_types and "max_workers" in cluster.autoscaler:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from spotfill.config.failure_detection import CLUSTER, RAY_DEFAULT
 from spotfill.telemetry.events import step_count, step_totals
 from spotfill.telemetry.ledger import Ledger, lineage_keys
 
@@ -156,23 +157,44 @@ def _lineage_step_sums(events: list[dict], gpw: int) -> dict:
     return sums
 
 
+def _node_loss_detection() -> str:
+    """What decides how fast a node lost without notice is noticed, with the numbers Ray and spotfill's
+    cluster files give it (config/failure_detection.py), never a setting this run is assumed to have."""
+    ours = " ".join(f"{k}={v}" for k, v in CLUSTER.env().items())
+    return (f"a node lost without notice is declared dead by the GCS's health checks ({RAY_DEFAULT.failure_threshold} "
+            f"failed checks in a row with Ray's defaults: {RAY_DEFAULT.silent_node_bound_s():g}s for a host that went "
+            f"silent; cluster.yaml and deploy/kuberay set {ours} on the head: {CLUSTER.silent_node_bound_s():g}s) -- "
+            "set them on the head of a cluster started otherwise, and keep the spot watcher running so losses "
+            "arrive as notices")
+
+
 RECOVERY_REMEDIES = {
-    "detect_s": "failure detection dominates: lower Ray's health-check period/timeout for node loss "
-                "(spotfill sets them for training.elastic_restarts=spotfill) and keep the spot watcher running "
-                "so notices arrive before the loss",
+    "detect_s": "failure detection dominates: " + _node_loss_detection(),
+    # an announced preemption: the group leaves RUNNING once its emergency checkpoint has committed
+    "detect_s_planned": "the planned exit dominates (a notice's group leaves after its emergency checkpoint "
+                        "commits): keep checkpoint saves fast (snapshot to host memory, a nearby bucket)",
     "decide_s": "the controller's resize decision dominates: lower the elastic policy's capacity probe and "
                 "Ray Train's worker-group start timeout",
     "workers_start_s": "starting workers dominates: pre-pull the image / keep the runtime env cached on every "
                        "node, and keep warm spare capacity (fill-in hands GPUs back fast)",
     "fault_to_workers_up_s": "detecting the fault and starting the new workers dominates (controller_state "
-                             "events would split it): lower Ray's health-check timeouts, keep the spot watcher "
-                             "running, keep images and runtime envs cached on every node",
+                             "events would split it): " + _node_loss_detection() + "; keep images and runtime "
+                             "envs cached on every node",
     "state_load_s": "loading the checkpoint dominates: keep checkpoints in a nearby bucket, and avoid the "
                     "universal conversion on the critical path (same world size restores directly)",
     "setup_s": "model and engine build dominates: cache the model/tokenizer on local disk, avoid re-compiling",
     "first_step_s": "the first step after restore dominates (warm-up, allocator, compile): expected once per "
                     "restart; fewer restarts is the remedy (announced preemptions need no restart from scratch)",
 }
+
+
+def _recovery_remedy(worst: str | None, recoveries: list[Recovery]) -> str:
+    """The remedy for the most frequent slowest phase; a detection phase only spent on planned exits (the
+    emergency checkpoint before leaving) is not a detection problem."""
+    if worst == "detect_s" and all(not r.cause.startswith("unplanned") for r in recoveries if r.slowest == worst):
+        worst = "detect_s_planned"
+    return RECOVERY_REMEDIES.get(worst, "startup and restarts: fewer restarts (announced preemptions, "
+                                 "checkpoint before the deadline) and faster restore")
 
 
 def diagnose(events: list[dict], ledger: Ledger, recoveries: list[Recovery] | None = None,
@@ -227,8 +249,7 @@ def diagnose(events: list[dict], ledger: Ledger, recoveries: list[Recovery] | No
               {"restarts": len(recoveries), "by_cause": {k: round(v, 3) for k, v in gs["recovering_by_cause"].items()},
                "slowest_phase": worst,
                "recovery_s": [round(r.total_s, 3) for r in recoveries if r.total_s is not None]},
-              RECOVERY_REMEDIES.get(worst, "startup and restarts: fewer restarts (announced preemptions, "
-                                    "checkpoint before the deadline) and faster restore")))
+              _recovery_remedy(worst, recoveries)))
     f.append(("idle_capacity", gs["idle"], {"idle_share_of_total": round(gs["idle"] / gs["total"], 4)
                                             if gs["total"] else 0.0, "fillin_gpu_s": round(gs["fillin"], 3)},
               "GPUs observed free sat unused: enable fill-in (Serve / batch / sweeps) on spare GPUs, raise "

@@ -129,9 +129,13 @@ def build_engine(model, config: dict, device=None):
     cuda:LOCAL_RANK, another worker's GPU wherever a worker holds more than one or CUDA_VISIBLE_DEVICES lists
     its neighbours' too -- and the LR schedule started (start_lr_schedule). Returns the engine."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_cache_dir())
-    from spotfill.ray_compat import guard_jit_op_builds, skip_deepspeed_muon
+    from spotfill.config import constants
+    from spotfill.ray_compat import guard_jit_op_builds, new_groups_timeout, skip_deepspeed_muon
     guard_jit_op_builds()
     skip_deepspeed_muon()    # no torch.compile/inductor import for an optimizer spotfill never builds
+    # DeepSpeed's groups (its ZeRO data-parallel group is a new_group clone of the world) time out with the
+    # default group Ray Train made, not after torch's global 30 minutes
+    new_groups_timeout(constants.COLLECTIVE_TIMEOUT_S)
     import deepspeed
 
     config = dict(config)

@@ -50,6 +50,8 @@ def worker_env_vars(base: dict[str, str] | None = None, warm_imports: bool = Fal
     from spotfill.train.engine import jit_cache_dir
     env = dict(base or {})
     env.setdefault("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or jit_cache_dir())
+    # DeepSpeed's process groups in the workers time out with the default group (engine.build_engine)
+    env.setdefault("SPOTFILL_COLLECTIVE_TIMEOUT_S", str(constants.COLLECTIVE_TIMEOUT_S))
     if warm_imports:
         from spotfill.ray_compat import worker_setup_hook_env
         from spotfill.train.warm import HOOK
@@ -133,7 +135,9 @@ class TrainingJob:
             train_loop_per_worker,
             train_loop_config={"job": _as_dict(cfg), "sink": sink_name, "namespace": namespace},
             scaling_config=scaling,
-            torch_config=DeviceAwareTorchConfig() if use_gpu else TorchConfig(backend="gloo"),
+            # every collective of the default group gives up after SPOTFILL_COLLECTIVE_TIMEOUT_S (constants.py)
+            torch_config=(DeviceAwareTorchConfig(timeout_s=constants.COLLECTIVE_TIMEOUT_S) if use_gpu
+                          else TorchConfig(backend="gloo", timeout_s=constants.COLLECTIVE_TIMEOUT_S)),
             run_config=RunConfig(
                 name=f"{cfg.name}-{uuid.uuid4().hex[:6]}",
                 storage_path=os.path.join(self.run_dir, "ray_train"),
