@@ -55,3 +55,30 @@ class CheckpointCorrupt(SpotfillError):
 
 class NoIntactCheckpoint(SpotfillError):
     """Committed checkpoints exist but none is intact (training.on_no_intact_checkpoint: fail)."""
+
+
+class ConditionalWritesUnsupported(StorageError):
+    """The storage backend (or S3 endpoint) cannot make a write conditional on the object's state."""
+
+
+class WriterFenced(SpotfillError):
+    """A checkpoint write (commit, `latest` move, deletion, quarantine) refused: a newer writer took the
+    store (storage/fence.py). The writer that gets it is stale and must stop writing."""
+
+    def __init__(self, op: str, tag: str | None, generation: str, newest: str, holder: dict | None = None):
+        self.op, self.tag, self.generation, self.newest = op, tag, generation, newest
+        self.holder = dict(holder or {})
+        who = f" (attempt {self.holder['attempt']})" if self.holder.get("attempt") is not None else ""
+        super().__init__(f"{op} of {tag or 'the store'} refused: this writer holds generation {generation}, "
+                         f"the store's newest is {newest}{who}; a newer writer owns the store")
+
+    @classmethod
+    def from_record(cls, record: dict) -> "WriterFenced":
+        """The refusal another process reported (record(): it crosses process boundaries as a dict)."""
+        holder = {"attempt": record["newest_attempt"]} if "newest_attempt" in record else {}
+        return cls(record["op"], record.get("tag"), record["generation"], record["newest_generation"], holder)
+
+    def record(self) -> dict:
+        """What the report lists under checkpoints.fenced."""
+        return {"op": self.op, "tag": self.tag, "generation": self.generation, "newest_generation": self.newest,
+                **({"newest_attempt": self.holder["attempt"]} if self.holder.get("attempt") is not None else {})}

@@ -33,6 +33,7 @@ from typing import Any, Iterable
 from spotfill.config import constants
 from spotfill.config.errors import CheckpointCorrupt, ConfigError
 from spotfill.storage.base import Storage, join_key, local_files, sha256_file
+from spotfill.storage.fence import WRITERS, Generation, WriterFence
 from spotfill.storage.lineage import Lineage, build_lineage
 
 log = logging.getLogger(__name__)
@@ -96,12 +97,31 @@ class CheckpointStore:
         # by each commit; written into the next manifest as its `parent`. Unknown until then.
         self._head: str | None = None
         self._head_known = False
+        # The writer generation this process holds (take_generation); None: an unfenced reader or tool.
+        self.fence: WriterFence | None = None
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.storage.uri!r}, prefix={self.prefix!r}, keep_last={self.keep_last})"
 
     def _k(self, *parts: str) -> str:
         return join_key(self.prefix, *parts)
+
+    # -- the writer fence (storage/fence.py) --------------------------------------------------------
+    def take_generation(self, **info) -> WriterFence:
+        """Become the store's newest writer (a training attempt's rank 0 does this before its restore):
+        from now on this store's commits, `latest` moves, quarantines and deletions are refused
+        (WriterFenced) once a newer writer takes a generation. `info` (attempt=...) names the holder."""
+        self.fence = WriterFence.take(self.storage, self.prefix, **info)
+        return self.fence
+
+    def adopt_generation(self, generation: Generation, **info) -> WriterFence:
+        """Write as the holder of an earlier `generation` (a zombie writer, in a rehearsal)."""
+        self.fence = WriterFence.adopt(self.storage, self.prefix, generation, **info)
+        return self.fence
+
+    def _guard(self, op: str, tag: str | None) -> None:
+        if self.fence is not None:
+            self.fence.check(op, tag)
 
     # -- writing ------------------------------------------------------------------------------------
     def upload_part(self, tag: str, rank: int, world_size: int, local_dir: str,
@@ -192,10 +212,13 @@ class CheckpointStore:
             manifest["parent"] = parent
         if guard is not None:
             guard.claim()
+        self._guard("commit", tag)
         self.storage.put_bytes(self._k(tag, MANIFEST), json.dumps(manifest, indent=1).encode())
         self._head, self._head_known = tag, True
         lineage, current = self.lineage(head=tag), self.latest_tag()
-        if self._moves_latest(current, parent_known, parent, lineage, tag):
+        if self.fence is not None:   # the newest writer's lineage is the live one: it moves `latest`
+            self._point_latest(tag, int(step), manifest["created"])
+        elif self._moves_latest(current, parent_known, parent, lineage, tag):
             self._point_latest(tag, int(step), manifest["created"])
         else:   # another attempt resumed meanwhile: its lineage is the live one
             log.warning("checkpoint %s committed but `latest` stays at %s: training resumed from it after "
@@ -218,6 +241,10 @@ class CheckpointStore:
         return not parent_known and lineage.descends_from(tag, current)
 
     def _point_latest(self, tag: str | None, step: int, created: float | None = None) -> None:
+        if self.fence is not None:     # compare-and-swap, refused once a newer writer exists
+            self.fence.write_pointer(LATEST, lambda _: {"tag": tag, "step": int(step), "committed": created},
+                                     "move latest", tag)
+            return
         if tag is None:
             self.storage.delete(self._k(LATEST))
             return
@@ -233,6 +260,7 @@ class CheckpointStore:
 
     def quarantine(self, tag: str, reason: str) -> None:
         """Mark a damaged committed tag: never restored again, listed by quarantined()."""
+        self._guard("quarantine", tag)
         self.storage.put_bytes(self._k(tag, QUARANTINE), json.dumps(
             {"tag": tag, "reason": reason, "t": time.time()}).encode())
         log.warning("checkpoint %s quarantined: %s", tag, reason)
@@ -246,6 +274,8 @@ class CheckpointStore:
             if "/" not in rest:
                 continue  # `latest` and other top-level files
             tag, name = rest.split("/", 1)
+            if tag == WRITERS:
+                continue  # the writer generations (storage/fence.py)
             tags.add(tag)
             if name == MANIFEST:
                 committed.add(tag)
@@ -307,9 +337,10 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
         try:
-            return json.loads(raw)
+            pointer = json.loads(raw)
         except ValueError:
             return {"tag": raw, "step": tag_key(raw)[0]}  # a plain-text tag is fine too
+        return pointer if pointer.get("tag") is not None else None   # claimed by a writer, no commit yet
 
     def latest_tag(self) -> str | None:
         """The tag `latest` points to, or None before the first commit."""
@@ -469,6 +500,7 @@ class CheckpointStore:
         tags, done, bad = self._tags()
         doomed = [t for t in tags if t not in done and t not in bad]
         for tag in doomed:
+            self._guard("delete", tag)
             self.storage.delete_prefix(self._k(tag))
         if doomed:
             log.info("checkpoint: discarded uncommitted tags %s", doomed)
@@ -486,9 +518,11 @@ class CheckpointStore:
         newest = tag_key(lineage.head)
         orphans = [t for t in tags if t not in done and t not in bad and tag_key(t) < newest]
         for tag in doomed:  # manifest first: a half-deleted tag must not look committed
+            self._guard("delete", tag)
             self.storage.delete(self._k(tag, MANIFEST))
             self.storage.delete_prefix(self._k(tag))
         for tag in orphans:
+            self._guard("delete", tag)
             self.storage.delete_prefix(self._k(tag))
         if doomed or orphans:
             log.info("checkpoint retention (keep_last=%d, live lineage %s): deleted %s; orphans deleted %s",

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from spotfill.config import constants
-from spotfill.config.errors import CheckpointCorrupt, StorageError
+from spotfill.config.errors import CheckpointCorrupt, StorageError, WriterFenced
 from spotfill.storage.checkpoint_store import CheckpointStore, tag_for
 from spotfill.storage.uploader import AsyncUploader, Cancelled, UploadJob
 
@@ -163,6 +163,8 @@ class Checkpointer:
         self._lock = threading.Lock()
         self.committed: list[dict] = []
         self.skipped: list[dict] = []
+        self.fenced: list[dict] = []       # writes refused: a newer writer took the store (storage/fence.py)
+        self.stale = False                 # set by the first refusal, for good: this attempt must stop
         self._failed_step = -1            # latest failed upload not yet shared with the other ranks
         self._snapshot_s = 0.0            # last measured snapshot and upload+commit seconds (estimates)
         self._upload_s = 0.0
@@ -204,6 +206,13 @@ class Checkpointer:
         """Checkpoints rank 0 committed since the last call: tag, step, save_kind, bytes, upload_s, t."""
         with self._lock:
             done, self.committed = self.committed, []
+        return done
+
+    def pop_fenced(self) -> list[dict]:
+        """Writes refused since the last call because a newer writer took the store (WriterFenced.record()
+        plus t). After one, this attempt is stale: it must stop."""
+        with self._lock:
+            done, self.fenced = self.fenced, []
         return done
 
     def pop_skipped(self) -> list[dict]:
@@ -289,10 +298,14 @@ class Checkpointer:
         is waited for until `hard` (None: no bound). Rank 0: whether it committed; other ranks: whether
         rank 0's manifest of `tag` (this attempt's) appeared by `until`."""
         job.wait(max(0.0, until - time.time()))
+        if isinstance(job.error, WriterFenced):
+            raise job.error
         if self._cancel(job, f"not done {'by deadline - margin' if hard else 'within the commit timeout'}"):
             return False
         if job.state == "committing":           # claimed in time: its manifest is being written
             job.wait(None if hard is None else max(0.0, hard - time.time()))
+        if isinstance(job.error, WriterFenced):
+            raise job.error
         if job.state != "done":
             return False
         return self.rank == 0 or self._manifest_seen(tag, until)
@@ -303,6 +316,8 @@ class Checkpointer:
             with contextlib.suppress(FileNotFoundError, ValueError, StorageError):
                 if self.store.manifest(tag).get("meta", {}).get("attempt") == self.attempt:
                     return True
+            if self.store.fence is not None:     # rank 0's commit refused: a newer writer took the store
+                self.store.fence.check("wait for the commit", tag)
             if time.time() + delay > until:
                 return False
             time.sleep(delay)
@@ -358,6 +373,12 @@ class Checkpointer:
             self._upload_s = time.perf_counter() - t0
             return marker
         except Cancelled:
+            raise
+        except WriterFenced as exc:
+            with self._lock:
+                self.fenced.append({**exc.record(), "t": time.time()})
+                self.stale = True
+            self._note_skipped(job, tag, step, f"refused: {exc}")
             raise
         except BaseException as exc:
             if not job.cancelled:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from spotfill.config import constants
-from spotfill.config.errors import CheckpointCorrupt, NoIntactCheckpoint
+from spotfill.config.errors import CheckpointCorrupt, NoIntactCheckpoint, WriterFenced
 from spotfill.storage.checkpoint_store import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -251,51 +251,84 @@ def restore_on_workers(store: CheckpointStore, comms, rank: int, world: int, nod
     lowest rank on each node (Ray's local_rank groups by IP, and several raylets can share one IP) brings
     it to its node, all nodes at once. `emit(kind, **fields)` (rank 0) records `checkpoint_quarantined`,
     `checkpoint_restored` and `fresh_start` events. Raises NoIntactCheckpoint on every rank when
-    committed checkpoints exist, none is intact and `on_no_intact` is "fail"."""
+    committed checkpoints exist, none is intact and `on_no_intact` is "fail"; WriterFenced on every rank
+    when a newer writer took the store meanwhile (rank 0's discard, quarantine or `latest` move refused)."""
     t0 = time.perf_counter()
     node_ids = _gather(comms, node_id, world)
     leader = node_ids.index(node_id) == rank
     found: list = []
     candidates: list[str] = []
-    if rank == 0:
+    r0 = _Rank0Writes(rank)
+
+    def start() -> None:
         store.discard_uncommitted()
-        candidates = store.restore_candidates()
+        candidates.extend(store.restore_candidates())
         for tag, reason in store.last_quarantined:   # unreadable manifests
             found.append((tag, reason))
             if emit:
                 emit("checkpoint_quarantined", tag=tag, reason=reason)
+    r0.run(start)
     while True:
-        choice = _next_candidate(store, candidates, found, emit) if rank == 0 else None
-        choice = comms.bcast(choice)
+        choice = r0.run(lambda: _next_candidate(store, candidates, found, emit))
+        choice = r0.share(comms, choice)
         if choice is None:
             break
         plan, reason, infos = _prepare_candidate(store, comms, choice, rank, world, leader, node_dir, zero_stage)
         if plan is not None:
             plan.timings = _timings(choice["manifest"].get("bytes"), infos, t0)
             plan.quarantined = comms.bcast(found)
-            if rank == 0:
+
+            def resumed() -> None:
                 store.mark_resumed(plan.tag, plan.step)
                 if emit:
                     emit("checkpoint_restored", tag=plan.tag, step=plan.step, world_size=world,
                          from_world_size=plan.world_size, universal=plan.universal,
                          zero_elastic=plan.elastic, **plan.timings)
-            comms.barrier()
+            r0.run(resumed)
+            r0.share(comms, None)
             return plan
-        if rank == 0:
-            _quarantine(store, choice["manifest"]["tag"], reason, found, emit)
-    damaged = comms.bcast(sorted(store.quarantined()) if rank == 0 else None)
+        r0.run(lambda: _quarantine(store, choice["manifest"]["tag"], reason, found, emit))
+    damaged = r0.share(comms, r0.run(lambda: sorted(store.quarantined())))
     found = comms.bcast(found)
     if not damaged:
-        if rank == 0:
-            store.mark_resumed(None)
+        r0.run(lambda: store.mark_resumed(None))
+        r0.share(comms, None)
         return RestorePlan()
     cause = (f"no intact checkpoint: {len(damaged)} committed, all damaged "
              f"({', '.join(damaged)}; reasons in events.jsonl `checkpoint_quarantined`)")
     if on_no_intact != "restart":
         raise NoIntactCheckpoint(f"{cause}; set training.on_no_intact_checkpoint: restart to start from step 0")
-    if rank == 0:
+
+    def fresh() -> None:
         store.mark_resumed(None)
         if emit:
             emit("fresh_start", cause=cause, damaged=damaged)
+    r0.run(fresh)
+    r0.share(comms, None)
     log.warning("starting from step 0: %s (training.on_no_intact_checkpoint: restart)", cause)
     return RestorePlan(quarantined=found, fresh_start_cause=cause)
+
+
+class _Rank0Writes:
+    """Rank 0's writes during a restore. Once one is refused (WriterFenced: a newer writer took the store)
+    rank 0 writes nothing more, and the next share() raises the refusal on every rank."""
+
+    def __init__(self, rank: int):
+        self.rank, self.fenced = rank, None
+
+    def run(self, fn):
+        """fn() on rank 0 while not fenced (its result; None elsewhere)."""
+        if self.rank != 0 or self.fenced is not None:
+            return None
+        try:
+            return fn()
+        except WriterFenced as exc:
+            self.fenced = exc.record()
+            return None
+
+    def share(self, comms, value):
+        """Collective: rank 0's `value`, or its refusal raised on every rank."""
+        fenced, value = comms.bcast((self.fenced, value) if self.rank == 0 else None)
+        if fenced is not None:
+            raise WriterFenced.from_record(fenced)
+        return value

@@ -18,11 +18,12 @@ import os
 import time
 
 from spotfill.config import constants
-from spotfill.config.errors import NoIntactCheckpoint
+from spotfill.config.errors import NoIntactCheckpoint, WriterFenced
 from spotfill.config.job import JobConfig, from_mapping
 from spotfill.ray_compat import local_preemption_info
 from spotfill.storage.base import open_storage
 from spotfill.storage.checkpoint_store import CheckpointStore
+from spotfill.storage.fence import WriterFence
 from spotfill.train.batching import BatchShape, batch_shape, rank_positions
 from spotfill.train.checkpointing import Checkpointer
 from spotfill.train.data import Prefetcher, ShardReader, read_step
@@ -40,7 +41,7 @@ LEDGER_KEY = "sample_ledger"    # in every checkpoint's client_state
 # small model. A hard loss can leave up to this much of the newest steps off the record.
 STEP_EVENTS_FLUSH_S = 0.25
 NVML_EVERY_S = 2.0              # rank 0 reads its GPU's NVML utilisation and memory at most this often
-_F_LOSS, _F_PREEMPT, _F_DEADLINE, _F_GROW = range(4)
+_F_LOSS, _F_PREEMPT, _F_DEADLINE, _F_GROW, _F_FENCED = range(5)
 
 
 class PlannedExit(RuntimeError):
@@ -112,11 +113,14 @@ def train_loop_per_worker(loop_config: dict) -> None:
     warm = _warm_imports()      # DeepSpeed and torch._dynamo load while the checkpoint downloads
     t0 = time.perf_counter()
     try:
+        _take_generation(store, comms, rank, sink, attempt)
         plan = restore_on_workers(store, comms, rank, world, node_id, node_dir, t.zero_stage,
                                   on_no_intact=t.on_no_intact_checkpoint,
                                   emit=lambda kind, **f: sink.event.remote(kind, attempt=attempt, **f))
     except NoIntactCheckpoint as exc:
         return _finish(sink, rank, {"ok": False, "reason": str(exc)})
+    except WriterFenced as exc:
+        return _fenced(sink, rank, attempt, [exc.record()])
     prep_s = time.perf_counter() - t0
 
     precision = resolve_precision(t.precision, torch.cuda.is_available() and job.cluster.gpu_resource == "GPU")
@@ -167,6 +171,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             loss_sum = _train_step(engine, batch.micro_batches, vocab, timer)
             run.recorder.record(batch.positions)        # what the model was fed, as the loader returned it
             facts, loss = run.gather(step + 1, loss_sum / shape.accum)
+            if run.fenced:      # a newer writer took the checkpoint store: this attempt is stale and stops
+                break
             tc = time.perf_counter()
             if rank == 0:
                 split = split_step(tc - ts, td - ts, *timer.read())
@@ -182,10 +188,40 @@ def train_loop_per_worker(loop_config: dict) -> None:
             run.apply(decision, step + 1)
             if decision.action == FINISH:
                 break
+    except WriterFenced as exc:     # a final, grow or emergency save refused
+        log.warning("rank %d stops: %s", rank, exc)
+        run.fenced = True       # rank 0's checkpointer recorded the refusal; run.close() reports it
     finally:
         prefetch.close()
         run.close()
+    if run.fenced:
+        return _fenced(sink, rank, attempt, [])
     _finish(sink, rank, {"ok": True, "steps_completed": t.steps, "attempt": attempt})
+
+
+def _take_generation(store: CheckpointStore, comms: _Comms, rank: int, sink, attempt: int) -> None:
+    """Rank 0 takes this attempt's writer generation before it restores (storage/fence.py); every rank's
+    store holds it, so a rank waiting for rank 0's commit notices when a newer writer took the store."""
+    from spotfill.storage.fence import Generation
+
+    if rank == 0:
+        fence = store.take_generation(attempt=attempt)
+        sink.event.remote("writer_generation", attempt=attempt, generation=str(fence.generation),
+                          mechanism=fence.mechanism)
+    held = comms.bcast((str(store.fence.generation), store.fence.mechanism) if rank == 0 else None)
+    if rank != 0:
+        store.fence = WriterFence(store.storage, store.prefix, Generation.parse(held[0]), held[1], {"attempt": attempt})
+
+
+def _fenced(sink, rank: int, attempt: int, refused: list[dict]) -> None:
+    """A newer writer took the checkpoint store: report the refused writes and stop this attempt without a
+    restart (a restart would take a newer generation and fence the live writer in turn)."""
+    if rank == 0:
+        if refused:
+            sink.log.remote([{**r, "t": r.get("t", time.time()), "kind": "checkpoint_fenced", "attempt": attempt}
+                             for r in refused])
+        _finish(sink, rank, {"ok": False, "fenced": True, "attempt": attempt, "reason": "a newer writer took the checkpoint store "
+                             "(writer generation fenced); this attempt stopped writing and exited"})
 
 
 def node_local_root(job_name: str, node_id: str) -> str:
@@ -330,7 +366,8 @@ class _Executor:
         # one margin before a notice's deadline: the checkpointer's (its budget and the policy's agree)
         self.policy = StepPolicy(t.steps, t.checkpoint_every, margin_s=constants.EMERGENCY_MARGIN_S)
         self.ledger, self.recorder = ledger, FeedRecorder()
-        self.flags = comms.torch.zeros(4, dtype=comms.torch.float64, device=engine.device)
+        self.flags = comms.torch.zeros(5, dtype=comms.torch.float64, device=engine.device)
+        self.fenced = False          # some rank's write was refused: a newer writer took the store
         self._grow = None
         if rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers:
             from spotfill.train.elastic import GrowCheck
@@ -376,7 +413,9 @@ class _Executor:
         f[_F_PREEMPT] = 1.0 if notice is not None else 0.0
         f[_F_DEADLINE] = deadline_ms / 1000.0 if deadline_ms else 0.0
         f[_F_GROW] = self._grow_workers()
+        f[_F_FENCED] = 1.0 if self.ckpt.stale else 0.0
         rows = self.comms.gather_flags(f)
+        self.fenced = self.fenced or any(r[_F_FENCED] for r in rows)
         deadlines = [r[_F_DEADLINE] for r in rows if r[_F_PREEMPT] and r[_F_DEADLINE] > 0]
         return StepFacts(done=done, now=time.time(), preempt_votes=int(sum(r[_F_PREEMPT] for r in rows)),
                          deadline_unix_s=min(deadlines) if deadlines else None,
@@ -427,6 +466,7 @@ class _Executor:
         # the event's own kind last: a record's fields never overwrite it
         events = [{**c, "kind": "checkpoint", "attempt": self.attempt} for c in self.ckpt.pop_committed()]
         events += [{**s, "kind": "checkpoint_skipped", "attempt": self.attempt} for s in self.ckpt.pop_skipped()]
+        events += [{**f, "kind": "checkpoint_fenced", "attempt": self.attempt} for f in self.ckpt.pop_fenced()]
         if events:
             self.sink.log.remote(events)
 
