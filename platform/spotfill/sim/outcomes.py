@@ -117,6 +117,10 @@ def invariants(report: dict, checkpoint_every: int) -> dict:
     corrupted = [e for e in report.get("events", []) if e.get("action") == "corrupt_checkpoint" and e.get("tag")]
     if corrupted:
         inv["corrupted_checkpoints_quarantined"] = corrupted_checkpoint_invariant(corrupted, report)
+    stale = [e for e in report.get("events", []) if e.get("action") == "stale_writer" and e.get("attempted")]
+    if stale:
+        from spotfill.sim.stale_writer import stale_writer_invariant
+        inv["stale_writer_fenced"] = stale_writer_invariant(stale, report)
     return inv
 
 

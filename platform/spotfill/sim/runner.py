@@ -519,6 +519,9 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                 s3.outage_for(ev.duration_s)
             elif ev.action == "corrupt_checkpoint":
                 corrupted[ev.index] = corrupt_newest_checkpoint(job, say)
+            elif ev.action == "stale_writer":
+                from spotfill.sim.stale_writer import stale_write
+                corrupted[ev.index] = stale_write(job, say)
             if ev.action in ("drain_node", "kill_node", "remove_node"):
                 world_at[ev.index] = world
                 world = 0          # unknown until the next start/resume (min_world waits for the regrow)
@@ -547,7 +550,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                                           "at": round(t, 3), "world_size_before": world_at.get(ev.index), **out})
         elif ev.action == "add_node":
             entry.update(grow_outcome(events, t))
-        elif ev.action == "corrupt_checkpoint":
+        elif ev.action in ("corrupt_checkpoint", "stale_writer"):
             entry.update(corrupted.get(ev.index, {}))
         report["events"].append(entry)
     for ev, why in skipped:

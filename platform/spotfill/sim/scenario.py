@@ -6,8 +6,9 @@
               # also batch: {enabled, rows, prompts}, sweep: {enabled, trials, steps} and reclaim_order: [sweep, batch, serve] (sim/fillin_spec.py)
     events:   [{at_step: 30, action: drain_node, node: 1, deadline_s: 20}, ...]
 
-Actions: drain_node, remove_node, kill_node, add_node, storage_outage and corrupt_checkpoint (flip bytes in
-the largest file of the newest committed checkpoint; the next restore must quarantine it and go past it).
+Actions: drain_node, remove_node, kill_node, add_node, storage_outage, corrupt_checkpoint (flip bytes in
+the largest file of the newest committed checkpoint; the next restore must quarantine it and go past it)
+and stale_writer (the previous attempt's writer commits, moves `latest` and deletes: every write refused).
 A node event's `node` is an index, or (with fill-in on) a pick made when the event fires: `most_training`
 (the node where training holds the most GPUs) or `most_lent` (where fill-in holds the most).
 """
@@ -27,6 +28,7 @@ ACTIONS = {
     "remove_node": ({"node"}, {"deadline_s"}),
     "storage_outage": ({"duration_s"}, set()),
     "corrupt_checkpoint": (set(), set()),   # flip bytes in one file of the newest committed checkpoint
+    "stale_writer": (set(), set()),         # the previous attempt's writer commits (sim/stale_writer.py)
     # autoscaling clusters: close (available: false) or reopen the fake cloud's market for a node type
     "market": ({"node_type", "available"}, {"how"}),
 }
@@ -69,6 +71,7 @@ class Event:
                 "remove_node": f"remove {node}",
                 "storage_outage": f"storage outage for {self.duration_s:g}s",
                 "corrupt_checkpoint": "corrupt the newest committed checkpoint",
+                "stale_writer": "a stale writer of the previous attempt commits",
                 "market": f"{'open' if self.available else 'close'} the market for {self.node_type}"
                           + ("" if self.available else f" ({self.how})")}[self.action]
         return f"{what} {when}"
