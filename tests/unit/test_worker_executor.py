@@ -54,7 +54,7 @@ class Checkpointer:
     def pop_skipped(self):
         return []
 
-    def close(self, wait=True):
+    def close(self, wait=True, keep_snapshot=False):
         pass
 
 

@@ -53,6 +53,12 @@ class CheckpointCorrupt(SpotfillError):
     """A checkpoint is partial or fails checksum verification."""
 
 
+class LocalCopyCorrupt(SpotfillError):
+    """A checkpoint file is intact in storage (its sha256 read from storage matches the manifest) but this
+    node's local copy kept failing verification: a local disk or memory fault, not the checkpoint's. It is
+    never quarantined for it."""
+
+
 class NoIntactCheckpoint(SpotfillError):
     """Committed checkpoints exist but none is intact (training.on_no_intact_checkpoint: fail)."""
 

@@ -24,17 +24,16 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
 from spotfill.config import constants
 from spotfill.config.errors import CheckpointCorrupt, ConfigError
-from spotfill.storage.base import Storage, join_key, local_files, sha256_file
+from spotfill.storage.base import Storage, join_key, local_files, sha256_file  # noqa: F401 (re-exported)
 from spotfill.storage.fence import WRITERS, Generation, WriterFence
 from spotfill.storage.lineage import Lineage, build_lineage
+from spotfill.storage.verified_fetch import fetch_verified, hash_files
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -76,13 +75,6 @@ def tag_key(tag: str) -> tuple[int, str]:
         return (parsed[0], tag)
     m = re.search(r"(\d+)$", tag)
     return (int(m.group(1)) if m else -1, tag)
-
-
-def hash_files(root: str, rels: Iterable[str], threads: int = 4) -> dict[str, str]:
-    """relpath -> sha256 for files under `root`, hashed in parallel."""
-    rels = list(rels)
-    with ThreadPoolExecutor(max(1, min(threads, len(rels) or 1))) as pool:
-        return dict(zip(rels, pool.map(lambda r: sha256_file(os.path.join(root, *r.split("/"))), rels)))
 
 
 class CheckpointStore:
@@ -420,48 +412,23 @@ class CheckpointStore:
         return manifest
 
     def download(self, manifest: dict, local_dir: str, verify: bool = True,
-                 want: set[str] | None = None) -> dict:
-        """Download the files of a checked manifest to `local_dir/<tag>/`, verifying sizes and (verify)
-        sha256; CheckpointCorrupt on a mismatch. Returns the manifest with `path` and `download_seconds`."""
+                 want: set[str] | None = None, local_copies: dict[str, str] | None = None) -> dict:
+        """Bring the files of a checked manifest (those under the `want` prefixes, or all) to
+        `local_dir/<tag>/`, verifying sizes and (verify) sha256 (storage/verified_fetch.py: `local_copies`,
+        rel -> path, are used where they match; a mismatch is checked again in storage before it is called
+        damaged). CheckpointCorrupt when storage's bytes are wrong, LocalCopyCorrupt when only this node's
+        copy is. Returns the manifest with `path`, `download_seconds` and `io` (bytes by source)."""
         t0, tag = time.monotonic(), manifest["tag"]
         files = _wanted(manifest["files"], want)
         final = os.path.join(local_dir, tag)
-        self._fetch_verified(tag, files, final, verify)
+        io = fetch_verified(self.storage, self._k(tag), files, final, verify, local_copies, tag)
         with open(os.path.join(final, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
-        manifest = dict(manifest, path=final, download_seconds=time.monotonic() - t0)
-        log.info("checkpoint %s restored to %s: %d files, %.1f MB in %.2fs%s", tag, final, len(files),
-                 sum(i["size"] for i in files.values()) / 1e6, manifest["download_seconds"],
-                 " (sha256 verified)" if verify else "")
+        manifest = dict(manifest, path=final, download_seconds=time.monotonic() - t0, io=io.as_dict())
+        log.info("checkpoint %s restored to %s: %d files, %.1f MB in %.2fs (%.1f MB from local copies)%s", tag,
+                 final, len(files), sum(i["size"] for i in files.values()) / 1e6, manifest["download_seconds"],
+                 io.bytes_local / 1e6, " (sha256 verified)" if verify else "")
         return manifest
-
-    def _fetch_verified(self, tag: str, files: dict[str, dict], final: str, verify: bool,
-                        sub: str = "") -> None:
-        """Download `files` (relative to `<tag>/<sub>`) into `final` through a staging folder."""
-        parent = os.path.dirname(final) or "."
-        os.makedirs(parent, exist_ok=True)
-        stage = os.path.join(parent, f".partial-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
-        os.makedirs(stage)
-        try:
-            for top in sorted({rel.split("/", 1)[0] for rel in files if "/" in rel}):  # rank-<r>, zero
-                self.storage.download_dir(self._k(tag, sub, top), os.path.join(stage, top))
-            for rel in sorted(rel for rel in files if "/" not in rel):
-                self.storage.get_file(self._k(tag, sub, rel), os.path.join(stage, rel))
-            got = local_files(stage)
-            for rel, info in files.items():
-                if got.get(rel) != info["size"]:
-                    raise CheckpointCorrupt(f"{tag}: {rel} downloaded with {got.get(rel)} bytes, "
-                                            f"manifest says {info['size']}")
-            if verify:
-                digests = hash_files(stage, files)
-                for rel, info in sorted(files.items()):
-                    if digests[rel] != info["sha256"]:
-                        raise CheckpointCorrupt(f"{tag}: checksum mismatch in {rel}")
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(stage, final)
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
 
     # -- the universal (converted) copy -------------------------------------------------------------
     def has_universal(self, tag: str) -> bool:
@@ -487,7 +454,7 @@ class CheckpointStore:
         except (ValueError, KeyError) as exc:
             raise CheckpointCorrupt(f"{tag}: unreadable universal index ({exc})") from None
         try:
-            self._fetch_verified(tag, index, local_dir, verify=True, sub=UNIVERSAL)
+            fetch_verified(self.storage, self._k(tag, UNIVERSAL), index, local_dir, True, tag=tag)
         except CheckpointCorrupt:
             self.storage.delete(self._k(tag, UNIVERSAL_INDEX))
             raise

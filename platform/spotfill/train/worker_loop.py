@@ -115,7 +115,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     try:
         _take_generation(store, comms, rank, sink, attempt)
         plan = restore_on_workers(store, comms, rank, world, node_id, node_dir, t.zero_stage,
-                                  on_no_intact=t.on_no_intact_checkpoint,
+                                  on_no_intact=t.on_no_intact_checkpoint, local_root=local_root,
                                   emit=lambda kind, **f: sink.event.remote(kind, attempt=attempt, **f))
     except NoIntactCheckpoint as exc:
         return _finish(sink, rank, {"ok": False, "reason": str(exc)})
@@ -187,6 +187,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             decision = run.policy.decide(facts)
             run.apply(decision, step + 1)
             if decision.action == FINISH:
+                run.finished = True
                 break
     except WriterFenced as exc:     # a final, grow or emergency save refused
         log.warning("rank %d stops: %s", rank, exc)
@@ -368,6 +369,7 @@ class _Executor:
         self.ledger, self.recorder = ledger, FeedRecorder()
         self.flags = comms.torch.zeros(5, dtype=comms.torch.float64, device=engine.device)
         self.fenced = False          # some rank's write was refused: a newer writer took the store
+        self.finished = False        # the final checkpoint is committed: no restore will follow
         self._grow = None
         if rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers:
             from spotfill.train.elastic import GrowCheck
@@ -474,4 +476,4 @@ class _Executor:
         if self.rank == 0:
             self._flush_steps()
             self._record_checkpoints()
-        self.ckpt.close(wait=False)
+        self.ckpt.close(wait=False, keep_snapshot=not self.finished)
