@@ -31,6 +31,10 @@ def test_a_node_reads_the_model_and_its_own_ranks_partitions(files, ranks, saved
     assert node_files(files, ranks, saved, world) == expected
 
 
+def test_a_rigid_zero12_checkpoint_is_read_whole_by_deepspeeds_loader():
+    assert node_files(zero2(4), [1], 4, 4, own_only=False) == set(zero2(4))
+
+
 @pytest.mark.parametrize("odd", [
     "rank-0/layer_01-model_states.pt",                             # a pipeline stage's layers
     "rank-1/zero_pp_rank_1_mp_rank_01_optim_states.pt",            # model parallel rank 1

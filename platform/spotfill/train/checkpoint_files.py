@@ -9,9 +9,10 @@ pipeline parallelism: mp rank 00) writes
     zero_pp_rank_<d>_mp_rank_00_model_states.pt            dp rank d's ZeRO-3 parameter partition
 
 and its load reads, on rank d: the model states file, and at the saved world size only its own
-`..._rank_<d>_...` partitions (spotfill's elastic ZeRO-1/2 load included: ray_compat.zero_load_elastic reads
-its own file when the size is unchanged). At another world size a rank merges every saved partition, so
-every node needs them all. A file this does not know (pipeline layer files, model parallel ranks, anything
+`..._rank_<d>_...` partitions -- through spotfill's elastic ZeRO-1/2 load (ray_compat.zero_load_elastic) and
+DeepSpeed's own load without `elastic_checkpoint` (ZeRO-0/3). DeepSpeed's own load of a ZeRO-1/2 checkpoint
+in the rigid layout, with the engine's `elastic_checkpoint` on (spotfill configures it), reads every rank's
+file (`own_only=False`); so does any load at another world size (the partitions are merged). A file this does not know (pipeline layer files, model parallel ranks, anything
 newer) makes the answer None: download everything, correct by construction.
 """
 from __future__ import annotations
@@ -23,10 +24,11 @@ _MODEL = re.compile(r"^mp_rank_00_model_states\.pt$")
 _PARTITION = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(?:optim|model)_states\.pt$")
 
 
-def node_files(files: Iterable[str], node_ranks: Iterable[int], saved_world: int, world: int) -> set[str] | None:
+def node_files(files: Iterable[str], node_ranks: Iterable[int], saved_world: int, world: int,
+               own_only: bool = True) -> set[str] | None:
     """The manifest entries (`rank-<r>/<name>`) the ranks `node_ranks` of a `world`-rank group read when
-    they load a checkpoint saved by `saved_world` ranks; None when every file is needed or the layout is
-    not one this knows."""
+    they load a checkpoint saved by `saved_world` ranks (`own_only`: the load reads only a rank's own
+    partition at the saved size); None when every file is needed or the layout is not one this knows."""
     ranks = set(node_ranks)
     out: set[str] = set()
     for rel in files:
@@ -39,6 +41,6 @@ def node_files(files: Iterable[str], node_ranks: Iterable[int], saved_world: int
         m = _PARTITION.match(name)
         if m is None:
             return None
-        if saved_world != world or int(m.group(1)) in ranks:
+        if saved_world != world or not own_only or int(m.group(1)) in ranks:
             out.add(rel)
     return out

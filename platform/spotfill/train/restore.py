@@ -174,7 +174,9 @@ def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, node: 
     failed = error = None
     if need_raw:
         shutil.rmtree(node_dir, ignore_errors=True)
-        want = None if universal else node_files(manifest["files"], node[1], saved_world, world)
+        # a rigid-layout ZeRO-1/2 checkpoint loads through DeepSpeed's loader, which reads every partition
+        own_only = elastic or zero_stage not in (1, 2)
+        want = None if universal else node_files(manifest["files"], node[1], saved_world, world, own_only)
         try:
             seconds, info["io"] = _fetch_raw(store, manifest, node_dir, ds_root, want, local_root)
             info["download_s"] = round(seconds, 3)
