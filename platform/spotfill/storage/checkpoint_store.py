@@ -5,7 +5,9 @@ Layout under a Storage (usually a run's prefix), with `prefix="checkpoints"`::
     checkpoints/<tag>/rank-<r>/<files...>      each rank's files, uploaded in parallel
     checkpoints/<tag>/rank-<r>.done.json       {rank, world_size, tag, bytes, files}, written after its files
     checkpoints/<tag>/manifest.json            {tag, step, world_size, created, bytes, files, meta}: COMMITTED
-    checkpoints/latest                         {"tag", "step", "committed"}, moved only after a manifest
+    checkpoints/latest                         {"tag", "step", "committed", "generation", "writer"}, moved
+                                               only after a manifest
+    checkpoints/writers/gen-<N>.json           the writer generations (storage/fence.py)
 
 `files` maps the path relative to the tag directory ("rank-0/model.pt") to {size, sha256}. The manifest is
 written only after every rank's marker exists, and `latest` only after the manifest, so a reader that trusts
@@ -14,6 +16,12 @@ previous committed tag of the live lineage (storage/lineage.py) when the newest 
 quarantines the damaged one: `<tag>/quarantined.json` ({tag, reason, t}) marks it, it is never restored
 again, and retention keeps the newest few for inspection. Each manifest records its `parent` (the tag this
 training state descends from), so retention and `latest` follow the lineage, not the step number.
+
+A training attempt's store takes a writer generation (take_generation) before it restores: its commits,
+`latest` moves, quarantines and deletions are refused (WriterFenced) once a newer writer took the store,
+and the newest writer's commit always moves `latest` (its lineage is the live one). Stores that take no
+generation (readers, tools) write unfenced. A download verifies against the manifest and re-checks a
+mismatch in storage before calling the checkpoint damaged (storage/verified_fetch.py).
 
 Tags sort by step, then attempt: `tag_for(120)` is "step-00000120", `tag_for(120, 3)` "step-00000120-a3"
 (unique per attempt: a step re-saved after a rollback never writes into a committed tag).

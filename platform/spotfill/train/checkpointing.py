@@ -14,8 +14,9 @@ files, and rank 0 commits the manifest once every rank's part is stored (checkpo
   uncommitted. Ray Train tears the workers down at deadline + FailureConfig.preemption_grace_s.
 
 Restore: rank 0 picks the newest intact committed checkpoint (falling back past a partial or corrupt one)
-and broadcasts its tag; one rank per node downloads it and flattens the rank folders into a DeepSpeed
-checkpoint folder. ZeRO-1/2 state is saved in DeepSpeed's elastic layout (recorded in the manifest's
+and broadcasts its tag; one rank per node brings the files its node's ranks load -- from the snapshot each
+rank keeps after its upload (the newest only) where it matches the manifest, else from storage -- and
+flattens the rank folders into a DeepSpeed checkpoint folder. ZeRO-1/2 state is saved in DeepSpeed's elastic layout (recorded in the manifest's
 meta.zero_elastic) and loads at any world size as is; otherwise, when the world size changed (ZeRO-3), it is
 converted once with DeepSpeed's universal-checkpoint converter and every rank loads it with `load_universal`.
 """

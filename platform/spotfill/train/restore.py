@@ -4,8 +4,11 @@ load at any world size as they are: nothing is converted. A ZeRO-3 checkpoint (o
 elastic layout) loads through a universal checkpoint when the world size changed.
 
 Rank 0 decides the tag from the manifests and a listing (sizes; no download); then every node's leader
-downloads and verifies it in parallel. A tag any leader finds damaged is quarantined (event
-`checkpoint_quarantined`) and the next one of the lineage is tried. Where one is needed, a universal
+brings what its ranks load (train/checkpoint_files.py) to its node and verifies it, all nodes in parallel:
+from the snapshots this node kept after uploading them where they match the manifest, else from storage
+(the `reads` of the restore events: bytes per node and source). A tag whose bytes are wrong in storage is
+quarantined (event `checkpoint_quarantined`) and the next one of the lineage is tried; a node's own disk
+fault is retried from storage (`checkpoint_local_error`), never quarantined. Where one is needed, a universal
 checkpoint is converted
 once per checkpoint: the first converter (rank 0's node) uploads the converted copy next to the tag, and
 every other node -- and every later restore at another world size -- downloads it instead of converting.
