@@ -49,8 +49,6 @@ def _rank(rank: int, world: int, port: int, mode: str, preset: str, store_uri: s
     from spotfill.train.restore import RestorePlan, restore_on_workers
 
     class Comms:
-        dist_ = dist
-
         def __init__(self):
             self.dist = dist
 
