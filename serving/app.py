@@ -62,11 +62,13 @@ COLD_START_METRICS = {"metrics_interval_s": 1.0, "look_back_period_s": 2.0, "agg
 class ServeArgs:
     checkpoint: str = ""                 # a run's storage URI (file://, s3://); checkpoints/ inside
     model: str = "auto"                  # preset name, or auto (from the weights' shape)
-    gpu_resource: str = "GPU_SLOT"       # "GPU" on a real cluster
+    gpu_resource: str = "GPU"            # Ray's GPU resource (a logical one such as GPU_SLOT on test clusters)
     replicas: int = 1                    # Generator replicas at deploy: 1 for `serve run` alone; 0 under
                                          # the fill-in arbiter, which sets the count (only its lends
                                          # create replicas: no GPU request it did not grant)
     max_replicas: int = 64               # with replicas 0: the most the arbiter may ask Serve for
+    fillin: str = "auto"                 # register with the fill-in arbiter (started if absent), which sets
+                                         # the Generator's count: auto = when replicas is 0; true; false
     max_tokens: int = 64                 # cap on tokens per request
     max_generation_s: float = 1.5        # cap on seconds per request: below the 3 s shutdown grace
     reload_s: float = 2.0                # how often to look for a newer checkpoint
@@ -94,6 +96,8 @@ class ServeArgs:
                 except ValueError:
                     raise ConfigError(f"serving.app args {f.name}", args[f.name],
                                       accepted=f"a {kind.__name__}") from None
+        if "fillin" in out:
+            out["fillin"] = str(out["fillin"]).lower()
         parsed = cls(**out)
         if not parsed.checkpoint:
             raise ConfigError("serving.app args checkpoint", reason="required",
@@ -103,12 +107,19 @@ class ServeArgs:
                               accepted="an integer >= 0 (0 under the fill-in arbiter, which sets the count)")
         from spotfill.fillin.cpu_priority import configured_nice
         configured_nice(parsed.cpu_nice, "serving.app args cpu_nice")
+        if parsed.fillin not in ("auto", "true", "false"):
+            raise ConfigError("serving.app args fillin", parsed.fillin, accepted="auto, true, false")
         if parsed.max_replicas < 1:
             raise ConfigError("serving.app args max_replicas", parsed.max_replicas, accepted="an integer >= 1")
         if parsed.max_generation_s >= GRACEFUL["graceful_shutdown_timeout_s"]:
             raise ConfigError("serving.app args max_generation_s", parsed.max_generation_s,
                               accepted=f"< graceful_shutdown_timeout_s={GRACEFUL['graceful_shutdown_timeout_s']}")
         return parsed
+
+    @property
+    def under_arbiter(self) -> bool:
+        """The fill-in arbiter sets the Generator's replica count (the app registers itself with it)."""
+        return self.fillin == "true" or (self.fillin == "auto" and self.replicas == 0)
 
 
 @serve.deployment(name=GENERATOR, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=8, **GRACEFUL)
@@ -191,6 +202,12 @@ class Ingress:
         self.live = 0
         self.admit_timeout_s = args.max_generation_s + 2.0
         threading.Thread(target=self._watch_replicas, daemon=True, name="replica-watch").start()
+        if args.under_arbiter:
+            # a deployed app registers itself -- `serve deploy`, `serve run`, `spotfill serve` and the demo
+            # alike -- so the arbiter lends it GPUs training does not use (fillin/wiring.py)
+            from spotfill.fillin.wiring import register_in_background
+            register_in_background(app_name, GENERATOR, gpu_resource=args.gpu_resource,
+                                   max_replicas=args.max_replicas, grace_s=GRACEFUL["graceful_shutdown_timeout_s"])
 
     def _set_live(self, live: int) -> None:
         self.live = live

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     check(args)
     import ray
 
-    from spotfill.fillin.local import deploy_serve, runtime_env
+    from spotfill.fillin.wiring import deploy_serve, runtime_env
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths
     from spotfill.storage.base import open_storage
     from spotfill.storage.checkpoint_store import CheckpointStore
@@ -47,8 +47,7 @@ def run(args: argparse.Namespace) -> int:
             cluster.add_node(args.gpus_per_node)
         ray.init(address=cluster.address, runtime_env=runtime_env(), logging_level="WARNING")
         quiet_expected_node_deaths()
-        out = deploy_serve(args.checkpoint, port=args.port, dashboard_url=cluster.cluster.webui_url,
-                           max_replicas=args.nodes * args.gpus_per_node)
+        out = deploy_serve(args.checkpoint, port=args.port, max_replicas=args.nodes * args.gpus_per_node)
         url = out["url"]
         print(f"spotfill serve: {url}/v1/completions (OpenAI) and {url}/generate (JSON); checkpoint "
               f"{latest['tag'] if latest else 'none committed yet (503 until one is)'} of {args.checkpoint}; "

@@ -88,3 +88,7 @@ class WriterFenced(SpotfillError):
         """What the report lists under checkpoints.fenced."""
         return {"op": self.op, "tag": self.tag, "generation": self.generation, "newest_generation": self.newest,
                 **({"newest_attempt": self.holder["attempt"]} if self.holder.get("attempt") is not None else {})}
+class DataMismatch(SpotfillError):
+    """The data a worker read is not the data the dataset's manifest and the schedule name: a shard changed,
+    swapped or replaced after prepare, another data seed or dataset than the checkpoint's, a row-mapping
+    fault. One line naming the shard and what differed. Fatal: a restart would read the same data."""

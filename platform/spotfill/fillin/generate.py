@@ -105,7 +105,8 @@ def generate(model, prompt: str, max_tokens: int, temperature: float = 0.0, seed
 
     t_end = None if deadline_s is None else time.monotonic() + deadline_s
     ids = list(prompt.encode("utf-8")) or [EOD]
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device          # the model's device: the GPU its process was assigned
+    gen = torch.Generator().manual_seed(seed)         # sampling on the CPU: the same draws on any device
     out: list[int] = []
     reason = "length"
     with torch.no_grad():
@@ -113,8 +114,8 @@ def generate(model, prompt: str, max_tokens: int, temperature: float = 0.0, seed
             if t_end is not None and time.monotonic() > t_end:
                 reason = "time"
                 break
-            ctx = torch.tensor([(ids + out)[-model.cfg.seq_len:]])
-            logits = model(ctx)[0, -1]
+            ctx = torch.tensor([(ids + out)[-model.cfg.seq_len:]], device=device)
+            logits = model(ctx)[0, -1].float().cpu()
             if temperature > 0:
                 nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
             else:

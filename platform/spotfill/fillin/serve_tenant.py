@@ -75,8 +75,9 @@ class ServeTenant:
         e.g. the application is not deployed yet."""
         n = max(0, min(int(n), self.spec.max_replicas))
         body = json.dumps({"target_num_replicas": n}).encode()
+        from spotfill.ray_compat import dashboard_auth_headers
         req = urllib.request.Request(self.scale_url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **dashboard_auth_headers()})
         try:
             with urllib.request.urlopen(req, timeout=5) as resp:
                 resp.read()
