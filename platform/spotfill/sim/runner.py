@@ -400,9 +400,11 @@ def _await_scale_down(cluster, scenario: Scenario, say) -> dict:
 
 
 def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
-    """The corrupt_checkpoint action: flip one byte in the largest file of the newest committed checkpoint
-    (the store's `latest`). A save still uploading is waited for (up to `wait_s`), so the damage lands on
-    the checkpoint a restart would pick. Returns {"tag", "step", "file", "t"} or {"skipped"}."""
+    """The corrupt_checkpoint action: flip one byte in every file of the newest committed checkpoint in
+    storage (the store's `latest`; any file a restore downloads is then damaged -- a node may still restore
+    it from its own kept snapshot, which matches the manifest). A save still uploading is waited for (up to
+    `wait_s`), so the damage lands on the checkpoint a restart would pick. Returns {"tag", "step", "file"
+    (the largest), "files", "t"} or {"skipped"}."""
     from spotfill.storage.base import open_storage
     from spotfill.storage.checkpoint_store import CheckpointStore
 
@@ -416,13 +418,14 @@ def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
         return {"skipped": "no committed checkpoint yet"}
     manifest = store.manifest(tag)
     files = manifest["files"]
+    for rel in sorted(files):
+        key = f"{store.prefix}/{tag}/{rel}"
+        data = bytearray(store.storage.get_bytes(key))
+        data[len(data) // 2] ^= 0xFF
+        store.storage.put_bytes(key, bytes(data))
     rel = max(sorted(files), key=lambda r: files[r]["size"])
-    key = f"{store.prefix}/{tag}/{rel}"
-    data = bytearray(store.storage.get_bytes(key))
-    data[len(data) // 2] ^= 0xFF
-    store.storage.put_bytes(key, bytes(data))
-    say(f"corrupted {tag}/{rel} (one byte flipped)")
-    return {"tag": tag, "step": int(manifest["step"]), "file": rel, "t": round(time.time(), 3)}
+    say(f"corrupted {tag} (one byte flipped in each of its {len(files)} files)")
+    return {"tag": tag, "step": int(manifest["step"]), "file": rel, "files": len(files), "t": round(time.time(), 3)}
 
 
 def _owners(say) -> dict[str, dict]:

@@ -6,8 +6,9 @@
               # also batch: {enabled, rows, prompts}, sweep: {enabled, trials, steps} and reclaim_order: [sweep, batch, serve] (sim/fillin_spec.py)
     events:   [{at_step: 30, action: drain_node, node: 1, deadline_s: 20}, ...]
 
-Actions: drain_node, remove_node, kill_node, add_node, storage_outage, corrupt_checkpoint (flip bytes in
-the largest file of the newest committed checkpoint; the next restore must quarantine it and go past it),
+Actions: drain_node, remove_node, kill_node, add_node, storage_outage, corrupt_checkpoint (flip a byte in
+every file of the newest committed checkpoint in storage; a restore that reads it from storage must quarantine
+it and go past it),
 stale_writer (the previous attempt's writer commits, moves `latest` and deletes: every write refused)
 and swap_shards (two data shards exchange their contents in storage; a worker that reads one fails the job
 with one line naming it: sim/data_faults.py).
@@ -29,7 +30,7 @@ ACTIONS = {
     "kill_node": ({"node"}, set()),
     "remove_node": ({"node"}, {"deadline_s"}),
     "storage_outage": ({"duration_s"}, set()),
-    "corrupt_checkpoint": (set(), set()),   # flip bytes in one file of the newest committed checkpoint
+    "corrupt_checkpoint": (set(), set()),   # flip a byte in every file of the newest committed checkpoint
     "stale_writer": (set(), set()),         # the previous attempt's writer commits (sim/stale_writer.py)
     "swap_shards": (set(), {"shards"}),     # two data shards exchange their contents in storage
     # autoscaling clusters: close (available: false) or reopen the fake cloud's market for a node type

@@ -168,7 +168,9 @@ def lineage_report(events: list[dict]) -> dict:
                        for e in events if e["kind"] == "checkpoint_fenced"],
             "writers": [{"attempt": e.get("attempt"), "generation": e.get("generation"),
                          "mechanism": e.get("mechanism")} for e in events if e["kind"] == "writer_generation"],
-            "restored": [{"tag": e["tag"], "step": e.get("step"), "attempt": e.get("attempt"), "t": e.get("t")}
+            "restored": [{"tag": e["tag"], "step": e.get("step"), "attempt": e.get("attempt"), "t": e.get("t"),
+                          **({"read_bytes_storage": e["read_bytes_storage"], "read_bytes_local": e["read_bytes_local"]}
+                             if "read_bytes_storage" in e else {})}
                          for e in events if e["kind"] == "checkpoint_restored"],
             "fresh_starts": [{"attempt": e.get("attempt"), "cause": e["cause"]}
                              for e in events if e["kind"] == "fresh_start"]}
