@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from spotfill import ray_compat     # light: each private hook loads when first used
 from spotfill.config.errors import ConfigError
 
 log = logging.getLogger("spotfill.serving")
@@ -217,15 +218,14 @@ class Ingress:
         set -- the long poll Serve's own routers use: an update as soon as a replica runs or is told to stop,
         and no call at all while nothing changes (serve.status() every 0.1 s cost this replica and the
         controller about 10% of a core on a 2-core node, beside training). A watch that ended (a new
-        controller) is started again; `live` keeps its last count meanwhile."""
-        from spotfill import ray_compat      # here: imported at this replica's lowered CPU priority
+        controller) is started again; `live` keeps its last count meanwhile. Where Ray lacks the push, the
+        watch polls serve.status() (ray_compat.ray_serve, after one warning)."""
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, daemon=True, name="replica-watch-loop").start()
         watch = None
         while True:
             if watch is None or not watch.is_running:
                 try:
-                    ray_compat.check_serve_hooks()
                     watch = ray_compat.watch_running_replicas(self.app_name, GENERATOR, self._set_live, loop)
                 except Exception as exc:  # noqa: BLE001 - the controller may be restarting; keep the last count
                     log.warning("replica watch not started (retrying): %s", exc)
@@ -252,7 +252,7 @@ class Ingress:
 
     async def _forward_once(self, prompt: str, max_tokens: int, temperature: float, seed: int):
         response = self.generator.generate.remote(prompt, max_tokens, temperature, seed)
-        assigned = asyncio.ensure_future(response._to_object_ref())
+        assigned = asyncio.ensure_future(ray_compat.request_taken(response))
         assigned.add_done_callback(_retrieve)
         t0 = time.monotonic()
         while not assigned.done():
@@ -313,7 +313,7 @@ def keep_external_target(ctx):
 def build(args: ServeArgs):
     """The application graph for these arguments."""
     from spotfill.ray_compat import check_serve_hooks
-    check_serve_hooks()                  # the Ingress's replica watch: fail at deploy if Ray moved a hook
+    check_serve_hooks()                  # the Ingress's replica watch: said once at deploy if it must poll
     env = dict(QUIET_METRICS)
     if args.replicas == 0:
         env.update(NO_HANDLE_METRICS)

@@ -37,8 +37,7 @@ def test_pure_module_loads_nothing_heavy(module):
 
 def test_one_subpackage_per_capability():
     root = pathlib.Path(spotfill.__file__).parent
-    flat = sorted(p.name for p in root.glob("*.py") if p.name not in {"__init__.py", "__main__.py", "ray_compat.py",
-                                                                           "devices.py"})
+    flat = sorted(p.name for p in root.glob("*.py") if p.name not in {"__init__.py", "__main__.py", "devices.py"})
     assert flat == [], f"modules outside a capability subpackage: {flat}"
 
 

@@ -337,6 +337,30 @@ def test_each_node_reads_only_what_its_ranks_load_and_says_so(uri, tmp_path):
     assert [r["bytes_storage"] for r in reads] == [sum(size.values())] * 2
 
 
+def test_where_deepspeed_names_its_files_otherwise_every_node_brings_everything(uri, tmp_path, monkeypatch):
+    """Hook restore_node_files off (the installed DeepSpeed does not build its checkpoint file names as
+    0.19 does): the restore cannot tell whose partition a file holds, so every node brings every file."""
+    from spotfill.ray_compat import catalog, hooks
+
+    store = CheckpointStore(open_storage(uri), keep_last=5)
+    tag = _save_ds(store, tmp_path, 10, world=4)
+    size = _sizes(store, tag)
+    renamed = lambda rel: (f"/x/{rel}", "def _get_ckpt_name(self):\n    return 'zero_rank_{}'\n")  # noqa: E731
+    monkeypatch.setattr(catalog, "deepspeed_source", renamed)
+    monkeypatch.delitem(hooks._problems, "restore_node_files", raising=False)
+    try:
+        plans, events = _run(uri, tmp_path, ["a", "a", "b", "b"])
+    finally:
+        hooks._problems.pop("restore_node_files", None)       # the next check reads the real DeepSpeed
+        hooks._announced.discard("restore_node_files")
+    assert {p.tag for p in plans} == {tag}
+    reads = next(e for e in events if e["kind"] == "checkpoint_restored")["reads"]
+    assert sorted((r["node"], r["bytes_storage"]) for r in reads) == [("a", sum(size.values())),
+                                                                       ("b", sum(size.values()))]
+    for node in "ab":
+        assert len(os.listdir(tmp_path / f"node-{node}" / "restore" / "ds" / tag)) == len(size)
+
+
 def test_a_node_reads_its_own_kept_snapshot_where_it_matches_the_manifest(uri, tmp_path):
     from spotfill.train.checkpointing import snapshot_roots
 

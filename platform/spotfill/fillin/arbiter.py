@@ -680,6 +680,8 @@ def ensure_arbiter(gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_O
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from spotfill.ray_compat import require
+    require("fillin_arbiter")       # one line (RayCompatError) where Ray moved what the arbiter reads
     head = next((n["NodeID"] for n in ray.nodes() if n.get("Alive")
                  and "node:__internal_head__" in (n.get("Resources") or {})), None)
     options = dict(name=ARBITER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,

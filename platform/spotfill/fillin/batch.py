@@ -405,8 +405,8 @@ class BatchJob:
         killed = []
         for a in actors:
             try:
-                kill_actor_id(a.actor_id)
-                killed.append(a.actor_id)
+                if kill_actor_id(a.actor_id):
+                    killed.append(a.actor_id)
             except Exception as exc:  # noqa: BLE001 - gone meanwhile
                 log.debug("kill %s: %s", a.actor_id, exc)
         log.warning("batch %s: wave %d did not stop %.0fs after its grant fell (%d of %d unit(s) done; "

@@ -135,7 +135,8 @@ def _check_same_sweep(check, c: SweepControl) -> int:
 
 
 def _searcher_class():
-    from spotfill import ray_compat  # noqa: F401 - checks the Tune extension points used here
+    from spotfill import ray_compat
+    ray_compat.require_sweep()       # the Tune extension points used here (one line where Ray moved one)
     from ray.tune.search import Searcher
 
     class GrantSearcher(Searcher):

@@ -12,16 +12,21 @@ and its load reads, on rank d: the model states file, and at the saved world siz
 `..._rank_<d>_...` partitions -- through spotfill's elastic ZeRO-1/2 load (ray_compat.zero_load_elastic) and
 DeepSpeed's own load without `elastic_checkpoint` (ZeRO-0/3). DeepSpeed's own load of a ZeRO-1/2 checkpoint
 in the rigid layout, with the engine's `elastic_checkpoint` on (spotfill configures it), reads every rank's
-file (`own_only=False`); so does any load at another world size (the partitions are merged). A file this does not know (pipeline layer files, model parallel ranks, anything
-newer) makes the answer None: download everything, correct by construction.
+file (`own_only=False`); so does any load at another world size (the partitions are merged). A file this
+does not know (pipeline layer files, model parallel ranks, anything newer) makes the answer None: download
+everything, correct by construction. These names are DeepSpeed's (ray_compat hook restore_node_files:
+where the installed DeepSpeed names its files otherwise, train/restore.py does not call this and every node
+downloads everything).
 """
 from __future__ import annotations
 
 import re
 from typing import Iterable
 
-_MODEL = re.compile(r"^mp_rank_00_model_states\.pt$")
-_PARTITION = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(?:optim|model)_states\.pt$")
+# DeepSpeed's file names (private: they live in ray_compat, hook restore_node_files; importing them imports
+# no DeepSpeed)
+from spotfill.ray_compat.deepspeed_engine import DS_MODEL_FILE as _MODEL
+from spotfill.ray_compat.deepspeed_engine import DS_PARTITION_FILE as _PARTITION
 
 
 def node_files(files: Iterable[str], node_ranks: Iterable[int], saved_world: int, world: int,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from spotfill.config import constants
 from spotfill.config.errors import CheckpointCorrupt, NoIntactCheckpoint, WriterFenced
+from spotfill.ray_compat import usable
 from spotfill.storage.checkpoint_store import CheckpointStore
 from spotfill.train.checkpoint_files import node_files
 from spotfill.train.checkpointing import local_snapshot_copies
@@ -182,7 +183,9 @@ def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, node: 
         shutil.rmtree(node_dir, ignore_errors=True)
         # a rigid-layout ZeRO-1/2 checkpoint loads through DeepSpeed's loader, which reads every partition
         own_only = elastic or zero_stage not in (1, 2)
-        want = None if universal else node_files(manifest["files"], node[1], saved_world, world, own_only)
+        # the files of its own ranks only where DeepSpeed names its files as spotfill reads them (else all)
+        want = None if universal or not usable("restore_node_files") else node_files(
+            manifest["files"], node[1], saved_world, world, own_only)
         try:
             seconds, info["io"] = _fetch_raw(store, manifest, node_dir, ds_root, want, local_root)
             info["download_s"] = round(seconds, 3)
