@@ -1,5 +1,6 @@
 """Peak memory of loading a ZeRO-1/2 checkpoint at another world size (elastic layout), per rank, on CPU.
 
+    spotfill bench --only elastic_load            # both directions (2 -> 1 and 1 -> 2 ranks), 50m preset
     python -m benchmarks.elastic_load_memory [--preset 50m] [--save 2 --load 1] [--json PATH]
 
 Saves a checkpoint with `--save` ranks (gloo, one process each, one training step, spotfill's Checkpointer
@@ -112,6 +113,29 @@ def _spawn(world: int, *args) -> None:
     mp.start_processes(_rank, args=(world, _free_port(), *args), nprocs=world, join=True, start_method="spawn")
 
 
+def measure(preset: str, save: int, load: int) -> dict:
+    """Save with `save` ranks, load with `load`: the checkpoint's size and each loading rank's memory."""
+    with tempfile.TemporaryDirectory(prefix="spotfill-elastic-mem-") as work:
+        store = os.path.join(work, "store")
+        _spawn(save, "save", preset, store, os.path.join(work, "s"), work)
+        _spawn(load, "load", preset, store, os.path.join(work, "l"), work)
+        ranks = [json.load(open(os.path.join(work, f"rank-{r}.json"))) for r in range(load)]
+        size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(store) for f in files)
+    return {"preset": preset, "save_world": save, "load_world": load, "checkpoint_mb": round(size / 1e6, 1),
+            "ranks": ranks, "node_extra_peak_mb": round(sum(r["load_extra_peak_mb"] for r in ranks), 1)}
+
+
+def bench_elastic_load(quick: bool, progress=None) -> dict:
+    """`spotfill bench --only elastic_load` (not in the default sections: four process groups of the 50m
+    preset, a few minutes on 2 cores): shrinking 2 -> 1 and growing 1 -> 2 ranks. --quick: the tiny preset."""
+    say = progress or (lambda msg: None)
+    preset, out = ("tiny" if quick else "50m"), {}
+    for name, save, load in (("shrink", 2, 1), ("grow", 1, 2)):
+        say(f"{name}: save {save} ranks, load {load} ({preset})")
+        out[name] = measure(preset, save, load)
+    return {"preset": preset, **out}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="50m")
@@ -119,15 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--load", type=int, default=1)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="spotfill-elastic-mem-") as work:
-        store = os.path.join(work, "store")
-        _spawn(args.save, "save", args.preset, store, os.path.join(work, "s"), work)
-        _spawn(args.load, "load", args.preset, store, os.path.join(work, "l"), work)
-        ranks = [json.load(open(os.path.join(work, f"rank-{r}.json"))) for r in range(args.load)]
-        size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(store) for f in files)
-    out = {"preset": args.preset, "save_world": args.save, "load_world": args.load,
-           "checkpoint_mb": round(size / 1e6, 1), "ranks": ranks,
-           "node_extra_peak_mb": round(sum(r["load_extra_peak_mb"] for r in ranks), 1)}
+    out = measure(args.preset, args.save, args.load)
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:
