@@ -35,6 +35,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "fillin": ("benchmarks.fillin", "bench_fillin"),
     "eventlog": ("benchmarks.eventlog", "bench_eventlog"),
     "pipeline": ("benchmarks.pipeline", "bench_pipeline"),
+    "elastic_load": ("benchmarks.elastic_load_memory", "bench_elastic_load"),
 }
 DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "fillin", "pipeline")
 TARGETS = {("checkpoint", "stall_ratio"): ("<=", 0.10), ("checkpoint", "upload_ratio"): (">=", 0.70),

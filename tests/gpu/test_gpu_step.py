@@ -67,3 +67,44 @@ def test_a_process_ray_assigned_a_gpu_computes_on_it_in_bf16():
     device = assigned_device(gpu_ids=["0"])             # what ray.get_gpu_ids() gives a num_gpus=1 actor
     assert device.type == "cuda" and compute_dtype(device) == torch.bfloat16   # Ampere and newer
     assert assigned_device(gpu_ids=[]).type == "cpu"    # no GPU from Ray: the CPU, though CUDA is here
+
+
+def test_elastic_zero2_checkpoint_loads_into_gpu_tensors(nccl_world_of_one, tmp_path):
+    """spotfill's elastic ZeRO-2 load (ray_compat.zero_load_elastic) on the GPU: the saved files are read
+    memory-mapped on the CPU and copied into the engine's GPU partitions. A fresh engine (other weights)
+    loaded from the checkpoint takes the same next step as the engine that saved it; and the window copy the
+    other-world-size path uses (train/zero_merge.copy_window) writes into a CUDA tensor."""
+    import torch.nn.functional as F
+
+    from spotfill.config.job import JobConfig, from_mapping
+    from spotfill.train.engine import build_engine, ds_config, load_checkpoint
+    from spotfill.train.model import build_model
+    from spotfill.train.zero_merge import copy_window, zero_past
+
+    job = from_mapping(JobConfig, {"storage": "/tmp/x", "data": {"path": "/tmp/y"},
+                                   "training": {"model": "tiny", "global_batch": 4, "steps": 10, "zero_stage": 2}})
+    config = ds_config(job, 4, 1, "bf16", False)
+    torch.manual_seed(0)
+    engine = build_engine(build_model("tiny", vocab_size=257), config)
+    assert engine.device.type == "cuda"
+    x = torch.randint(0, 257, (4, 64), device=engine.device)
+
+    def step(e) -> float:
+        loss = F.cross_entropy(e(x).float().reshape(-1, 257), x.reshape(-1))
+        e.backward(loss)
+        e.step()
+        return loss.item()
+    step(engine), step(engine)
+    engine.save_checkpoint(str(tmp_path), tag="t", client_state={"step": 2}, save_latest=False)
+    step(engine)
+    expected = step(engine)
+    torch.manual_seed(1)
+    fresh = build_engine(build_model("tiny", vocab_size=257), config)
+    assert load_checkpoint(fresh, str(tmp_path), "t", elastic=True)["step"] == 2
+    step(fresh)
+    assert step(fresh) == pytest.approx(expected, rel=1e-3)
+    dst = torch.full((6,), -1.0, device=engine.device)
+    zero_past(dst, 7, 2)
+    copy_window(dst, torch.arange(4.0), 0, 2)
+    copy_window(dst, torch.arange(4.0, 7.0), 4, 2)
+    assert dst.cpu().tolist() == [2.0, 3.0, 4.0, 5.0, 6.0, 0.0]

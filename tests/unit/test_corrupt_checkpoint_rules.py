@@ -17,13 +17,14 @@ def test_corrupt_checkpoint_parses_and_unknown_keys_stay_rejected():
         parse_scenario({"events": [{"at_step": 45, "action": "corrupt_checkpoint", "node": 1}]})
 
 
-def _events(restored_tag, restored_step, quarantine=True):
+def _events(restored_tag, restored_step, quarantine=True, from_storage=1000):
     ev = [{"t": 1.0, "kind": "checkpoint", "attempt": 0, "step": 40, "tag": "step-00000040-a0", "bytes": 1,
            "upload_s": 0.1}]
     if quarantine:
         ev += [{"t": 20.0, "kind": "checkpoint_quarantined", "attempt": 1, "tag": "step-00000040-a0",
                 "reason": "step-00000040-a0: checksum mismatch in rank-0/x.pt"}] * 2   # reported twice: listed once
-    ev.append({"t": 21.0, "kind": "checkpoint_restored", "attempt": 1, "tag": restored_tag, "step": restored_step})
+    ev.append({"t": 21.0, "kind": "checkpoint_restored", "attempt": 1, "tag": restored_tag, "step": restored_step,
+               "read_bytes_storage": from_storage, "read_bytes_local": 1000 - from_storage})
     return ev
 
 
@@ -35,14 +36,16 @@ def _report(events):
     return {"training": training, "checkpoints": checkpoints_section(events), "events": [corrupt]}
 
 
-@pytest.mark.parametrize("restored,step,quarantine,ok", [
-    ("step-00000030-a0", 30, True, True),     # went past it and quarantined it
-    ("step-00000040-a0", 40, True, False),    # restored the damaged one
-    ("step-00000030-a0", 30, False, False),   # went past it silently
-    ("step-00000050-a1", 50, False, True),    # a newer commit came first: the damaged one was never in the way
+@pytest.mark.parametrize("restored,step,quarantine,from_storage,ok", [
+    ("step-00000030-a0", 30, True, 1000, True),     # went past it and quarantined it
+    ("step-00000040-a0", 40, True, 1000, False),    # restored the damaged one
+    ("step-00000040-a0", 40, False, 1, False),      # one byte of it from storage is one too many
+    ("step-00000040-a0", 40, False, 0, True),       # every file from the nodes' own verified snapshots
+    ("step-00000030-a0", 30, False, 1000, False),   # went past it silently
+    ("step-00000050-a1", 50, False, 1000, True),    # a newer commit came first: never in the way
 ])
-def test_corrupted_tag_quarantined_and_never_restored(restored, step, quarantine, ok):
-    report = _report(_events(restored, step, quarantine))
+def test_corrupted_tag_quarantined_and_never_restored_from_storage(restored, step, quarantine, from_storage, ok):
+    report = _report(_events(restored, step, quarantine, from_storage))
     if quarantine:
         assert report["checkpoints"]["quarantined"] == [
             {"tag": "step-00000040-a0", "reason": "step-00000040-a0: checksum mismatch in rank-0/x.pt"}]

@@ -111,3 +111,98 @@ def test_tags_sort_by_step_then_attempt():
 def test_a_new_run_numbers_its_attempts_past_the_stores(tags, first):
     assert next_attempt(tags) == first
     assert not {tag_for(20, first), tag_for(40, first)} & set(tags)
+
+
+# -- several writers on one store: truth from the training states, not from the lineage code -----------------
+# Each simulated writer (a training attempt's rank 0) carries its training state as the list of (attempt,
+# step) it went through and writes it into every checkpoint it commits; a restore reads it back. So what
+# the store hands the next attempt can be checked against the writer that really produced it. Writers
+# interleave at random: new attempts take over (a generation, a restore), and earlier ones -- zombies that
+# outlived their group -- keep committing, moving `latest`, quarantining and running retention.
+import json  # noqa: E402
+import os  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from spotfill.config.errors import WriterFenced  # noqa: E402
+from spotfill.storage.base import open_storage  # noqa: E402
+from spotfill.storage.checkpoint_store import CheckpointStore  # noqa: E402
+
+KEEP = 2
+
+
+class SimWriter:
+    def __init__(self, root: str, attempt: int):
+        self.store = CheckpointStore(open_storage(os.path.join(root, "store")), keep_last=KEEP)
+        self.root, self.attempt, self.state, self.step = root, attempt, [], 0
+        self.commits: list[tuple[str, list]] = []      # (tag, state) of the commits the store accepted
+
+    def take_over(self) -> None:
+        self.store.take_generation(attempt=self.attempt)
+        got = self.store.restore(os.path.join(self.root, f"restore-{self.attempt}"))
+        if got is not None:
+            with open(os.path.join(got["path"], "rank-0", "state.json")) as f:
+                self.state = json.load(f)
+            self.step = self.state[-1][1]
+        else:
+            self.store.mark_resumed(None)
+
+    def commit(self) -> None:
+        self.step += 1
+        tag = tag_for(self.step, self.attempt)
+        snap = os.path.join(self.root, f"snap-{tag}")
+        os.makedirs(snap, exist_ok=True)
+        state = self.state + [[self.attempt, self.step]]
+        with open(os.path.join(snap, "state.json"), "w") as f:
+            json.dump(state, f)
+        self.store.upload_part(tag, 0, 1, snap, attempt=str(self.attempt))
+        self.store.commit(tag, self.step, 1, attempt=str(self.attempt), meta={"attempt": str(self.attempt)})
+        self.state = state
+        self.commits.append((tag, state))
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["commit", "take_over", "latest", "quarantine", "retention"]),
+                         st.integers(0, 3)), min_size=4, max_size=24)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_whatever_zombies_do_the_store_hands_on_the_live_writers_state(tmp_path_factory, ops):
+    root = str(tmp_path_factory.mktemp("writers"))
+    writers = [SimWriter(root, 0)]
+    writers[0].take_over()
+    for op, pick in ops:
+        live = writers[-1]
+        w = writers[pick % len(writers)]
+        if w is live and op in ("latest", "quarantine", "retention"):
+            continue      # the live writer only commits (its retention runs in commit), as training does
+        try:
+            if op == "take_over":
+                writers.append(SimWriter(root, len(writers)))
+                writers[-1].take_over()
+            elif op == "commit":
+                w.commit()
+            elif op == "latest" and w.commits:
+                w.store.mark_resumed(w.commits[0][0], 1)          # roll `latest` back to its oldest
+            elif op == "quarantine" and live.commits:
+                w.store.quarantine(live.commits[-1][0], "a zombie thinks it is damaged")
+            elif op == "retention" and w.commits:
+                w.store.cleanup(w.store.lineage(head=w.commits[-1][0]))
+        except WriterFenced:
+            assert w is not writers[-1], "the newest writer was refused"
+        live = writers[-1]
+        # every write a stale writer tried was refused: only the live writer changed the store since it
+        # took over, so its newest commits are all there and `latest` is its newest
+        assert not live.store.quarantined()
+        if live.commits:
+            for tag, state in live.commits[-KEEP:]:
+                assert live.store.storage.exists(f"checkpoints/{tag}/manifest.json"), (tag, ops)
+            assert live.store.latest_tag() == live.commits[-1][0]
+    # the next attempt resumes from exactly the live writer's training state
+    nxt = SimWriter(root, len(writers))
+    nxt.take_over()
+    assert nxt.state == writers[-1].state, ops
+    if writers[-1].state:   # and the lineage the store reports is that state's own history
+        chain = nxt.store.lineage().live
+        steps = [(a, s) for a, s in writers[-1].state]
+        assert [parse_tag(t) for t in chain] == [(s, str(a)) for a, s in reversed(steps)][:len(chain)]

@@ -136,6 +136,25 @@ DRIVER_CHECKS = {   # training section -> (hook, what the one line starts with, 
 }
 
 
+def test_the_deepspeed_file_name_and_zero_window_checks_read_the_installed_source(monkeypatch):
+    """restore_node_files reads how DeepSpeed builds its checkpoint file names, zero_elastic_load that the
+    ZeRO optimizer sets the alignment the merge window is cut with: each finds one form gone (here, the
+    installed source with one form edited away) and names it."""
+    real = catalog.deepspeed_source
+    assert catalog._checkpoint_names() is None and catalog._zero_elastic_files() is None
+    cases = [(catalog._checkpoint_names, "runtime/engine.py", "zero_pp_rank_{}", "zero_rank_{}"),
+             (catalog._zero_elastic_files, "runtime/zero/stage_1_and_2.py", "self.nccl_start_alignment_factor =",
+              "self.alignment =")]
+    for check, rel, form, edited in cases:
+        def source(r, rel=rel, form=form, edited=edited):
+            path, text = real(r)
+            return path, text.replace(form, edited) if r == rel else text
+        monkeypatch.setattr(catalog, "deepspeed_source", source)
+        found = check()
+        assert found and found.startswith(rel) and form.split(" =")[0].replace("self.", "") in found, found
+    monkeypatch.setattr(catalog, "deepspeed_source", real)
+
+
 @pytest.mark.parametrize("hook", sorted(DRIVER_CHECKS))
 def test_the_driver_refuses_a_job_whose_deepspeed_lacks_an_internal_it_needs(monkeypatch, hook):
     """preflight: before any worker starts (Ray not touched), one line naming the feature: a DeepSpeed whose

@@ -76,6 +76,18 @@ def test_enrich_report_adds_ledger_diagnosis_and_recovery_breakdown():
     assert json.loads(json.dumps(report))["gpu_seconds"]["total"] == pytest.approx(220.0)   # report.json-ready
 
 
+def test_the_recovery_breakdown_says_how_many_bytes_each_node_read_and_from_where():
+    reads = [{"node": "n0", "bytes_storage": 1000, "bytes_local": 0, "files_storage": 2, "files_local": 0},
+             {"node": "n1", "bytes_storage": 200, "bytes_local": 800, "files_storage": 1, "files_local": 1}]
+    events = [dict(e, reads=reads) if e["kind"] == "resume" else e for e in run_events()]
+    report = {"preemptions": [{"kind": "hard", "at": 30.0, "affected": True}]}
+    enrich_report(report, events)
+    assert report["preemptions"][0]["recovery_breakdown"]["state_reads"] == reads
+    report = {"preemptions": [{"kind": "hard", "at": 30.0, "affected": True}]}
+    enrich_report(report, run_events())                 # a restore that did not say: no made-up numbers
+    assert "state_reads" not in report["preemptions"][0]["recovery_breakdown"]
+
+
 def test_timeline_png_has_every_state_band(tmp_path):
     out = write_report(write_run(tmp_path / "run"))
     img = Image.open(out["png"]).convert("RGB")

@@ -244,16 +244,22 @@ def test_periodic_saves_during_a_blocked_upload_coalesce_and_the_newest_commits(
     skipped = ckpt.pop_skipped()
     assert [s["step"] for s in skipped] == [20, 30] and all("superseded by step" in s["reason"] for s in skipped)
     # local snapshots are bounded: the running one and one pending, the skipped ones deleted
-    assert sorted(os.listdir(snaps / "snaps" / ckpt._name / "snap-rank-0")) == [tag_for(10), tag_for(40)]
+    root = ckpt._roots[2]
+    assert root.startswith(str(snaps / "snaps")) and sorted(os.listdir(root)) == [tag_for(10), tag_for(40)]
     gate.set()
     assert ckpt.uploader.wait(10)
+    # after the uploads only the newest uploaded snapshot stays on the node (a restore here reads it)
+    assert os.listdir(root) == [tag_for(40)]
     committed = ckpt.pop_committed()
     assert [c["step"] for c in committed] == [10, 40]
     # a commit record never carries `kind`: the worker loop logs it as a "checkpoint" event
     assert all("kind" not in c and c["save_kind"] == "periodic" for c in committed)
     assert not manifest_exists(store, 20) and not manifest_exists(store, 30)
     assert store.latest()["step"] == 40
-    ckpt.close()
+    ckpt.close(wait=False, keep_snapshot=True)          # the attempt ends, training goes on: kept
+    assert os.listdir(root) == [tag_for(40)]
+    ckpt.close()                                        # training finished: nothing stays
+    assert not os.path.exists(root)
 
 
 def _two_ranks(snaps, storage):

@@ -30,7 +30,7 @@ class Comms:
         self.done = 0
 
     def gather_flags(self, flags) -> list[list[float]]:
-        return [self.peer_flags.get(self.done, [0.5, 0.0, 0.0, 0.0]), flags.tolist()]
+        return [self.peer_flags.get(self.done, [0.5, 0.0, 0.0, 0.0, 0.0]), flags.tolist()]
 
     def gather_objects(self, obj) -> list:
         peer, self.peer_feeds = self.peer_feeds, np.zeros((0, 3), dtype=np.int64)
@@ -71,7 +71,7 @@ def test_each_save_carries_both_ranks_feeds_in_its_ledger():
     assert ckpt.saves[1]["ledger"].segments.tolist() == [[0, 80, 1]]
 
 
-@pytest.mark.parametrize("peer_flags", [[0.5, 1.0, 2e9, 0.0], [0.5, 0.0, 0.0, 2.0]], ids=["notice", "grow"])
+@pytest.mark.parametrize("peer_flags", [[0.5, 1.0, 2e9, 0.0, 0.0], [0.5, 0.0, 0.0, 2.0, 0.0]], ids=["notice", "grow"])
 def test_a_flag_raised_by_another_rank_on_the_last_step_finishes(peer_flags):
     comms, ckpt = Comms(), Checkpointer()
     comms.peer_flags[STEPS] = peer_flags
@@ -79,10 +79,29 @@ def test_a_flag_raised_by_another_rank_on_the_last_step_finishes(peer_flags):
     assert ckpt.saves[-1]["kind"] == "final" and ckpt.saves[-1]["ledger"].summary(STEPS * G).missing == 0
 
 
+def test_a_refused_write_on_rank_0_stops_every_rank_at_the_next_step():
+    """Rank 0's background commit was refused (a newer writer took the store): its flag reaches this rank
+    in the step's one collective, and the executor says stop -- on the step it arrives, not later."""
+    comms, ckpt = Comms(), Checkpointer()
+    job = from_mapping(JobConfig, {"name": "x", "run_dir": "/tmp/x", "storage": "/tmp/x", "data": {"path": "/tmp/x"},
+                                   "training": {"steps": STEPS, "global_batch": G, "workers": [2, 2]}})
+    engine = type("E", (), {"device": torch.device("cpu")})()
+    ex = _Executor(job, sink=None, comms=comms, engine=engine, rank=1, world=2, attempt=0,
+                   ledger=SampleLedger(), ckpt=ckpt)
+    comms.peer_flags[3] = [0.5, 0.0, 0.0, 0.0, 1.0]
+    for step in range(1, 4):
+        comms.done = step
+        ex.gather(step, torch.tensor(0.25, dtype=torch.float64))
+        assert ex.fenced == (step == 3)
+    comms.done = 4
+    ex.gather(4, torch.tensor(0.25, dtype=torch.float64))
+    assert ex.fenced                                        # it stays stopped
+
+
 def test_a_notice_mid_run_saves_within_its_deadline_and_leaves():
     comms, ckpt = Comms(), Checkpointer()
     deadline = 4e9                                          # far ahead of the real clock: time to save
-    comms.peer_flags[7] = [0.5, 1.0, deadline, 0.0]
+    comms.peer_flags[7] = [0.5, 1.0, deadline, 0.0, 0.0]
     with pytest.raises(PlannedExit, match="preemption at step 7"):
         _run(comms, ckpt)
     last = ckpt.saves[-1]
@@ -98,7 +117,7 @@ def test_the_policy_and_the_checkpointer_keep_one_margin_before_the_deadline(lef
     """A notice with more than the margin left saves (budget = left - margin, the checkpointer's own rule);
     with less, the group leaves without a save, as the checkpointer would abandon it."""
     comms, ckpt = Comms(), Checkpointer()
-    comms.peer_flags[7] = [0.5, 1.0, time.time() + left_s, 0.0]
+    comms.peer_flags[7] = [0.5, 1.0, time.time() + left_s, 0.0, 0.0]
     with pytest.raises(PlannedExit) as exc:
         _run(comms, ckpt)
     emergency = [s for s in ckpt.saves if s["kind"] == "emergency"]

@@ -14,6 +14,7 @@ class Checkpointer:
     def __init__(self):
         self.saves: list[dict] = []
         self.uploader = type("U", (), {"busy": False})()
+        self.stale = False          # no write was refused (a newer writer never took the store)
 
     def save(self, engine, step, client_state, *, kind, deadline_unix_s=None):
         self.saves.append({"step": step, "kind": kind, "deadline": deadline_unix_s,
@@ -28,5 +29,8 @@ class Checkpointer:
     def pop_skipped(self):
         return []
 
-    def close(self, wait=True):
+    def pop_fenced(self):
+        return []
+
+    def close(self, wait=True, keep_snapshot=False):
         pass

@@ -1,6 +1,7 @@
 """`spotfill bench`: side-by-side benchmarks (the repo's benchmarks/ folder), JSON out.
 
-    spotfill bench [--quick] [--json PATH] [--only recovery,preemption,checkpoint,overhead,gpu,upload,fillin,pipeline]
+    spotfill bench [--quick] [--json PATH] [--only recovery,preemption,checkpoint,overhead,gpu,upload,fillin,pipeline,
+                                                   eventlog,elastic_load]
 
 The benchmark code lives in the top-level benchmarks/ folder of a spotfill checkout (runnable scripts, not
 part of the installed package); this command finds it next to the package (`pip install -e .`), in the
@@ -16,7 +17,8 @@ import sys
 from spotfill.config.errors import ConfigError
 
 # benchmarks/run.py's sections, named here too so `--only` is checked without importing the benchmarks
-SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "upload", "fillin", "pipeline")
+SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "upload", "fillin", "pipeline", "eventlog",
+            "elastic_load")
 
 
 def register(sub) -> None:
@@ -29,7 +31,8 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about 10 minutes on 2 cores)")
     p.add_argument("--json", metavar="PATH", help="write the benchmark JSON here")
     p.add_argument("--only", metavar="SECTION,...",
-                   help=f"run only these sections ({', '.join(SECTIONS)}; default all but upload)")
+                   help=f"run only these sections ({', '.join(SECTIONS)}; default all but upload, eventlog "
+                   "and elastic_load)")
     p.set_defaults(func=run)
 
 

@@ -10,7 +10,8 @@ not are hooks, each listed in catalog.py with its class, what it does, what is l
   teardown_reaper, local_preemption_info, warm_worker_setup_hook, prestart_spare_workers,
   kill_stuck_batch_actors, quiet_node_deaths, node_death_reasons, serve_replica_watch,
   serve_request_assignment, tune_fast_trial_cleanup, ledger_group_end, device_aware_torch_backend,
-  gcs_cluster_config, gcs_dashboard_url, gcs_dead_jobs, dashboard_token_auth, deepspeed_group_timeout.
+  gcs_cluster_config, gcs_dashboard_url, gcs_dead_jobs, dashboard_token_auth, deepspeed_group_timeout,
+  restore_node_files.
 - required hooks are what a feature is built on. Where one is missing, that feature -- only when it is
   used -- fails with a RayCompatError: one line naming the feature and the versions that have the hook
   (the CLI and the job scripts print it and exit 1): zero_elastic_load (resuming ZeRO-1/2 runs),

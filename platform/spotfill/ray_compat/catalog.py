@@ -32,12 +32,27 @@ MUON_MODULES = {
 }
 # DeepSpeed ZeRO-1/2 internals the elastic (no conversion) resharding load uses, checked by name in the
 # installed source (the driver checks before any worker starts, without importing DeepSpeed) and by
-# signature when first used (ray_compat.deepspeed_engine).
+# signature when first used (ray_compat.deepspeed_engine). At another data-parallel size each rank copies its
+# window of the merge of the saved partitions (train/zero_merge.py redoes DeepSpeed's
+# flatten_dense_tensors_aligned + get_data_parallel_partitions arithmetic with the optimizer's
+# nccl_start_alignment_factor; the load also checks the window's size against the live partition).
 ZERO_ELASTIC_SOURCES = {
-    "runtime/engine.py": ("_get_all_zero_checkpoints", "zero_elastic_checkpoint", "load_checkpoint"),
-    "runtime/zero/stage_1_and_2.py": ("_load_global_state", "_partition_base_optimizer_state",
-                                      "_restore_from_elastic_fp32_weights", "_link_all_hp_params",
+    "runtime/engine.py": ("_get_all_zero_checkpoint_names", "zero_elastic_checkpoint", "load_checkpoint"),
+    "runtime/zero/stage_1_and_2.py": ("_load_global_state", "flatten_dense_tensors_aligned",
+                                      "get_data_parallel_partitions", "_link_all_hp_params",
                                       "_get_state_without_padding", "state_dict"),
+}
+# attributes the ZeRO optimizer's __init__ sets (`self.<name> =` in the source; on the live optimizer)
+ZERO_ELASTIC_ATTRS = {"runtime/zero/stage_1_and_2.py": ("nccl_start_alignment_factor",)}
+
+# DeepSpeed 0.19's checkpoint file names (engine._get_ckpt_name, _get_rank_zero_ckpt_name): the module file
+# of model-parallel rank 00, and one ZeRO partition per data-parallel rank. A restoring node brings only the
+# files its ranks load (train/checkpoint_files.py reads these names); checked in the source that builds them.
+DS_CHECKPOINT_NAMES = {
+    "runtime/engine.py": ('"mp_rank_" + mp_rank_str + "_model_states.pt"', "zero_pp_rank_{}",
+                          'f\'{"bf16_" if bf16_mode else ""}zero_pp_rank_{dp_rank}\'',
+                          'f"{file_prefix}_mp_rank_{mp_rank:02d}_optim_states.pt"',
+                          'f"{filename}_mp_rank_{mp_rank_str}_model_states.pt"'),
 }
 
 
@@ -70,8 +85,18 @@ def _zero_elastic_files() -> str | None:
     for rel, names in ZERO_ELASTIC_SOURCES.items():
         path, text = deepspeed_source(rel)
         missing = [n for n in names if f"def {n}(" not in text]
+        missing += [n for n in ZERO_ELASTIC_ATTRS.get(rel, ()) if f"self.{n} =" not in text]
         if not text or missing:
             return f"{rel} defining {', '.join(missing or names)} ({path})"
+    return None
+
+
+def _checkpoint_names() -> str | None:
+    for rel, forms in DS_CHECKPOINT_NAMES.items():
+        path, text = deepspeed_source(rel)
+        missing = [f for f in forms if f not in text]
+        if not text or missing:
+            return f"{rel} naming checkpoint files {missing[0] if missing else 'as 0.19 does'} ({path})"
     return None
 
 
@@ -193,6 +218,14 @@ HOOKS = _hooks(
          "train.engine.load_checkpoint has no other way to restore these checkpoints (DeepSpeed 0.19's own "
          "load refuses another data-parallel size); the driver checks before any worker starts",
          checks=(_zero_elastic_files,)),
+    Hook("restore_node_files", ROBUSTNESS, "deepspeed", DS,
+         "a restoring node brings only the checkpoint files its ranks load: the module file and, at the saved "
+         "data-parallel size, its own ranks' ZeRO partitions (DeepSpeed's file names say whose partition a file "
+         "holds)",
+         "every restoring node downloads every file of the checkpoint (all ranks' ZeRO partitions)",
+         "train.restore has the plain path: bring the whole checkpoint to every node (it also does so for any "
+         "file name train.checkpoint_files does not know)",
+         checks=(_checkpoint_names,)),
     Hook("pipe_bubble_probe", REQUIRED, "deepspeed", DS,
          "one PipelineEngine instance gets its own instruction map with timed wrappers (the bubble probe)",
          "pipeline-parallel training (training.pipeline_stages > 1: its bubble probe times every instruction "

@@ -1,16 +1,24 @@
 """DeepSpeed's private names: the Muon optimizer modules spotfill keeps out of its workers, the ZeRO-1/2
-internals of the elastic (no conversion) resharding load, and the pipeline engine's instruction map.
+internals of the elastic (no conversion) resharding load, its checkpoint file names (which rank's partition
+a file holds) and the pipeline engine's instruction map.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 import types
 
 from spotfill.ray_compat.catalog import MUON_MODULES, PIPE_DISPATCH, deepspeed_source
 from spotfill.ray_compat.hooks import RayCompatError, require, required_message, usable
 
-ZERO_ELASTIC_KEYS = ("BASE_OPTIMIZER_STATE", "SINGLE_PARTITION_OF_FP32_GROUPS")
+# DeepSpeed 0.19's checkpoint file names (catalog.DS_CHECKPOINT_NAMES; hook restore_node_files): the module
+# file of model-parallel rank 00, and data-parallel rank <d>'s ZeRO partition (optimizer state, or ZeRO-3
+# parameters; bf16_ from the bf16 optimizer without ZeRO). Group 1 of DS_PARTITION_FILE: <d>.
+DS_MODEL_FILE = re.compile(r"^mp_rank_00_model_states\.pt$")
+DS_PARTITION_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(?:optim|model)_states\.pt$")
+
+ZERO_ELASTIC_KEYS = ("BASE_OPTIMIZER_STATE", "SINGLE_PARTITION_OF_FP32_GROUPS", "OPTIMIZER_STATE_DICT")
 
 
 def skip_deepspeed_muon() -> bool:
@@ -49,20 +57,22 @@ class _MuonStandIn(types.ModuleType):
 def _check_live_signatures(engine) -> None:
     """The DeepSpeed internals zero_load_elastic calls, checked on the live engine by signature (the
     hook's own check reads the source by name, without importing DeepSpeed)."""
-    from spotfill.ray_compat.catalog import HOOKS
+    from spotfill.ray_compat.catalog import HOOKS, ZERO_ELASTIC_ATTRS
     from spotfill.ray_compat.hooks import _resolve
 
     opt = type(engine.optimizer)
     specs = [f"deepspeed.checkpoint.constants:{key}" for key in ZERO_ELASTIC_KEYS] + [
-        f"{type(engine).__module__}:{type(engine).__qualname__}._get_all_zero_checkpoints(load_dir, tag)",
-        f"{opt.__module__}:{opt.__qualname__}._partition_base_optimizer_state(state_key, all_partition_states, "
-"group_id)",
-        f"{opt.__module__}:{opt.__qualname__}._restore_from_elastic_fp32_weights(all_state_dict)",
+        f"{type(engine).__module__}:{type(engine).__qualname__}._get_all_zero_checkpoint_names(load_dir, tag, "
+        "bf16_mode)",
         f"{opt.__module__}:{opt.__qualname__}._load_global_state(sd)",
         f"{opt.__module__}:{opt.__qualname__}._link_all_hp_params"]
     for spec in specs:
         found = _resolve(spec)[0]
         if found:
+            raise RayCompatError(required_message(HOOKS["zero_elastic_load"], found))
+    for attr in (a for names in ZERO_ELASTIC_ATTRS.values() for a in names):
+        if not hasattr(engine.optimizer, attr):      # set by the optimizer's __init__: checked on the instance
+            found = f"{opt.__module__}.{opt.__qualname__}.{attr} (missing on the live optimizer)"
             raise RayCompatError(required_message(HOOKS["zero_elastic_load"], found))
 
 
@@ -82,8 +92,10 @@ def zero_load_elastic(engine, load_dir: str, tag: str) -> dict:
     growing), and both of its elastic-layout restores read a param-group "step" that torch's AdamW (the
     client optimizer spotfill uses) does not keep. So: the module, LR scheduler and client state through
     the public load (optimizer states off); then this rank's partition of every optimizer state and of the
-    fp32 weights, and the learning rate from the restored scheduler -- at the saved size read from its own file, at another size merged from every saved rank's
-    file and re-partitioned with DeepSpeed's own helpers. Returns the client state."""
+    fp32 weights, and the learning rate from the restored scheduler. At the saved size a rank reads its own
+    file; at another size its part of the merge of every saved partition (train/zero_merge.py), cut from
+    the saved files memory-mapped, so it reads only the pages of its part and never holds the merge.
+    Returns the client state."""
     require("zero_elastic_load")
     if not zero_elastic_supported(engine):
         raise RuntimeError("zero_load_elastic needs a ZeRO-1/2 engine built with "
@@ -93,25 +105,22 @@ def zero_load_elastic(engine, load_dir: str, tag: str) -> dict:
     import torch.distributed as dist
     from deepspeed.checkpoint import constants as ds_keys
 
-    opt, zc = engine.optimizer, engine._config.zero_config
+    from spotfill.train.zero_merge import copy_window, merged_part_bounds, zero_past
+
+    opt = engine.optimizer
     _, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=False,
                                              load_lr_scheduler_states=True)
     if client_state is None:
         raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {load_dir}")
     dp_rank, dp_world = dist.get_rank(group=opt.dp_process_group), dist.get_world_size(group=opt.dp_process_group)
     same = int(engine.loaded_checkpoint_dp_world_size) == dp_world
-    zc.elastic_checkpoint = not same          # DeepSpeed reads every rank's file only when elastic is set
-    try:
-        saved = engine._get_all_zero_checkpoints(load_dir, tag)
-    finally:
-        zc.elastic_checkpoint = True
-    if not saved or (same and saved[dp_rank] is None) or (not same and any(sd is None for sd in saved)):
-        raise FileNotFoundError(f"ZeRO partitions of {tag!r} missing under {load_dir}")
+    # memory-mapped: a file's pages are read when touched and let go with its last tensor
+    saved = [torch.load(name, map_location="cpu", mmap=True, weights_only=False)[ds_keys.OPTIMIZER_STATE_DICT]
+             for name in _zero_partition_files(engine, load_dir, tag, dp_rank if same else None)]
     base, fp32 = ds_keys.BASE_OPTIMIZER_STATE, ds_keys.SINGLE_PARTITION_OF_FP32_GROUPS
-    own = saved[dp_rank] if same else saved[0]
-    if isinstance(own[base], dict):
+    if isinstance(saved[0][base], dict):
         raise RuntimeError(f"checkpoint {tag!r} holds a rigid (non-elastic) ZeRO optimizer state")
-    opt._load_global_state(own)
+    opt._load_global_state(saved[0])
 
     def put(dst, value):                      # this rank's share, zero-padded to the live partition
         value = value.reshape(-1)
@@ -119,25 +128,42 @@ def zero_load_elastic(engine, load_dir: str, tag: str) -> dict:
             value = torch.cat([value, value.new_zeros(dst.numel() - value.numel())])
         dst.data.copy_(value.reshape(dst.shape).to(dtype=dst.dtype, device=dst.device))
 
+    merged: list[tuple[int, str | None, object]] = []   # (group, state key or None for the fp32 weights, live)
     for i, group in enumerate(opt.optimizer.param_groups):
-        p = group["params"][0]
-        for key in own[base][i]:
-            if same:
-                mine = own[base][i][key]
-            else:
-                values = [sd[base][i][key] for sd in saved]
-                partitioned = all(torch.is_tensor(v) and v.shape == sd[fp32][i].shape for v, sd in zip(values, saved))
-                mine = opt._partition_base_optimizer_state(key, values, i, is_partition_state=partitioned)
+        p, live = group["params"][0], opt.single_partition_of_fp32_groups[i]
+        for key in saved[0][base][i]:
+            value = saved[0][base][i][key]
+            partitioned = all(torch.is_tensor(sd[base][i][key]) and sd[base][i][key].shape == sd[fp32][i].shape
+                              for sd in saved)
             dst = opt.optimizer.state[p].get(key)
-            if torch.is_tensor(mine) and torch.is_tensor(dst):
-                put(dst, mine)
+            if not same and partitioned:      # filled from every saved file below
+                if not torch.is_tensor(dst):
+                    opt.optimizer.state[p][key] = dst = torch.zeros_like(live)
+                merged.append((i, key, dst))
+            elif torch.is_tensor(value) and torch.is_tensor(dst):
+                put(dst, value)
             else:
-                opt.optimizer.state[p][key] = mine.clone() if torch.is_tensor(mine) else mine
-    if same:
-        for current, part in zip(opt.single_partition_of_fp32_groups, own[fp32]):
-            put(current, part)
-    else:
-        opt._restore_from_elastic_fp32_weights(saved)
+                opt.optimizer.state[p][key] = value.clone() if torch.is_tensor(value) else value
+        if same:
+            put(live, saved[0][fp32][i])
+        else:
+            merged.append((i, None, live))
+    if merged:    # another world size: this rank's window of the merge, one saved file at a time
+        lengths = [[sd[fp32][i].numel() for sd in saved] for i in range(len(opt.single_partition_of_fp32_groups))]
+        bounds = []
+        for i, key, dst in merged:
+            start, size = merged_part_bounds(lengths[i], opt.nccl_start_alignment_factor * dp_world, dp_world, dp_rank)
+            if size != dst.numel():
+                raise RuntimeError(f"checkpoint {tag!r}: a merged partition of {size} elements for a live one of "
+                                   f"{dst.numel()} (DeepSpeed's ZeRO partitioning changed?)")
+            zero_past(dst.data, sum(lengths[i]), start)
+            bounds.append(start)
+        for r in range(len(saved)):
+            for (i, key, dst), start in zip(merged, bounds):
+                part = saved[r][fp32][i] if key is None else saved[r][base][i][key]
+                copy_window(dst.data, part, sum(lengths[i][:r]), start)
+            saved[r] = None                   # unmapped: its pages leave this process
+    del saved
     opt._link_all_hp_params()
     # The elastic layout keeps optimizer states, not param groups: the learning rate the saved optimizer
     # held is the one the restored scheduler gives at its iteration (DeepSpeed's schedulers set it so).
@@ -145,6 +171,18 @@ def zero_load_elastic(engine, load_dir: str, tag: str) -> dict:
     if sched is not None and hasattr(sched, "last_batch_iteration"):
         sched.step(sched.last_batch_iteration)
     return client_state
+
+
+def _zero_partition_files(engine, load_dir: str, tag: str, only: int | None) -> list[str]:
+    """The saved ZeRO partition files of `tag` this rank reads: saved dp rank `only`'s, or (None) every
+    saved rank's -- the engine's precision's names, else the other precision's, as DeepSpeed tries them."""
+    bf16 = bool(engine.bfloat16_enabled())
+    for mode in (bf16, not bf16):
+        names = engine._get_all_zero_checkpoint_names(load_dir, tag, mode) or []
+        names = names[only:only + 1] if only is not None else names
+        if names and all(os.path.isfile(n) for n in names):
+            return names
+    raise FileNotFoundError(f"ZeRO partitions of {tag!r} missing under {load_dir}")
 
 
 def pipe_instruction_map(engine) -> dict:

@@ -125,19 +125,25 @@ def invariants(report: dict, checkpoint_every: int) -> dict:
     corrupted = [e for e in report.get("events", []) if e.get("action") == "corrupt_checkpoint" and e.get("tag")]
     if corrupted:
         inv["corrupted_checkpoints_quarantined"] = corrupted_checkpoint_invariant(corrupted, report)
+    stale = [e for e in report.get("events", []) if e.get("action") == "stale_writer" and e.get("attempted")]
+    if stale:
+        from spotfill.sim.stale_writer import stale_writer_invariant
+        inv["stale_writer_fenced"] = stale_writer_invariant(stale, report)
     return inv
 
 
 def corrupted_checkpoint_invariant(corrupted: list[dict], report: dict) -> dict:
-    """Every corrupted tag ({tag, step, t}) is never restored after the corruption, and is quarantined
-    whenever a later restore went back to an older checkpoint (the corrupted one was in its way)."""
+    """Every corrupted tag ({tag, step, t}; every file damaged in storage) is never restored from storage
+    after the corruption -- a restore of it that read no byte from storage (every file from the nodes' own
+    kept snapshots, verified against the manifest) loaded the committed bytes and is fine -- and is
+    quarantined whenever a later restore went back to an older checkpoint (it was in its way)."""
     ckpt = report.get("checkpoints", {})
     quarantined = {q["tag"] for q in ckpt.get("quarantined", [])}
     bad = []
     for c in corrupted:
         later = [r for r in ckpt.get("restored", []) if (r.get("t") or 0) >= c["t"]]
-        if any(r["tag"] == c["tag"] for r in later):
-            bad.append(f"{c['tag']} restored after it was corrupted")
+        if any(r["tag"] == c["tag"] and r.get("read_bytes_storage") != 0 for r in later):
+            bad.append(f"{c['tag']} restored from storage after it was corrupted")
         elif any(r["step"] < c["step"] for r in later) and c["tag"] not in quarantined:
             bad.append(f"{c['tag']} not quarantined although a later restore went past it")
     return {"ok": not bad, "detail": "; ".join(bad) or

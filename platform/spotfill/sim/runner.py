@@ -406,9 +406,11 @@ def _await_scale_down(cluster, scenario: Scenario, say) -> dict:
 
 
 def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
-    """The corrupt_checkpoint action: flip one byte in the largest file of the newest committed checkpoint
-    (the store's `latest`). A save still uploading is waited for (up to `wait_s`), so the damage lands on
-    the checkpoint a restart would pick. Returns {"tag", "step", "file", "t"} or {"skipped"}."""
+    """The corrupt_checkpoint action: flip one byte in every file of the newest committed checkpoint in
+    storage (the store's `latest`; any file a restore downloads is then damaged -- a node may still restore
+    it from its own kept snapshot, which matches the manifest). A save still uploading is waited for (up to
+    `wait_s`), so the damage lands on the checkpoint a restart would pick. Returns {"tag", "step", "file"
+    (the largest), "files", "t"} or {"skipped"}."""
     from spotfill.storage.base import open_storage
     from spotfill.storage.checkpoint_store import CheckpointStore
 
@@ -422,13 +424,14 @@ def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
         return {"skipped": "no committed checkpoint yet"}
     manifest = store.manifest(tag)
     files = manifest["files"]
+    for rel in sorted(files):
+        key = f"{store.prefix}/{tag}/{rel}"
+        data = bytearray(store.storage.get_bytes(key))
+        data[len(data) // 2] ^= 0xFF
+        store.storage.put_bytes(key, bytes(data))
     rel = max(sorted(files), key=lambda r: files[r]["size"])
-    key = f"{store.prefix}/{tag}/{rel}"
-    data = bytearray(store.storage.get_bytes(key))
-    data[len(data) // 2] ^= 0xFF
-    store.storage.put_bytes(key, bytes(data))
-    say(f"corrupted {tag}/{rel} (one byte flipped)")
-    return {"tag": tag, "step": int(manifest["step"]), "file": rel, "t": round(time.time(), 3)}
+    say(f"corrupted {tag} (one byte flipped in each of its {len(files)} files)")
+    return {"tag": tag, "step": int(manifest["step"]), "file": rel, "files": len(files), "t": round(time.time(), 3)}
 
 
 def _owners(say) -> dict[str, dict]:
@@ -539,6 +542,9 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                 s3.outage_for(ev.duration_s)
             elif ev.action == "corrupt_checkpoint":
                 corrupted[ev.index] = corrupt_newest_checkpoint(job, say)
+            elif ev.action == "stale_writer":
+                from spotfill.sim.stale_writer import stale_write
+                corrupted[ev.index] = stale_write(job, say)
             elif ev.action == "swap_shards":
                 corrupted[ev.index] = swap_shards(job.config.data.path, ev.shards, say)
             if ev.action in NODE_EVENTS:
@@ -571,7 +577,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                                           "at": round(t, 3), "world_size_before": world_at.get(ev.index), **out})
         elif ev.action == "add_node":
             entry.update(grow_outcome(events, t))
-        elif ev.action == "corrupt_checkpoint":
+        elif ev.action in ("corrupt_checkpoint", "stale_writer"):
             entry.update(corrupted.get(ev.index, {}))
         elif ev.action == "swap_shards":
             entry.update({**corrupted.get(ev.index, {}), **swap_outcome(events, t)})

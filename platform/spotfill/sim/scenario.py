@@ -7,10 +7,11 @@
     events:   [{at_step: 30, action: drain_node, node: 1, deadline_s: 20}, ...]
 
 Actions: drain_node, remove_node, kill_node, freeze_node (SIGSTOP every process of the node: it goes silent,
-no TCP reset, as a host that vanished), add_node, storage_outage, corrupt_checkpoint (flip bytes in the
-largest file of the newest committed checkpoint; the next restore must quarantine it and go past it) and
-swap_shards (two data shards exchange their contents in storage; a worker that reads one fails the job with
-one line naming it: sim/data_faults.py).
+no TCP reset, as a host that vanished), add_node, storage_outage, corrupt_checkpoint (flip a byte in every file
+of the newest committed checkpoint in storage; a restore that reads it from storage must quarantine it and go
+past it), stale_writer (the previous attempt's writer commits, moves `latest` and deletes: every write refused)
+and swap_shards (two data shards exchange their contents in storage; a worker that reads one fails the job
+with one line naming it: sim/data_faults.py).
 A node event's `node` is an index, or (with fill-in on) a pick made when the event fires: `most_training`
 (the node where training holds the most GPUs) or `most_lent` (where fill-in holds the most).
 """
@@ -30,7 +31,8 @@ ACTIONS = {
     "freeze_node": ({"node"}, set()),       # SIGSTOP every process of the node: no TCP reset, no answer
     "remove_node": ({"node"}, {"deadline_s"}),
     "storage_outage": ({"duration_s"}, set()),
-    "corrupt_checkpoint": (set(), set()),   # flip bytes in one file of the newest committed checkpoint
+    "corrupt_checkpoint": (set(), set()),   # flip a byte in every file of the newest committed checkpoint
+    "stale_writer": (set(), set()),         # the previous attempt's writer commits (sim/stale_writer.py)
     "swap_shards": (set(), {"shards"}),     # two data shards exchange their contents in storage
     # autoscaling clusters: close (available: false) or reopen the fake cloud's market for a node type
     "market": ({"node_type", "available"}, {"how"}),
@@ -76,6 +78,7 @@ class Event:
                 "remove_node": f"remove {node}",
                 "storage_outage": f"storage outage for {self.duration_s:g}s",
                 "corrupt_checkpoint": "corrupt the newest committed checkpoint",
+                "stale_writer": "a stale writer of the previous attempt commits",
                 "swap_shards": f"swap the contents of data shards {self.shards[0]} and {self.shards[1]}",
                 "market": f"{'open' if self.available else 'close'} the market for {self.node_type}"
                           + ("" if self.available else f" ({self.how})")}[self.action]

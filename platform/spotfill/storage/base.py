@@ -27,7 +27,7 @@ from typing import Callable, Iterable, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from spotfill.config import constants
-from spotfill.config.errors import ConfigError, StorageError
+from spotfill.config.errors import ConditionalWritesUnsupported, ConfigError, StorageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -199,6 +199,33 @@ class Storage(abc.ABC):
                              for rel, size in files.items()], upload=False)
         return TransferStats(files, sum(files.values()), time.monotonic() - t0)
 
+    # -- conditional writes: what the writer fence (storage/fence.py) builds on ---------------------
+    def conditional_writes(self) -> str | None:
+        """How this backend makes a write conditional on the object's state (a short description), or
+        None where it cannot: then put_if_absent / put_if_version raise ConditionalWritesUnsupported."""
+        return None
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create `key` with `data` only where no object exists: True when created, False when one did."""
+        raise ConditionalWritesUnsupported(f"{self.uri} has no conditional writes")
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """(bytes, version) of `key`, or None without an object. put_if_version takes the version."""
+        try:
+            data = self.get_bytes(key)
+        except FileNotFoundError:
+            return None
+        return data, hashlib.sha256(data).hexdigest()
+
+    def put_if_version(self, key: str, data: bytes, version: str | None) -> bool:
+        """Replace `key` only while its version is still `version` (None: only while there is no object);
+        False when another write came first."""
+        raise ConditionalWritesUnsupported(f"{self.uri} has no conditional writes")
+
+    def sha256(self, key: str) -> str:
+        """Hex sha256 of the object at `key` as storage holds it, read from storage (no local copy)."""
+        return hashlib.sha256(self.get_bytes(key)).hexdigest()
+
     @abc.abstractmethod
     def check(self, write: bool = True) -> None:
         """Fast reachability/credentials check (one try, short timeouts): ConfigError('storage', ...)."""
@@ -320,6 +347,57 @@ class LocalStorage(Storage):
                 dst, lambda tmp: shutil.copyfile(src, tmp)))
         with ThreadPoolExecutor(min(self.concurrency, len(items))) as pool:
             list(pool.map(copy, items))
+
+    # A local directory: exclusive create through a hard link (link(2) fails on an existing name), and
+    # compare-and-swap as read, compare, replace under an flock on a lock file beside the object (the
+    # processes of one machine; on NFS only where the server honours POSIX locks). The version is the
+    # content's sha256.
+    def conditional_writes(self):
+        return "local: exclusive create (link) + compare-and-swap under flock"
+
+    def put_if_absent(self, key, data):
+        path = self._path(key)
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f"{TMP_MARK}{uuid.uuid4().hex}-{os.path.basename(path)}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def put_if_version(self, key, data, version):
+        import fcntl
+
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock = os.path.join(os.path.dirname(path), f"{TMP_MARK}lock-{os.path.basename(path)}")
+        with open(lock, "a+b") as held:
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+            try:
+                current = self.get_versioned(key)
+                if (current[1] if current else None) != version:
+                    return False
+                if version is None:
+                    return self.put_if_absent(key, data)
+                self.put_bytes(key, data)
+                return True
+            finally:
+                fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+
+    def sha256(self, key):
+        path = self._path(key)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no object {key!r} at {self.uri}")
+        return sha256_file(path)
 
     def check(self, write=True):
         try:

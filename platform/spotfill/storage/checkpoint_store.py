@@ -5,7 +5,9 @@ Layout under a Storage (usually a run's prefix), with `prefix="checkpoints"`::
     checkpoints/<tag>/rank-<r>/<files...>      each rank's files, uploaded in parallel
     checkpoints/<tag>/rank-<r>.done.json       {rank, world_size, tag, bytes, files}, written after its files
     checkpoints/<tag>/manifest.json            {tag, step, world_size, created, bytes, files, meta}: COMMITTED
-    checkpoints/latest                         {"tag", "step", "committed"}, moved only after a manifest
+    checkpoints/latest                         {"tag", "step", "committed", "generation", "writer"}, moved
+                                               only after a manifest
+    checkpoints/writers/gen-<N>.json           the writer generations (storage/fence.py)
 
 `files` maps the path relative to the tag directory ("rank-0/model.pt") to {size, sha256}. The manifest is
 written only after every rank's marker exists, and `latest` only after the manifest, so a reader that trusts
@@ -14,6 +16,12 @@ previous committed tag of the live lineage (storage/lineage.py) when the newest 
 quarantines the damaged one: `<tag>/quarantined.json` ({tag, reason, t}) marks it, it is never restored
 again, and retention keeps the newest few for inspection. Each manifest records its `parent` (the tag this
 training state descends from), so retention and `latest` follow the lineage, not the step number.
+
+A training attempt's store takes a writer generation (take_generation) before it restores: its commits,
+`latest` moves, quarantines and deletions are refused (WriterFenced) once a newer writer took the store,
+and the newest writer's commit always moves `latest` (its lineage is the live one). Stores that take no
+generation (readers, tools) write unfenced. A download verifies against the manifest and re-checks a
+mismatch in storage before calling the checkpoint damaged (storage/verified_fetch.py).
 
 Tags sort by step, then attempt: `tag_for(120)` is "step-00000120", `tag_for(120, 3)` "step-00000120-a3"
 (unique per attempt: a step re-saved after a rollback never writes into a committed tag).
@@ -24,16 +32,16 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
 from spotfill.config import constants
 from spotfill.config.errors import CheckpointCorrupt, ConfigError
-from spotfill.storage.base import Storage, join_key, local_files, sha256_file
+from spotfill.storage.base import Storage, join_key, local_files, sha256_file  # noqa: F401 (re-exported)
+from spotfill.storage.fence import WRITERS, Generation, WriterFence
 from spotfill.storage.lineage import Lineage, build_lineage
+from spotfill.storage.verified_fetch import fetch_verified, hash_files
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -77,13 +85,6 @@ def tag_key(tag: str) -> tuple[int, str]:
     return (int(m.group(1)) if m else -1, tag)
 
 
-def hash_files(root: str, rels: Iterable[str], threads: int = 4) -> dict[str, str]:
-    """relpath -> sha256 for files under `root`, hashed in parallel."""
-    rels = list(rels)
-    with ThreadPoolExecutor(max(1, min(threads, len(rels) or 1))) as pool:
-        return dict(zip(rels, pool.map(lambda r: sha256_file(os.path.join(root, *r.split("/"))), rels)))
-
-
 class CheckpointStore:
     """Upload rank parts, commit a manifest when all ranks are in, move `latest`, restore verified."""
 
@@ -96,12 +97,31 @@ class CheckpointStore:
         # by each commit; written into the next manifest as its `parent`. Unknown until then.
         self._head: str | None = None
         self._head_known = False
+        # The writer generation this process holds (take_generation); None: an unfenced reader or tool.
+        self.fence: WriterFence | None = None
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.storage.uri!r}, prefix={self.prefix!r}, keep_last={self.keep_last})"
 
     def _k(self, *parts: str) -> str:
         return join_key(self.prefix, *parts)
+
+    # -- the writer fence (storage/fence.py) --------------------------------------------------------
+    def take_generation(self, **info) -> WriterFence:
+        """Become the store's newest writer (a training attempt's rank 0 does this before its restore):
+        from now on this store's commits, `latest` moves, quarantines and deletions are refused
+        (WriterFenced) once a newer writer takes a generation. `info` (attempt=...) names the holder."""
+        self.fence = WriterFence.take(self.storage, self.prefix, **info)
+        return self.fence
+
+    def adopt_generation(self, generation: Generation, **info) -> WriterFence:
+        """Write as the holder of an earlier `generation` (a zombie writer, in a rehearsal)."""
+        self.fence = WriterFence.adopt(self.storage, self.prefix, generation, **info)
+        return self.fence
+
+    def _guard(self, op: str, tag: str | None) -> None:
+        if self.fence is not None:
+            self.fence.check(op, tag)
 
     # -- writing ------------------------------------------------------------------------------------
     def upload_part(self, tag: str, rank: int, world_size: int, local_dir: str,
@@ -192,10 +212,13 @@ class CheckpointStore:
             manifest["parent"] = parent
         if guard is not None:
             guard.claim()
+        self._guard("commit", tag)
         self.storage.put_bytes(self._k(tag, MANIFEST), json.dumps(manifest, indent=1).encode())
         self._head, self._head_known = tag, True
         lineage, current = self.lineage(head=tag), self.latest_tag()
-        if self._moves_latest(current, parent_known, parent, lineage, tag):
+        if self.fence is not None:   # the newest writer's lineage is the live one: it moves `latest`
+            self._point_latest(tag, int(step), manifest["created"])
+        elif self._moves_latest(current, parent_known, parent, lineage, tag):
             self._point_latest(tag, int(step), manifest["created"])
         else:   # another attempt resumed meanwhile: its lineage is the live one
             log.warning("checkpoint %s committed but `latest` stays at %s: training resumed from it after "
@@ -218,6 +241,10 @@ class CheckpointStore:
         return not parent_known and lineage.descends_from(tag, current)
 
     def _point_latest(self, tag: str | None, step: int, created: float | None = None) -> None:
+        if self.fence is not None:     # compare-and-swap, refused once a newer writer exists
+            self.fence.write_pointer(LATEST, lambda _: {"tag": tag, "step": int(step), "committed": created},
+                                     "move latest", tag)
+            return
         if tag is None:
             self.storage.delete(self._k(LATEST))
             return
@@ -233,6 +260,7 @@ class CheckpointStore:
 
     def quarantine(self, tag: str, reason: str) -> None:
         """Mark a damaged committed tag: never restored again, listed by quarantined()."""
+        self._guard("quarantine", tag)
         self.storage.put_bytes(self._k(tag, QUARANTINE), json.dumps(
             {"tag": tag, "reason": reason, "t": time.time()}).encode())
         log.warning("checkpoint %s quarantined: %s", tag, reason)
@@ -246,6 +274,8 @@ class CheckpointStore:
             if "/" not in rest:
                 continue  # `latest` and other top-level files
             tag, name = rest.split("/", 1)
+            if tag == WRITERS:
+                continue  # the writer generations (storage/fence.py)
             tags.add(tag)
             if name == MANIFEST:
                 committed.add(tag)
@@ -307,9 +337,10 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
         try:
-            return json.loads(raw)
+            pointer = json.loads(raw)
         except ValueError:
             return {"tag": raw, "step": tag_key(raw)[0]}  # a plain-text tag is fine too
+        return pointer if pointer.get("tag") is not None else None   # claimed by a writer, no commit yet
 
     def latest_tag(self) -> str | None:
         """The tag `latest` points to, or None before the first commit."""
@@ -389,48 +420,23 @@ class CheckpointStore:
         return manifest
 
     def download(self, manifest: dict, local_dir: str, verify: bool = True,
-                 want: set[str] | None = None) -> dict:
-        """Download the files of a checked manifest to `local_dir/<tag>/`, verifying sizes and (verify)
-        sha256; CheckpointCorrupt on a mismatch. Returns the manifest with `path` and `download_seconds`."""
+                 want: set[str] | None = None, local_copies: dict[str, str] | None = None) -> dict:
+        """Bring the files of a checked manifest (those under the `want` prefixes, or all) to
+        `local_dir/<tag>/`, verifying sizes and (verify) sha256 (storage/verified_fetch.py: `local_copies`,
+        rel -> path, are used where they match; a mismatch is checked again in storage before it is called
+        damaged). CheckpointCorrupt when storage's bytes are wrong, LocalCopyCorrupt when only this node's
+        copy is. Returns the manifest with `path`, `download_seconds` and `io` (bytes by source)."""
         t0, tag = time.monotonic(), manifest["tag"]
         files = _wanted(manifest["files"], want)
         final = os.path.join(local_dir, tag)
-        self._fetch_verified(tag, files, final, verify)
+        io = fetch_verified(self.storage, self._k(tag), files, final, verify, local_copies, tag)
         with open(os.path.join(final, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
-        manifest = dict(manifest, path=final, download_seconds=time.monotonic() - t0)
-        log.info("checkpoint %s restored to %s: %d files, %.1f MB in %.2fs%s", tag, final, len(files),
-                 sum(i["size"] for i in files.values()) / 1e6, manifest["download_seconds"],
-                 " (sha256 verified)" if verify else "")
+        manifest = dict(manifest, path=final, download_seconds=time.monotonic() - t0, io=io.as_dict())
+        log.info("checkpoint %s restored to %s: %d files, %.1f MB in %.2fs (%.1f MB from local copies)%s", tag,
+                 final, len(files), sum(i["size"] for i in files.values()) / 1e6, manifest["download_seconds"],
+                 io.bytes_local / 1e6, " (sha256 verified)" if verify else "")
         return manifest
-
-    def _fetch_verified(self, tag: str, files: dict[str, dict], final: str, verify: bool,
-                        sub: str = "") -> None:
-        """Download `files` (relative to `<tag>/<sub>`) into `final` through a staging folder."""
-        parent = os.path.dirname(final) or "."
-        os.makedirs(parent, exist_ok=True)
-        stage = os.path.join(parent, f".partial-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
-        os.makedirs(stage)
-        try:
-            for top in sorted({rel.split("/", 1)[0] for rel in files if "/" in rel}):  # rank-<r>, zero
-                self.storage.download_dir(self._k(tag, sub, top), os.path.join(stage, top))
-            for rel in sorted(rel for rel in files if "/" not in rel):
-                self.storage.get_file(self._k(tag, sub, rel), os.path.join(stage, rel))
-            got = local_files(stage)
-            for rel, info in files.items():
-                if got.get(rel) != info["size"]:
-                    raise CheckpointCorrupt(f"{tag}: {rel} downloaded with {got.get(rel)} bytes, "
-                                            f"manifest says {info['size']}")
-            if verify:
-                digests = hash_files(stage, files)
-                for rel, info in sorted(files.items()):
-                    if digests[rel] != info["sha256"]:
-                        raise CheckpointCorrupt(f"{tag}: checksum mismatch in {rel}")
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(stage, final)
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
 
     # -- the universal (converted) copy -------------------------------------------------------------
     def has_universal(self, tag: str) -> bool:
@@ -456,7 +462,7 @@ class CheckpointStore:
         except (ValueError, KeyError) as exc:
             raise CheckpointCorrupt(f"{tag}: unreadable universal index ({exc})") from None
         try:
-            self._fetch_verified(tag, index, local_dir, verify=True, sub=UNIVERSAL)
+            fetch_verified(self.storage, self._k(tag, UNIVERSAL), index, local_dir, True, tag=tag)
         except CheckpointCorrupt:
             self.storage.delete(self._k(tag, UNIVERSAL_INDEX))
             raise
@@ -469,6 +475,7 @@ class CheckpointStore:
         tags, done, bad = self._tags()
         doomed = [t for t in tags if t not in done and t not in bad]
         for tag in doomed:
+            self._guard("delete", tag)
             self.storage.delete_prefix(self._k(tag))
         if doomed:
             log.info("checkpoint: discarded uncommitted tags %s", doomed)
@@ -486,9 +493,11 @@ class CheckpointStore:
         newest = tag_key(lineage.head)
         orphans = [t for t in tags if t not in done and t not in bad and tag_key(t) < newest]
         for tag in doomed:  # manifest first: a half-deleted tag must not look committed
+            self._guard("delete", tag)
             self.storage.delete(self._k(tag, MANIFEST))
             self.storage.delete_prefix(self._k(tag))
         for tag in orphans:
+            self._guard("delete", tag)
             self.storage.delete_prefix(self._k(tag))
         if doomed or orphans:
             log.info("checkpoint retention (keep_last=%d, live lineage %s): deleted %s; orphans deleted %s",

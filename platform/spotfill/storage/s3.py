@@ -6,6 +6,7 @@ Storage's RetryPolicy; a missing key raises FileNotFoundError; secrets never rea
 """
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from urllib.parse import urlsplit
@@ -128,6 +129,93 @@ class S3Storage(Storage):
                     raise FileNotFoundError(f"no object {key!r} at {self.uri}") from None
                 raise
         return self._retrying(f"get {key}", get)
+
+    # -- conditional writes (S3 If-None-Match / If-Match on PutObject; AWS since 2024) --------------------
+    # Endpoints differ: some ignore the headers (the write goes through), some reject them (501/400). The
+    # first call probes once per endpoint and bucket: create a probe object with If-None-Match: *, again
+    # (must be refused, 412), then overwrite it with a wrong If-Match (must be refused too).
+    _probed: dict[tuple, str | None] = {}
+
+    def conditional_writes(self):
+        where = (self.endpoint_url, self.bucket)
+        if where not in S3Storage._probed:
+            S3Storage._probed[where] = self._probe_conditional()
+        return S3Storage._probed[where]
+
+    def _probe_conditional(self) -> str | None:
+        key = f".spotfill-conditional-probe-{uuid.uuid4().hex}"
+        try:
+            if not self._put_conditional(key, b"1", IfNoneMatch="*"):
+                return None
+            refused = not self._put_conditional(key, b"2", IfNoneMatch="*") and \
+                not self._put_conditional(key, b"3", IfMatch='"00000000000000000000000000000000"')
+            return "s3: conditional writes (If-None-Match / If-Match)" if refused else None
+        except StorageError as exc:
+            from botocore.exceptions import ClientError
+            if not isinstance(exc.__cause__, ClientError):
+                raise      # unreachable, not an answer: probe again next time
+            # the endpoint answered 501 NotImplemented or 400 on the header: no conditional writes
+            logging.getLogger(__name__).info("%s: no conditional writes (%s)", self.uri, exc)
+            return None
+        finally:
+            self.delete(key)
+
+    def _put_conditional(self, key: str, data: bytes, **condition) -> bool:
+        """PutObject with a condition: True when written, False on 412 PreconditionFailed (or a 404 /
+        409 ConditionalRequestConflict: the object it named is gone, or a concurrent write won)."""
+        from botocore.exceptions import ClientError
+
+        def put():
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **condition)
+                return True
+            except ClientError as exc:
+                err = exc.response.get("Error", {})
+                code = str(err.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+                if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409") or \
+                        code in _NOT_FOUND_CODES:
+                    return False
+                raise
+        return self._retrying(f"conditional put {key}", put)
+
+    def put_if_absent(self, key, data):
+        if not self.conditional_writes():
+            return super().put_if_absent(key, data)
+        return self._put_conditional(key, data, IfNoneMatch="*")
+
+    def get_versioned(self, key):
+        def get():
+            try:
+                out = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+                return out["Body"].read(), out["ETag"]
+            except Exception as exc:
+                if self._not_found(exc):
+                    return None
+                raise
+        return self._retrying(f"get {key}", get)
+
+    def put_if_version(self, key, data, version):
+        if not self.conditional_writes():
+            return super().put_if_version(key, data, version)
+        if version is None:
+            return self._put_conditional(key, data, IfNoneMatch="*")
+        return self._put_conditional(key, data, IfMatch=version)
+
+    def sha256(self, key):
+        import hashlib
+
+        def stream():
+            try:
+                body = self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+            except Exception as exc:
+                if self._not_found(exc):
+                    raise FileNotFoundError(f"no object {key!r} at {self.uri}") from None
+                raise
+            h = hashlib.sha256()
+            for chunk in iter(lambda: body.read(4 << 20), b""):
+                h.update(chunk)
+            return h.hexdigest()
+        return self._retrying(f"read {key}", stream)
 
     def put_file(self, local_path, key):
         size = os.path.getsize(local_path)

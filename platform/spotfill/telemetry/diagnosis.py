@@ -127,7 +127,8 @@ def _one_recovery(a: int, rec: dict, prev: dict, began_t: float, faults: list[fl
         detect, decide, workers = restart["t"] - fault_t, sched["t"] - restart["t"], entered - sched["t"]
     detail = {"fault_to_workers_up_s": round(entered - fault_t, 3) if entered is not None else None,
               "controller_events": bool(restart and sched)}
-    for k in ("download_s", "convert_s", "bytes", "from_world_size", "world_size", "universal"):
+    for k in ("download_s", "convert_s", "bytes", "from_world_size", "world_size", "universal", "reads",
+              "read_bytes_storage", "read_bytes_local"):
         if up is not None and k in up:
             detail[k] = up[k]
     return Recovery(

@@ -180,6 +180,8 @@ def enrich_report(report: dict, events: list[dict], nodes: list[NodeSpan] | None
         r = by_fault.get(round(p["at"], 3)) if p.get("at") is not None else None
         if r is not None:
             p["recovery_breakdown"] = {k: r[k] for k in PHASES}
+            if r["detail"].get("reads") is not None:   # state_load_s's bytes: per node, from storage / local
+                p["recovery_breakdown"]["state_reads"] = r["detail"]["reads"]
     return report
 
 

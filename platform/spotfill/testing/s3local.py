@@ -10,6 +10,9 @@ objects, which is how callers simulate a storage outage::
             ...
         s3.outage_for(20)                       # the same, in the background, for 20 s
 
+moto (5.2) honours PutObject's `If-None-Match: *` and `If-Match: <etag>` (412 PreconditionFailed), as AWS
+does; `LocalS3(conditional_writes=False)` drops those headers, like an S3-compatible store that ignores them.
+
 The instance creates an IAM user with an allow-all policy and exposes its keys (`access_key`,
 `secret_key`, `env()`). Inside `with s3.strict_auth():` the server checks access keys and SigV4 signatures
 (moto's IAM emulation) and answers 403 InvalidAccessKeyId / SignatureDoesNotMatch like AWS would. It is off
@@ -45,8 +48,10 @@ class _QuietHandlerMixin:
             log.debug("local s3: " + message, *args)
 
 
-def _make_server(host: str, port: int):
-    """A threaded werkzeug server for moto's app that tracks open connections so stop() can cut them."""
+def _make_server(host: str, port: int, conditional_writes: bool = True):
+    """A threaded werkzeug server for moto's app that tracks open connections so stop() can cut them.
+    conditional_writes=False drops If-None-Match / If-Match from requests, as an S3-compatible store without
+    conditional writes does (the write goes through)."""
     from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
@@ -82,6 +87,13 @@ def _make_server(host: str, port: int):
                     conn.close()
 
     app = DomainDispatcherApplication(create_backend_app)
+    if not conditional_writes:
+        moto_app = app
+
+        def app(environ, start_response):
+            environ.pop("HTTP_IF_NONE_MATCH", None)
+            environ.pop("HTTP_IF_MATCH", None)
+            return moto_app(environ, start_response)
     try:
         return Server(host, port, app, handler=Handler)
     except SystemExit as exc:  # werkzeug exits on bind failure; make it an exception
@@ -99,8 +111,9 @@ class LocalS3:
     """moto's S3 server on loopback with one bucket; stop()/start() keep the port and the objects."""
 
     def __init__(self, bucket: str = "spotfill", host: str = "127.0.0.1", port: int = 0,
-                 region: str = "us-east-1"):
+                 region: str = "us-east-1", conditional_writes: bool = True):
         self.bucket, self.host, self.port, self.region = bucket, host, port, region
+        self.conditional_writes = conditional_writes    # False: ignore If-None-Match / If-Match
         self.access_key = "testing"
         self.secret_key = "testing"
         self._server = None
@@ -129,7 +142,7 @@ class LocalS3:
             deadline = time.monotonic() + 10.0
             while True:  # the port may linger a moment after a stop
                 try:
-                    server = _make_server(self.host, self.port)
+                    server = _make_server(self.host, self.port, self.conditional_writes)
                     break
                 except OSError:
                     if time.monotonic() > deadline:

@@ -14,8 +14,9 @@ files, and rank 0 commits the manifest once every rank's part is stored (checkpo
   uncommitted. Ray Train tears the workers down at deadline + FailureConfig.preemption_grace_s.
 
 Restore: rank 0 picks the newest intact committed checkpoint (falling back past a partial or corrupt one)
-and broadcasts its tag; one rank per node downloads it and flattens the rank folders into a DeepSpeed
-checkpoint folder. ZeRO-1/2 state is saved in DeepSpeed's elastic layout (recorded in the manifest's
+and broadcasts its tag; one rank per node brings the files its node's ranks load -- from the snapshot each
+rank keeps after its upload (the newest only) where it matches the manifest, else from storage -- and
+flattens the rank folders into a DeepSpeed checkpoint folder. ZeRO-1/2 state is saved in DeepSpeed's elastic layout (recorded in the manifest's
 meta.zero_elastic) and loads at any world size as is; otherwise, when the world size changed (ZeRO-3), it is
 converted once with DeepSpeed's universal-checkpoint converter and every rank loads it with `load_universal`.
 """
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from spotfill.config import constants
-from spotfill.config.errors import CheckpointCorrupt, StorageError
+from spotfill.config.errors import CheckpointCorrupt, StorageError, WriterFenced
 from spotfill.storage.checkpoint_store import CheckpointStore, tag_for
 from spotfill.storage.uploader import AsyncUploader, Cancelled, UploadJob
 
@@ -65,6 +66,34 @@ def zero_elastic_layout(engine) -> bool:
     manifest: restore then loads it at any world size without conversion)."""
     opt = getattr(engine, "optimizer", None)
     return type(opt).__name__ == "DeepSpeedZeroOptimizer" and bool(getattr(opt, "elastic_checkpoint", False))
+
+
+def snapshot_roots(local_root: str, rank: int) -> list[str]:
+    """Where rank `rank`'s snapshots live on this node (checkpoint tag folders inside): the node-local disk
+    folder, its tmpfs twin (named after it, so the next attempt finds and clears what a dead one left in
+    RAM) and SPOTFILL_SNAPSHOT_DIR's when set."""
+    name = "spotfill-" + os.path.relpath(os.path.abspath(local_root), "/").replace(os.sep, "-")
+    roots = [os.path.join(local_root, f"snap-rank-{rank}"), os.path.join(SHM, name, f"snap-rank-{rank}")]
+    if constants.SNAPSHOT_DIR != "auto":
+        roots.append(os.path.join(constants.SNAPSHOT_DIR, name, f"snap-rank-{rank}"))
+    return roots
+
+
+def local_snapshot_copies(local_root: str, tag: str, files) -> dict[str, str]:
+    """rel -> path of this node's own snapshot files of `tag` (the newest one each rank uploaded is kept):
+    a manifest's `rank-<r>/<name>` is `<snapshot root of rank r>/<tag>/<name>`. Unverified: the caller
+    checks size and sha256 against the manifest (storage/verified_fetch.py)."""
+    out = {}
+    for rel in files:
+        folder, _, name = rel.partition("/")
+        if not folder.startswith("rank-") or not folder[5:].isdigit():
+            continue
+        for root in snapshot_roots(local_root, int(folder[5:])):
+            path = os.path.join(root, tag, *name.split("/"))
+            if os.path.isfile(path):
+                out[rel] = path
+                break
+    return out
 
 
 KINDS = ("periodic", "final", "grow", "emergency")
@@ -151,19 +180,21 @@ class Checkpointer:
                  all_max: Callable[[list[float]], list[float]] | None = None, meta: dict | None = None):
         self.store, self.rank, self.world_size, self.attempt = store, rank, world_size, attempt
         self.meta = dict(meta or {})     # more of the manifest's meta (a pipeline's stage count)
-        self.disk_root = os.path.join(local_root, f"snap-rank-{rank}")
-        # tmpfs twin of disk_root, named after it so the next attempt clears what a dead one left in RAM
-        self._name = "spotfill-" + os.path.relpath(os.path.abspath(local_root), "/").replace(os.sep, "-")
-        self.shm_root = os.path.join(SHM, self._name, f"snap-rank-{rank}")
+        self._roots = snapshot_roots(local_root, rank)
+        self.disk_root, self.shm_root = self._roots[:2]
         self.snap_root = self.disk_root
         self._last_bytes = 0
-        for root in (self.disk_root, self.shm_root):
+        # the restore has read what it could use of a previous attempt's snapshots (it ran before this)
+        for root in self._roots:
             shutil.rmtree(root, ignore_errors=True)
+        self._kept: str | None = None     # the newest snapshot uploaded: kept for a restore on this node
         self.uploader = AsyncUploader(name=f"ckpt-upload-r{rank}")
         self._all_max = all_max
         self._lock = threading.Lock()
         self.committed: list[dict] = []
         self.skipped: list[dict] = []
+        self.fenced: list[dict] = []       # writes refused: a newer writer took the store (storage/fence.py)
+        self.stale = False                 # set by the first refusal, for good: this attempt must stop
         self._failed_step = -1            # latest failed upload not yet shared with the other ranks
         self._snapshot_s = 0.0            # last measured snapshot and upload+commit seconds (estimates)
         self._upload_s = 0.0
@@ -207,6 +238,13 @@ class Checkpointer:
             done, self.committed = self.committed, []
         return done
 
+    def pop_fenced(self) -> list[dict]:
+        """Writes refused since the last call because a newer writer took the store (WriterFenced.record()
+        plus t). After one, this attempt is stale: it must stop."""
+        with self._lock:
+            done, self.fenced = self.fenced, []
+        return done
+
     def pop_skipped(self) -> list[dict]:
         """Snapshots superseded, cancelled, abandoned or failed since the last call (never committed):
         tag, step, reason, t."""
@@ -214,14 +252,24 @@ class Checkpointer:
             done, self.skipped = self.skipped, []
         return done
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, keep_snapshot: bool = False) -> None:
+        """Stop uploading; remove this rank's snapshots from tmpfs -- except, with keep_snapshot (the
+        attempt ends and training goes on), the newest uploaded one, which the next restore on this node
+        reads instead of downloading it."""
         try:
             self.uploader.close(wait=wait)
         finally:
             if wait or not self.uploader.busy:
-                shutil.rmtree(self.shm_root, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.dirname(self.shm_root))  # when no other local rank uses it
+                kept = self._kept if keep_snapshot else None
+                for root in self._roots[1:]:
+                    for name in os.listdir(root) if os.path.isdir(root) else []:
+                        if os.path.join(root, name) != kept:
+                            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                    with contextlib.suppress(OSError):
+                        os.rmdir(root)
+                        os.rmdir(os.path.dirname(root))  # when no other local rank uses it
+                if not keep_snapshot and self._kept:
+                    shutil.rmtree(self._kept, ignore_errors=True)
 
     # -- the save paths -------------------------------------------------------------------------------
     def _drop_collectively(self, engine, step: int) -> None:
@@ -290,10 +338,14 @@ class Checkpointer:
         is waited for until `hard` (None: no bound). Rank 0: whether it committed; other ranks: whether
         rank 0's manifest of `tag` (this attempt's) appeared by `until`."""
         job.wait(max(0.0, until - time.time()))
+        if isinstance(job.error, WriterFenced):
+            raise job.error
         if self._cancel(job, f"not done {'by deadline - margin' if hard else 'within the commit timeout'}"):
             return False
         if job.state == "committing":           # claimed in time: its manifest is being written
             job.wait(None if hard is None else max(0.0, hard - time.time()))
+        if isinstance(job.error, WriterFenced):
+            raise job.error
         if job.state != "done":
             return False
         return self.rank == 0 or self._manifest_seen(tag, until)
@@ -304,6 +356,8 @@ class Checkpointer:
             with contextlib.suppress(FileNotFoundError, ValueError, StorageError):
                 if self.store.manifest(tag).get("meta", {}).get("attempt") == self.attempt:
                     return True
+            if self.store.fence is not None:     # rank 0's commit refused: a newer writer took the store
+                self.store.fence.check("wait for the commit", tag)
             if time.time() + delay > until:
                 return False
             time.sleep(delay)
@@ -323,18 +377,19 @@ class Checkpointer:
         return tag, self._snapshot_s, os.path.join(self.snap_root, tag)
 
     def _choose_root(self, engine) -> str:
-        """tmpfs when it has room for two snapshots of every local rank (the one uploading and the new
-        one; a pending one is dropped before a new snapshot is taken) plus 10% of it to spare; else the
-        node-local disk folder. SPOTFILL_SNAPSHOT_DIR overrides."""
+        """tmpfs when it has room for three snapshots of every local rank (the newest uploaded one, kept for
+        a restore on this node; the one uploading; the new one -- a pending one is dropped before a new
+        snapshot is taken) plus 10% of it to spare; else the node-local disk folder.
+        SPOTFILL_SNAPSHOT_DIR overrides."""
         if constants.SNAPSHOT_DIR != "auto":
-            return os.path.join(constants.SNAPSHOT_DIR, self._name, f"snap-rank-{self.rank}")
+            return self._roots[2]
         try:
             st = os.statvfs(SHM)
         except OSError:
             return self.disk_root
         per_rank = self._last_bytes or 16 * sum(p.numel() for p in engine.module.parameters())
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        need = 2 * per_rank * local + st.f_blocks * st.f_frsize // 10
+        need = 3 * per_rank * local + st.f_blocks * st.f_frsize // 10   # + the newest uploaded, kept
         return self.shm_root if st.f_bavail * st.f_frsize > need else self.disk_root
 
     def _upload(self, job: UploadJob, tag: str, step: int, kind: str, local_dir: str,
@@ -343,6 +398,7 @@ class Checkpointer:
         or an emergency one past deadline - margin, never writes a manifest)."""
         t0 = time.perf_counter()
         guard = job if until is None else _Deadline(self, job, until)
+        uploaded = False
         try:
             marker = self.store.upload_part(tag, self.rank, self.world_size, local_dir, attempt=self.attempt)
             self._last_bytes = int(marker.get("bytes") or 0)
@@ -358,8 +414,15 @@ class Checkpointer:
                                            "bytes": manifest.get("bytes"),
                                            "upload_s": time.perf_counter() - t0, "t": time.time()})
             self._upload_s = time.perf_counter() - t0
+            uploaded = True
             return marker
         except Cancelled:
+            raise
+        except WriterFenced as exc:
+            with self._lock:
+                self.fenced.append({**exc.record(), "t": time.time()})
+                self.stale = True
+            self._note_skipped(job, tag, step, f"refused: {exc}")
             raise
         except BaseException as exc:
             if not job.cancelled:
@@ -367,7 +430,18 @@ class Checkpointer:
                 self._note_skipped(job, tag, step, f"upload failed: {type(exc).__name__}: {exc}")
             raise
         finally:
-            shutil.rmtree(local_dir, ignore_errors=True)
+            if uploaded and not job.cancelled:
+                self._keep(local_dir)
+            else:
+                shutil.rmtree(local_dir, ignore_errors=True)
+
+    def _keep(self, local_dir: str) -> None:
+        """Keep `local_dir` (just uploaded, and committed where this rank can tell) as this rank's newest
+        local snapshot; the one kept before goes. Bounded: one kept snapshot per rank."""
+        with self._lock:
+            old, self._kept = self._kept, local_dir
+        if old and old != local_dir:
+            shutil.rmtree(old, ignore_errors=True)
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def _cancel(self, job: UploadJob, reason: str) -> bool:

@@ -4,8 +4,11 @@ load at any world size as they are: nothing is converted. A ZeRO-3 checkpoint (o
 elastic layout) loads through a universal checkpoint when the world size changed.
 
 Rank 0 decides the tag from the manifests and a listing (sizes; no download); then every node's leader
-downloads and verifies it in parallel. A tag any leader finds damaged is quarantined (event
-`checkpoint_quarantined`) and the next one of the lineage is tried. Where one is needed, a universal
+brings what its ranks load (train/checkpoint_files.py) to its node and verifies it, all nodes in parallel:
+from the snapshots this node kept after uploading them where they match the manifest, else from storage
+(the `reads` of the restore events: bytes per node and source). A tag whose bytes are wrong in storage is
+quarantined (event `checkpoint_quarantined`) and the next one of the lineage is tried; a node's own disk
+fault is retried from storage (`checkpoint_local_error`), never quarantined. Where one is needed, a universal
 checkpoint is converted
 once per checkpoint: the first converter (rank 0's node) uploads the converted copy next to the tag, and
 every other node -- and every later restore at another world size -- downloads it instead of converting.
@@ -22,8 +25,11 @@ import time
 from dataclasses import dataclass, field
 
 from spotfill.config import constants
-from spotfill.config.errors import CheckpointCorrupt, NoIntactCheckpoint
+from spotfill.config.errors import CheckpointCorrupt, NoIntactCheckpoint, WriterFenced
+from spotfill.ray_compat import usable
 from spotfill.storage.checkpoint_store import CheckpointStore
+from spotfill.train.checkpoint_files import node_files
+from spotfill.train.checkpointing import local_snapshot_copies
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +127,17 @@ def _quarantine(store: CheckpointStore, tag: str, reason: str, found: list, emit
         emit("checkpoint_quarantined", tag=tag, reason=reason)
 
 
-def _fetch_raw(store: CheckpointStore, manifest: dict, node_dir: str, ds_root: str) -> float:
-    """Download + verify all ranks' files of `manifest` and flatten them into ds_root/<tag>; seconds."""
+def _fetch_raw(store: CheckpointStore, manifest: dict, node_dir: str, ds_root: str, want: set[str] | None = None,
+               local_root: str | None = None) -> tuple[float, dict]:
+    """Bring `want` (manifest entries; None: all) of `manifest` to this node, verified -- this node's own
+    kept snapshot files where they match the manifest, the rest from storage -- and flatten them into
+    ds_root/<tag>. Returns (seconds, bytes by source)."""
     t0 = time.perf_counter()
-    got = store.download(manifest, node_dir, verify=True)
+    files = manifest["files"] if want is None else want
+    copies = local_snapshot_copies(local_root, manifest["tag"], files) if local_root else None
+    got = store.download(manifest, node_dir, verify=True, want=want, local_copies=copies)
     flatten_ranks(got["path"], os.path.join(ds_root, manifest["tag"]))
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, got["io"]
 
 
 def _node_universal(store: CheckpointStore, manifest: dict, node_dir: str, ds_root: str, load_tag: str,
@@ -143,16 +154,19 @@ def _node_universal(store: CheckpointStore, manifest: dict, node_dir: str, ds_ro
             log.warning("universal copy of %s unusable (%s): converting on this node", tag, exc)
     info: dict = {"source": "converted"}
     if not have_raw:
-        info["download_s"] = round(_fetch_raw(store, manifest, node_dir, ds_root), 3)
+        seconds, info["io"] = _fetch_raw(store, manifest, node_dir, ds_root)
+        info["download_s"] = round(seconds, 3)
     info["convert_s"] = round(convert_to_universal(os.path.join(ds_root, tag), out,
                                                    int(manifest.get("bytes") or 0)), 3)
     return info
 
 
-def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, leader: bool, node_dir: str,
-                       zero_stage: int, stages: int = 1) -> tuple[RestorePlan | None, str | None, list]:
-    """Collective: every leader brings `choice` to its node. (plan, None, per-rank info) when every node
-    has it, (None, reason, ...) when some leader found it damaged."""
+def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, node: tuple[str, list[int]],
+                       node_dir: str, zero_stage: int, local_root: str | None = None,
+                       stages: int = 1) -> tuple[RestorePlan | None, str | None, list]:
+    """Collective: every leader brings `choice` to its node -- the files its ranks read (node = (node id,
+    the ranks on it)). (plan, None, per-rank info) when every node has it, (None, reason, ...) when some
+    leader found it damaged."""
     manifest = choice["manifest"]
     tag, saved_world = manifest["tag"], int(manifest["world_size"])
     elastic = zero_stage in (1, 2) and bool((manifest.get("meta") or {}).get("zero_elastic"))
@@ -161,13 +175,20 @@ def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, leader
     load_tag = f"{tag}-universal" if universal else tag
     ds_root = os.path.join(node_dir, "ds")
     # phase 1: the raw checkpoint, where needed -- every node, or only rank 0's converter
+    leader = node[1][0] == rank
     need_raw = leader and (not universal or (rank == 0 and not choice["has_universal"]))
-    info: dict = {"node_leader": leader}
+    info: dict = {"node_leader": leader, "node": node[0]}
     failed = error = None
     if need_raw:
         shutil.rmtree(node_dir, ignore_errors=True)
+        # a rigid-layout ZeRO-1/2 checkpoint loads through DeepSpeed's loader, which reads every partition
+        own_only = elastic or zero_stage not in (1, 2)
+        # the files of its own ranks only where DeepSpeed names its files as spotfill reads them (else all)
+        want = None if universal or not usable("restore_node_files") else node_files(
+            manifest["files"], node[1], saved_world, world, own_only)
         try:
-            info["download_s"] = round(_fetch_raw(store, manifest, node_dir, ds_root), 3)
+            seconds, info["io"] = _fetch_raw(store, manifest, node_dir, ds_root, want, local_root)
+            info["download_s"] = round(seconds, 3)
         except CheckpointCorrupt as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 -- e.g. storage down: raised on every rank
@@ -259,69 +280,111 @@ def _raise_everywhere(comms, failed: str | None, what: str) -> None:
 
 
 def _timings(manifest_bytes, infos: list, t0: float) -> dict:
+    """The restore's numbers for the `checkpoint_restored` / `resume` events: `reads` says, per node, how
+    many bytes it read from storage and from its own kept snapshot (and the local faults it got past)."""
     leaders = [i for i in infos if i.get("node_leader")]
     mine = infos[0]
+    reads = [{"node": i["node"], **i["io"]} for i in leaders if i.get("io")]
     return {"download_s": mine.get("download_s", 0.0), "convert_s": mine.get("convert_s", 0.0),
-            "bytes": manifest_bytes, "nodes": len(leaders),
+            "bytes": manifest_bytes, "nodes": len(leaders), "reads": reads,
+            "read_bytes_storage": sum(r["bytes_storage"] for r in reads),
+            "read_bytes_local": sum(r["bytes_local"] for r in reads),
             "universal_sources": sorted(i["source"] for i in leaders if "source" in i),
             "conversions": sum(1 for i in leaders if i.get("source") == "converted"),
             "restore_wall_s": round(time.perf_counter() - t0, 3)}
 
 
 def restore_on_workers(store: CheckpointStore, comms, rank: int, world: int, node_id: str, node_dir: str,
-                       zero_stage: int, *, on_no_intact: str = "fail", emit=None, stages: int = 1) -> RestorePlan:
+                       zero_stage: int, *, on_no_intact: str = "fail", emit=None,
+                       local_root: str | None = None, stages: int = 1) -> RestorePlan:
     """Collective: every rank of a starting worker group calls it; returns the same plan on every rank.
 
     Rank 0 chooses the newest intact checkpoint of the live lineage (checked against its listing), the
     lowest rank on each node (Ray's local_rank groups by IP, and several raylets can share one IP) brings
     it to its node, all nodes at once. `emit(kind, **fields)` (rank 0) records `checkpoint_quarantined`,
     `checkpoint_restored` and `fresh_start` events. Raises NoIntactCheckpoint on every rank when
-    committed checkpoints exist, none is intact and `on_no_intact` is "fail"."""
+    committed checkpoints exist, none is intact and `on_no_intact` is "fail"; WriterFenced on every rank
+    when a newer writer took the store meanwhile (rank 0's discard, quarantine or `latest` move refused)."""
     t0 = time.perf_counter()
     node_ids = _gather(comms, node_id, world)
-    leader = node_ids.index(node_id) == rank
+    node = (node_id, [r for r, n in enumerate(node_ids) if n == node_id])   # leader: its lowest rank
     found: list = []
     candidates: list[str] = []
-    if rank == 0:
+    r0 = _Rank0Writes(rank)
+
+    def start() -> None:
         store.discard_uncommitted()
-        candidates = store.restore_candidates()
+        candidates.extend(store.restore_candidates())
         for tag, reason in store.last_quarantined:   # unreadable manifests
             found.append((tag, reason))
             if emit:
                 emit("checkpoint_quarantined", tag=tag, reason=reason)
+    r0.run(start)
     while True:
-        choice = _next_candidate(store, candidates, found, emit) if rank == 0 else None
-        choice = comms.bcast(choice)
+        choice = r0.run(lambda: _next_candidate(store, candidates, found, emit))
+        choice = r0.share(comms, choice)
         if choice is None:
             break
-        plan, reason, infos = _prepare_candidate(store, comms, choice, rank, world, leader, node_dir, zero_stage,
-                                                 stages)
+        plan, reason, infos = _prepare_candidate(store, comms, choice, rank, world, node, node_dir, zero_stage,
+                                                 local_root, stages)
         if plan is not None:
             plan.timings = _timings(choice["manifest"].get("bytes"), infos, t0)
             plan.quarantined = comms.bcast(found)
-            if rank == 0:
+
+            def resumed() -> None:
                 store.mark_resumed(plan.tag, plan.step)
+                for read in plan.timings["reads"] if emit else []:    # local faults got past: not damage
+                    for e in read.get("local_errors", []):
+                        emit("checkpoint_local_error", tag=plan.tag, node=read["node"], **e)
                 if emit:
                     emit("checkpoint_restored", tag=plan.tag, step=plan.step, world_size=world,
                          from_world_size=plan.world_size, universal=plan.universal,
                          zero_elastic=plan.elastic, **plan.timings)
-            comms.barrier()
+            r0.run(resumed)
+            r0.share(comms, None)
             return plan
-        if rank == 0:
-            _quarantine(store, choice["manifest"]["tag"], reason, found, emit)
-    damaged = comms.bcast(sorted(store.quarantined()) if rank == 0 else None)
+        r0.run(lambda: _quarantine(store, choice["manifest"]["tag"], reason, found, emit))
+    damaged = r0.share(comms, r0.run(lambda: sorted(store.quarantined())))
     found = comms.bcast(found)
     if not damaged:
-        if rank == 0:
-            store.mark_resumed(None)
+        r0.run(lambda: store.mark_resumed(None))
+        r0.share(comms, None)
         return RestorePlan()
     cause = (f"no intact checkpoint: {len(damaged)} committed, all damaged "
              f"({', '.join(damaged)}; reasons in events.jsonl `checkpoint_quarantined`)")
     if on_no_intact != "restart":
         raise NoIntactCheckpoint(f"{cause}; set training.on_no_intact_checkpoint: restart to start from step 0")
-    if rank == 0:
+
+    def fresh() -> None:
         store.mark_resumed(None)
         if emit:
             emit("fresh_start", cause=cause, damaged=damaged)
+    r0.run(fresh)
+    r0.share(comms, None)
     log.warning("starting from step 0: %s (training.on_no_intact_checkpoint: restart)", cause)
     return RestorePlan(quarantined=found, fresh_start_cause=cause)
+
+
+class _Rank0Writes:
+    """Rank 0's writes during a restore. Once one is refused (WriterFenced: a newer writer took the store)
+    rank 0 writes nothing more, and the next share() raises the refusal on every rank."""
+
+    def __init__(self, rank: int):
+        self.rank, self.fenced = rank, None
+
+    def run(self, fn):
+        """fn() on rank 0 while not fenced (its result; None elsewhere)."""
+        if self.rank != 0 or self.fenced is not None:
+            return None
+        try:
+            return fn()
+        except WriterFenced as exc:
+            self.fenced = exc.record()
+            return None
+
+    def share(self, comms, value):
+        """Collective: rank 0's `value`, or its refusal raised on every rank."""
+        fenced, value = comms.bcast((self.fenced, value) if self.rank == 0 else None)
+        if fenced is not None:
+            raise WriterFenced.from_record(fenced)
+        return value

@@ -126,6 +126,10 @@ class EventSink:
         self._log.write(kind, **fields)
 
     def finish(self, verdict: dict) -> None:
+        stale = verdict.get("fenced") and verdict.get("attempt") is not None and verdict["attempt"] < self._attempt
+        if stale:   # a superseded attempt's rank 0 (it outlived its group) stopped: the live one decides
+            self._log.write("stale_finish", **verdict)
+            return
         self._verdict = verdict
         self._log.write("finish", **verdict)
 

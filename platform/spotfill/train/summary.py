@@ -152,7 +152,10 @@ def checkpoints_section(events: list[dict]) -> dict:
 
 
 def lineage_report(events: list[dict]) -> dict:
-    """`quarantined`: damaged tags ({tag, reason}, first report of each); `restored`: each restore's tag;
+    """`quarantined`: damaged tags ({tag, reason}, first report of each); `fenced`: commits, `latest` moves,
+    quarantines and deletions refused from an older writer generation ({tag, generation, op,
+    newest_generation, attempt, t}); `writers`: the generation each attempt took and the mechanism that
+    fences it; `restored`: each restore's tag;
     `fresh_starts`: restarts from step 0 although committed checkpoints existed
     (on_no_intact_checkpoint: restart), with the cause."""
     quarantined: dict[str, dict] = {}
@@ -160,7 +163,14 @@ def lineage_report(events: list[dict]) -> dict:
         if e["kind"] == "checkpoint_quarantined" and e["tag"] not in quarantined:
             quarantined[e["tag"]] = {"tag": e["tag"], "reason": e["reason"]}
     return {"quarantined": list(quarantined.values()),
-            "restored": [{"tag": e["tag"], "step": e.get("step"), "attempt": e.get("attempt"), "t": e.get("t")}
+            # writes refused because a newer writer generation held the store (storage/fence.py)
+            "fenced": [{k: e.get(k) for k in ("tag", "generation", "op", "newest_generation", "attempt", "t")}
+                       for e in events if e["kind"] == "checkpoint_fenced"],
+            "writers": [{"attempt": e.get("attempt"), "generation": e.get("generation"),
+                         "mechanism": e.get("mechanism")} for e in events if e["kind"] == "writer_generation"],
+            "restored": [{"tag": e["tag"], "step": e.get("step"), "attempt": e.get("attempt"), "t": e.get("t"),
+                          **({"read_bytes_storage": e["read_bytes_storage"], "read_bytes_local": e["read_bytes_local"]}
+                             if "read_bytes_storage" in e else {})}
                          for e in events if e["kind"] == "checkpoint_restored"],
             "fresh_starts": [{"attempt": e.get("attempt"), "cause": e["cause"]}
                              for e in events if e["kind"] == "fresh_start"]}

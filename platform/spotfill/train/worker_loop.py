@@ -19,11 +19,12 @@ import os
 import time
 
 from spotfill.config import constants
-from spotfill.config.errors import DataMismatch, NoIntactCheckpoint
+from spotfill.config.errors import DataMismatch, NoIntactCheckpoint, WriterFenced
 from spotfill.config.job import JobConfig, from_mapping
 from spotfill.ray_compat import local_preemption_info
 from spotfill.storage.base import open_storage
 from spotfill.storage.checkpoint_store import CheckpointStore
+from spotfill.storage.fence import WriterFence
 from spotfill.train.batching import BatchShape, batch_shape
 from spotfill.train.checkpointing import Checkpointer
 from spotfill.train.data import Prefetcher, ShardReader
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 STEP_EVENTS_FLUSH_S = 0.25
 NVML_EVERY_S = 2.0              # rank 0 reads its GPU's NVML utilisation and memory at most this often
 _F_LOSS, _F_PREEMPT, _F_DEADLINE, _F_GROW = range(4)
+_F_FENCED = -1                  # last: after the step's values (a pipeline's, read at 4 + i)
 
 
 class PlannedExit(RuntimeError):
@@ -112,12 +114,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
     warm = _warm_imports()      # DeepSpeed and torch._dynamo load while the checkpoint downloads
     t0 = time.perf_counter()
     try:
+        _take_generation(store, comms, rank, sink, attempt)
         plan = restore_on_workers(store, comms, rank, world, node_id, node_dir, t.zero_stage,
-                                  stages=t.pipeline_stages,
+                                  stages=t.pipeline_stages, local_root=local_root,
                                   on_no_intact=t.on_no_intact_checkpoint,
                                   emit=lambda kind, **f: sink.event.remote(kind, attempt=attempt, **f))
     except NoIntactCheckpoint as exc:
         return _finish(sink, rank, {"ok": False, "reason": str(exc)})
+    except WriterFenced as exc:
+        return _fenced(sink, rank, attempt, [exc.record()])
     prep_s = time.perf_counter() - t0
     pipe = _pipeline(job, world, rank, plan.stages, node_id)    # None without pipeline stages
     shape = pipe.shape if pipe else batch_shape(t.global_batch, world, t.max_micro_batch)
@@ -204,6 +209,8 @@ def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, 
             if pipe is None or pipe.records_feeds:
                 run.recorder.record(batch.fed)      # the positions the rows fed are, by the ids stored in them
             facts, loss = run.gather(step + 1, loss_mean, pipe.step_values() if pipe else ())
+            if run.fenced:      # a newer writer took the checkpoint store: this attempt is stale and stops
+                break
             tc = time.perf_counter()
             if rank == 0:
                 split = split_step(tc - ts, td - ts, *(pipe.split() if pipe else timer.read()))
@@ -218,11 +225,46 @@ def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, 
             decision = run.policy.decide(facts)
             run.apply(decision, step + 1)
             if decision.action == FINISH:
+                run.finished = True
                 break
+    except WriterFenced as exc:     # a final, grow or emergency save refused
+        log.warning("rank %d stops: %s", rank, exc)
+        run.fenced = True       # rank 0's checkpointer recorded the refusal; run.close() reports it
     finally:
         prefetch.close()
         run.close()
+    if run.fenced:
+        return fenced_verdict(attempt)
     return {"ok": True, "steps_completed": t.steps, "attempt": attempt}
+
+
+def _take_generation(store: CheckpointStore, comms: _Comms, rank: int, sink, attempt: int) -> None:
+    """Rank 0 takes this attempt's writer generation before it restores (storage/fence.py); every rank's
+    store holds it, so a rank waiting for rank 0's commit notices when a newer writer took the store."""
+    from spotfill.storage.fence import Generation
+
+    if rank == 0:
+        fence = store.take_generation(attempt=attempt)
+        sink.event.remote("writer_generation", attempt=attempt, generation=str(fence.generation),
+                          mechanism=fence.mechanism)
+    held = comms.bcast((str(store.fence.generation), store.fence.mechanism) if rank == 0 else None)
+    if rank != 0:
+        store.fence = WriterFence(store.storage, store.prefix, Generation.parse(held[0]), held[1], {"attempt": attempt})
+
+
+def fenced_verdict(attempt: int) -> dict:
+    """The verdict of an attempt whose checkpoint writes were refused: a newer writer took the store. It
+    stops without a restart (a restart would take a newer generation and fence the live writer in turn)."""
+    return {"ok": False, "fenced": True, "attempt": attempt, "reason": "a newer writer took the checkpoint "
+            "store (writer generation fenced); this attempt stopped writing and exited"}
+
+
+def _fenced(sink, rank: int, attempt: int, refused: list[dict]) -> None:
+    """Report the restore's refused writes (rank 0) and stop this attempt (fenced_verdict)."""
+    if rank == 0:
+        sink.log.remote([{**r, "t": r.get("t", time.time()), "kind": "checkpoint_fenced", "attempt": attempt}
+                         for r in refused])
+    _finish(sink, rank, fenced_verdict(attempt))
 
 
 def node_local_root(job_name: str, node_id: str) -> str:
@@ -388,8 +430,10 @@ class _Executor:
         # one margin before a notice's deadline: the checkpointer's (its budget and the policy's agree)
         self.policy = StepPolicy(t.steps, t.checkpoint_every, margin_s=constants.EMERGENCY_MARGIN_S)
         self.ledger, self.recorder = ledger, FeedRecorder()
-        self.flags = comms.torch.zeros(4, dtype=comms.torch.float64, device=engine.device)
+        self.flags = comms.torch.zeros(5, dtype=comms.torch.float64, device=engine.device)
         self.rows: list[list[float]] = []     # the last step's gathered rows (every rank's flags and values)
+        self.fenced = False          # some rank's write was refused: a newer writer took the store
+        self.finished = False        # the final checkpoint is committed: no restore will follow
         self._grow = None
         if rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers:
             from spotfill.train.elastic import GrowCheck
@@ -428,12 +472,13 @@ class _Executor:
         self._steps_sent = time.monotonic()
 
     def gather(self, done: int, loss, values=()) -> tuple[StepFacts, float]:
-        """The step's one collective: every rank's loss, preemption notice (deadline) and grow count, and
-        `values` (e.g. a pipeline stage's bubble seconds) after them in `self.rows`."""
+        """The step's one collective: every rank's loss, preemption notice (deadline) and grow count,
+        `values` (e.g. a pipeline stage's bubble seconds) after them in `self.rows`, and last whether its
+        checkpoint writes were refused (a newer writer took the store)."""
         notice = local_preemption_info()
         deadline_ms = getattr(notice, "deadline_ms", None) if notice is not None else None
-        if len(self.flags) != _F_GROW + 1 + len(values):
-            self.flags = self.comms.torch.zeros(_F_GROW + 1 + len(values), dtype=self.flags.dtype,
+        if len(self.flags) != _F_GROW + 2 + len(values):
+            self.flags = self.comms.torch.zeros(_F_GROW + 2 + len(values), dtype=self.flags.dtype,
                                                 device=self.flags.device)
         f = self.flags
         for i, v in enumerate(values):
@@ -442,7 +487,9 @@ class _Executor:
         f[_F_PREEMPT] = 1.0 if notice is not None else 0.0
         f[_F_DEADLINE] = deadline_ms / 1000.0 if deadline_ms else 0.0
         f[_F_GROW] = self._grow_workers()
+        f[_F_FENCED] = 1.0 if self.ckpt.stale else 0.0
         rows = self.rows = self.comms.gather_flags(f)
+        self.fenced = self.fenced or any(r[_F_FENCED] for r in rows)
         deadlines = [r[_F_DEADLINE] for r in rows if r[_F_PREEMPT] and r[_F_DEADLINE] > 0]
         return StepFacts(done=done, now=time.time(), preempt_votes=int(sum(r[_F_PREEMPT] for r in rows)),
                          deadline_unix_s=min(deadlines) if deadlines else None,
@@ -494,6 +541,7 @@ class _Executor:
         # the event's own kind last: a record's fields never overwrite it
         events = [{**c, "kind": "checkpoint", "attempt": self.attempt} for c in self.ckpt.pop_committed()]
         events += [{**s, "kind": "checkpoint_skipped", "attempt": self.attempt} for s in self.ckpt.pop_skipped()]
+        events += [{**f, "kind": "checkpoint_fenced", "attempt": self.attempt} for f in self.ckpt.pop_fenced()]
         if events:
             self.sink.log.remote(events)
 
@@ -501,4 +549,4 @@ class _Executor:
         if self.rank == 0:
             self._flush_steps()
             self._record_checkpoints()
-        self.ckpt.close(wait=False)
+        self.ckpt.close(wait=False, keep_snapshot=not self.finished)
