@@ -742,15 +742,18 @@ def check_serve_hooks() -> None:
 
 
 def watch_running_replicas(app: str, deployment: str, on_change, event_loop):
-    """Call `on_change(n)` with the number of running replicas of `app`'s `deployment` each time the Serve
-    controller announces a change (no call while nothing changes; none at all before the deployment's first
-    running replica). The callbacks run on `event_loop`, which must keep running. Returns the listener;
-    its `is_running` turns False when the controller went away (a new controller: watch again)."""
+    """Call `on_change(ids)` with the ids of the running replicas of `app`'s `deployment` (their
+    `serve.get_replica_context().replica_id.unique_id`) each time the Serve controller announces a change (no
+    call while nothing changes; none at all before the deployment's first running replica). A replica told to
+    stop leaves the list at once. The callbacks run on `event_loop`, which must keep running. Returns the
+    listener; its `is_running` turns False when the controller went away (a new controller: watch again)."""
     from ray.serve._private.common import DeploymentID
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
     from ray.serve._private.long_poll import LongPollClient, LongPollNamespace
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     key = (LongPollNamespace.DEPLOYMENT_TARGETS, DeploymentID(name=deployment, app_name=app))
-    return LongPollClient(controller, {key: lambda info: on_change(len(info.running_replicas))},
+    def ids(info) -> list[str]:
+        return [str(getattr(getattr(r, "replica_id", None), "unique_id", r)) for r in info.running_replicas]
+    return LongPollClient(controller, {key: lambda info: on_change(ids(info))},
                           call_in_event_loop=event_loop,
                           client_id=f"spotfill-replica-watch:{app}/{deployment}:{os.getpid()}")

@@ -12,7 +12,7 @@ def test_every_hook_resolves_with_its_signature():
 
 def test_serve_hooks_resolve_and_the_watch_reads_the_running_replicas():
     """The Ingress's replica watch (serving/app.py): Serve's long poll of DEPLOYMENT_TARGETS, whose update
-    is a DeploymentTargetInfo; the watch reports how many replicas it lists."""
+    is a DeploymentTargetInfo; the watch reports the ids of the replicas it lists."""
     import asyncio
     from ray.serve._private.common import DeploymentID, DeploymentTargetInfo
     from ray.serve._private.long_poll import LongPollNamespace
@@ -40,7 +40,7 @@ def test_serve_hooks_resolve_and_the_watch_reads_the_running_replicas():
     assert key == (LongPollNamespace.DEPLOYMENT_TARGETS, DeploymentID(name="Generator", app_name="app"))
     listener(DeploymentTargetInfo(is_available=True, running_replicas=["r1", "r2"]))
     listener(DeploymentTargetInfo(is_available=True, running_replicas=[]))
-    assert seen == [2, 0]
+    assert seen == [["r1", "r2"], []]
 
 
 def test_a_missing_hook_fails_loudly_naming_it():

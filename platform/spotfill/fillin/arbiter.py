@@ -63,7 +63,7 @@ class Arbiter:
         self.training_anywhere = 0.0                          # last time training held GPUs on any node
         self.lease_ended_on: dict[str, float] = {}            # node id -> last time a lease on it ended
         self._last_hosts: frozenset[str] = frozenset()        # the nodes fill-in could lend on, last tick
-        self.state_path = state_path or os.path.join(tempfile.gettempdir(), "spotfill-arbiter", "state.json")
+        self.state_path = state_path or default_state_path()
         self.lock = threading.RLock()
         self.jobs: dict[str, TrainingJob] = {}
         # job -> (GPUs of its new group, hold until): free and reclaimed GPUs stay reserved for the claiming
@@ -595,6 +595,14 @@ class Arbiter:
 
     def ping(self) -> str:
         return "ok"
+
+
+def default_state_path() -> str:
+    """The arbiter's state file on the head node, one per cluster (the head node's id): a new cluster on the
+    same machine must not adopt the tenants, targets and dashboard URL of an earlier one."""
+    import ray
+    head = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "no-cluster"
+    return os.path.join(tempfile.gettempdir(), "spotfill-arbiter", head[:16], "state.json")
 
 
 def ensure_arbiter(gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,
