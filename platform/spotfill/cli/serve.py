@@ -96,8 +96,20 @@ def check(args: argparse.Namespace) -> dict | None:
     return latest
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM end the command through its cleanup (Serve and the local cluster shut down), also
+    when it was started in the background, where SIGINT arrives ignored."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+
 def run(args: argparse.Namespace) -> int:
     latest = check(args)
+    _stop_on_signals()
     import ray
 
     from spotfill.fillin.local import deploy_serve, runtime_env
@@ -122,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         t_end = time.monotonic() + args.duration if args.duration else None
         while t_end is None or time.monotonic() < t_end:
             time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("spotfill serve: stopping", flush=True)
     finally:
         from ray import serve
         try:
