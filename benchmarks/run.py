@@ -33,8 +33,9 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "recovery": ("benchmarks.recovery", "bench_recovery"),
     "preemption": ("benchmarks.recovery", "bench_preemption"),
     "fillin": ("benchmarks.fillin", "bench_fillin"),
+    "serve": ("benchmarks.serve", "bench_serve"),
 }
-DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "fillin")
+DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "fillin", "serve")
 TARGETS = {("checkpoint", "stall_ratio"): ("<=", 0.10), ("checkpoint", "upload_ratio"): (">=", 0.70),
            ("overhead", "ratio"): (">=", 0.97), ("recovery", "speedup"): (">=", 8.0),
            ("recovery", "speedup_vs_tuned"): (">=", 2.0),
@@ -204,6 +205,16 @@ def summary(result: dict) -> str:
                   f"{f.get('training_tokens_ratio_no_load')} with Serve deployed and no load",
                   f"  serve: {sv.get('requests_ok')} ok, {sv.get('requests_rejected_503')} x 503, "
                   f"{sv.get('requests_failed')} failed; p50 {sv.get('p50_ms')} ms, p99 {sv.get('p99_ms')} ms"]
+    sv = result.get("serve")
+    if sv:
+        sd = sv.get("specdec") or {}
+        tps, toy, spec = sv["tokens_per_s"], sv.get("toy_loop_tokens_per_s") or {}, sd.get("tokens_per_s") or {}
+        lines += [f"serve       {sv.get('model')} ({sv.get('weights')} weights) on {sv.get('device')}: engine "
+                  f"{tps['batch1']} / {tps['batch8']} tokens/s at batch 1 / 8 vs the old loop {toy.get('batch1')} / "
+                  f"{toy.get('batch8')}",
+                  f"  draft {sd.get('draft')} (k <= {sd.get('num_draft_tokens')}, adaptive): {spec.get('batch1')} / "
+                  f"{spec.get('batch8')} tokens/s; acceptance {sd.get('acceptance_rate')}, mean accepted length "
+                  f"{sd.get('mean_accepted_length')} (theory {sd.get('expected_tokens_per_step')})"]
     u = result.get("upload")
     if u:
         lines.append(f"upload      {u['bytes'] / 1e6:.0f} MB synthetic: {u['upload_mb_s']:.1f} MB/s vs raw "

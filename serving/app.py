@@ -150,6 +150,7 @@ class Generator:
         m = self.loaded
         out = {"replica": self.replica, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                "draft": str(self.args.draft_spec) or None, "reloads": self.reloads[-10:]}
+        out["busy"] = self.engine.busy if self.engine is not None else 0
         if m is None:
             return {**out, "tag": None}
         return {**out, "tag": m.tag, "step": m.step, "load_s": round(m.load_s, 3), "loaded_at": m.loaded_at,
@@ -368,10 +369,13 @@ class Ingress:
         try:
             if call.chat:
                 yield protocol.sse(protocol.chunk(call, model, created, role=True))
-            c = first
+            c, shown = first, None
             while True:
                 if c.get("text") or c.get("finish_reason"):
-                    yield protocol.sse(protocol.chunk(call, model, created, c.get("text"), c.get("finish_reason")))
+                    out = protocol.chunk(call, model, created, c.get("text"), c.get("finish_reason"))
+                    if relay.replica != shown:        # extension: the replica generating, when it changes
+                        out["replica"] = shown = relay.replica
+                    yield protocol.sse(out)
                 last = c
                 if c.get("finish_reason"):
                     break

@@ -36,7 +36,7 @@ def test_a_lease_ends_as_reclaim_release_or_lease_end_with_its_cause():
     # an order nothing ended for expires instead of claiming a later, unrelated release
     old = ReclaimOrder("serve:app/Gen", "r1", 0.0, "training_claim", "old")
     events, left = lease_ended([drop("r3", B, 500.0)], known, [old], now=500.0)
-    assert [e["kind"] for e in events] == ["release"] and left == []
+    assert [e["kind"] for e in events] == ["reclaim_expired", "release"] and left == []
     # a drop dated back (let_go: the GPU showed free at t=40, confirmed at 41) ends at that date, and a
     # lease that ended before an order was placed is not that order's hand-back
     order = ReclaimOrder("serve:app/Gen", "r2", 40.5, "training_claim", "job j claims 1", job="j")
@@ -111,3 +111,19 @@ def test_no_lease_events_no_fillin_section():
     assert fillin_section(ev, (0.0, 100.0)) is None
     _, keys = summarize(ev)
     assert "fillin" not in keys and "harvest_ratio" not in keys
+
+
+def test_a_hand_back_that_never_completes_is_reported_not_forgotten():
+    """A reclaim order no lease ends for (the tenant refused or hung) expires as a reclaim_expired event, and
+    the run's report lists it under fillin.handbacks_unfinished."""
+    order = ReclaimOrder("serve:app/Gen", "r1", 10.0, "training_claim", "job j claims 1", job="j")
+    events, left = lease_ended([], {}, [order], now=60.0)
+    assert events == [] and left == [order]                       # still waiting: nothing to say yet
+    events, left = lease_ended([], {}, [order], now=10.0 + 121.0)
+    assert left == [] and [e["kind"] for e in events] == ["reclaim_expired"]
+    assert events[0]["waited_s"] == 121.0 and events[0]["job"] == "j" and events[0]["lease_id"] == "r1"
+    run = [lease_event(lease("r1", A, 5.0), 5.0)] + events
+    section = fillin_section(run, (0.0, 200.0))
+    assert section["handbacks_unfinished"] == [{"tenant": "serve:app/Gen", "lease_id": "r1", "requested_at": 10.0,
+                                                "waited_s": 121.0, "cause": "training_claim", "job": "j"}]
+    assert section["leases"][0]["end"] is None                      # the lease never ended

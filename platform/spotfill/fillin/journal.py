@@ -13,6 +13,9 @@ copies the journal into its own events.jsonl (train/job.py, LeaseForwarder).
                claim; `reclaim_s` = that claim -> this GPU free, the hand-back), node_draining, node_idle
                (autoscaled cluster: training left the node, which is given back to scale down), or
                not_lent (a replica Serve started by itself, its cold start, outside any claim)
+    reclaim_expired {tenant, lease_id, requested_at, waited_s, cause, reason, job}
+               a reclaim order no lease of the tenant ended for within ORDER_TTL_S: a hand-back that never
+               completed (the tenant refused or hung) -- reported, not forgotten
     release    {lease_id, ..., end}                    the tenant let the GPUs go by itself
     lease_end  {lease_id, ..., end, reason}            the lease's node died with it
 
@@ -56,7 +59,10 @@ def lease_ended(decisions: Iterable[Decision], known: dict[str, Lease], orders: 
     """Events for the leases `decisions` drop (known: lease id -> the lease as it was). A lease lost with
     its node -> lease_end; one the tenant let go while a reclaim order for that tenant is open -> reclaim
     (the oldest order is used up); else release. Returns the events and the orders still open."""
-    events, left = [], [o for o in orders if now - o.requested_at < ORDER_TTL_S]
+    left = [o for o in orders if now - o.requested_at < ORDER_TTL_S]
+    events = [{"t": now, "kind": "reclaim_expired", "tenant": o.tenant, "lease_id": o.lease_id,
+               "requested_at": round(o.requested_at, 3), "waited_s": round(now - o.requested_at, 3),
+               "cause": o.cause, "reason": o.reason, "job": o.job} for o in orders if o not in left]
     for d in decisions:
         if d.action != "drop" or d.lease_id not in known:
             continue

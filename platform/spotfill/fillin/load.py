@@ -84,8 +84,9 @@ def _error_fields(body: bytes) -> tuple[str | None, str | None]:
 
 class ServeLoad:
     def __init__(self, url: str, rps: float, max_tokens: int = 8, timeout_s: float = 20.0,
-                 max_in_flight: int = 16, nice: int = 0):
+                 max_in_flight: int = 16, nice: int = 0, extra_body: dict | None = None):
         self.url, self.rps, self.max_tokens, self.timeout_s = url.rstrip("/"), float(rps), max_tokens, timeout_s
+        self.extra_body = dict(extra_body or {})       # more request fields (e.g. ignore_eos: long answers)
         self.nice = int(nice)
         self.results: list[dict] = []
         self.skipped = 0
@@ -119,7 +120,7 @@ class ServeLoad:
     def _one(self, n: int) -> None:
         t, t0 = time.time(), time.monotonic()
         body = json.dumps({"model": "spotfill", "prompt": f"def f{n % 97}(", "max_tokens": self.max_tokens,
-                           "temperature": 0}).encode()
+                           "temperature": 0, **self.extra_body}).encode()
         req = urllib.request.Request(self.url + "/v1/completions", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
         rec: dict = {"t": t}

@@ -237,21 +237,24 @@ class Engine:
             temp, top_p = sampling.param_tensors(params, logits.device)
             p_all = sampling.probabilities(logits.reshape(n * (k + 1), -1), temp.repeat_interleave(k + 1),
                                            top_p.repeat_interleave(k + 1)).reshape(n, k + 1, -1)
-        accepted_total = 0
+        accepted_total = checked_total = 0
         for i, row in enumerate(rows):
             if row.params.greedy:
                 out = accept_greedy(drafts[i], best[i])
             else:
                 out = accept_sampled(drafts[i], sampling_q(q, i), p_all[i], row.params.seed, row.generated)
             accepted_total += len(out) - 1
+            checked_total += min(k, len(out))       # a rejection ends the check: later drafts are not judged
             row.drafted += k
             row.accepted += len(out) - 1
             row.verify_steps += 1
             self._append(row, out)
         t2 = self.clock()
-        self.policy.record_speculative(n, k, t1 - t0, t2 - t1, n * k, accepted_total)
+        self.policy.record_speculative(n, k, t1 - t0, t2 - t1, checked_total, accepted_total)
         self.stats["speculative_steps"] += 1
+        self.stats["verify_rows"] += n
         self.stats["drafted"] += n * k
+        self.stats["checked"] += checked_total
         self.stats["accepted"] += accepted_total
         for row in rows:
             self._emit(row)

@@ -66,15 +66,17 @@ class SpecPolicy:
         b.plain_s = self._avg(b.plain_s, seconds)
         b.plain_since_probe += 1
 
-    def record_speculative(self, batch: int, k: int, draft_s: float, verify_s: float, drafted: int,
+    def record_speculative(self, batch: int, k: int, draft_s: float, verify_s: float, checked: int,
                            accepted: int) -> None:
-        """One speculative step: its k, the seconds of all k draft passes and of the verify pass, and how
-        many of the drafted tokens (over all requests) were accepted."""
+        """One speculative step: its k, the seconds of all k draft passes and of the verify pass, how many
+        drafted tokens (over all requests) were judged -- a rejection ends a request's check, so the drafts
+        after it are not counted -- and how many of those were accepted. accepted / checked estimates the
+        per-token acceptance rate a of the formula."""
         b = self._bucket(batch)
         b.draft_s = self._avg(b.draft_s, draft_s / max(1, k))
         b.verify_s[k] = self._avg(b.verify_s.get(k), verify_s)
-        if drafted:
-            self.acceptance = self._avg(self.acceptance, accepted / drafted)
+        if checked:
+            self.acceptance = self._avg(self.acceptance, accepted / checked)
 
     def _verify_s(self, b: _Bucket, k: int) -> float:
         if k in b.verify_s:
@@ -131,7 +133,7 @@ class FixedK:
     def record_plain(self, batch: int, seconds: float) -> None:
         pass
 
-    def record_speculative(self, batch: int, k: int, draft_s: float, verify_s: float, drafted: int,
+    def record_speculative(self, batch: int, k: int, draft_s: float, verify_s: float, checked: int,
                            accepted: int) -> None:
         pass
 

@@ -74,10 +74,13 @@ def _nodes(events: list[dict], report: dict) -> list[NodeSpan] | None:
 def fillin_section(events: list[dict], window: tuple[float, float]) -> dict | None:
     """report.json `fillin.leases` (each lease overlapping the run's window: tenant, workload, node, gpus,
     start, end, how it ended, reclaim_s) and `fillin.handback_seconds` (one per reclaim that a training
-    claim caused: the claim -> that lease's GPUs free), from the lease events; None without any."""
+    claim caused: the claim -> that lease's GPUs free), from the lease events; `fillin.handbacks_unfinished`
+    for reclaim orders that expired with no lease ended (a hand-back that never completed); None without any."""
     start, end = window
     open_: dict[str, dict] = {}
     leases: list[dict] = []
+    unfinished = [{k: e.get(k) for k in ("tenant", "lease_id", "requested_at", "waited_s", "cause", "job")}
+                  for e in events if e["kind"] == "reclaim_expired" and start <= e.get("requested_at", e["t"]) < end]
 
     def row(e: dict) -> dict:
         return {"lease_id": e.get("lease_id"), "tenant": e.get("tenant"), "workload": workload_of(e),
@@ -95,13 +98,15 @@ def fillin_section(events: list[dict], window: tuple[float, float]) -> dict | No
                 leases.append(le)
     leases += open_.values()
     leases = [le for le in leases if le["start"] < end and (le["end"] is None or le["end"] > start)]
-    if not leases:
+    if not leases and not unfinished:
         return None
     leases.sort(key=lambda le: le["start"])
     handback = [le["reclaim_s"] for le in leases if le["ended_by"] == "reclaim" and le.get("cause") == "training_claim"
                 and le["reclaim_s"] is not None]
-    return {"leases": leases, "handback_seconds": handback,
-            "handback_seconds_max": max(handback) if handback else None}
+    out = {"leases": leases, "handback_seconds": handback, "handback_seconds_max": max(handback) if handback else None}
+    if unfinished:                        # hand-backs that never completed: the order expired, nothing ended
+        out["handbacks_unfinished"] = unfinished
+    return out
 
 
 def summarize(events: list[dict], report: dict | None = None, nodes: list[NodeSpan] | None = None):
