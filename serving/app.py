@@ -80,13 +80,12 @@ class Generator:
     def __init__(self, args: ServeArgs):
         from spotfill.fillin.cpu_priority import lower_cpu_priority
         lower_cpu_priority(args.cpu_nice, idle=args.cpu_idle)    # fill-in: the CPU time training leaves
-        from spotfill.devices import assigned_device, compute_dtype
+        from spotfill.generation.replica import replica_device
         from spotfill.storage.base import open_storage
         from spotfill.storage.checkpoint_store import CheckpointStore
 
         self.args = args
-        self.device = assigned_device()                        # what Ray assigned: cuda:0, or the CPU
-        self.dtype = compute_dtype(self.device)
+        self.device, self.dtype = replica_device()             # what Ray assigned: cuda:0, or the CPU
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.store = CheckpointStore(open_storage(args.checkpoint))
         self.work = tempfile.mkdtemp(prefix="spotfill-serve-")

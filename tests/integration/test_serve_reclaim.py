@@ -93,7 +93,8 @@ def env(tmp_path_factory):
     arbiter = ensure_arbiter("GPU_SLOT", runtime_env=runtime_env(),
                              state_path=str(tmp_path_factory.mktemp("arbiter") / "state.json"))
     out = deploy_serve(uri, port=free_port(), dashboard_url=cluster.cluster.webui_url, max_replicas=2,
-                       arbiter=arbiter, replicas=0, max_queue_wait_s=2.0, reload_s=30)
+                       arbiter=arbiter, replicas=0, max_queue_wait_s=2.0, reload_s=30,
+                       **json.loads(os.environ.get("SERVE_TEST_ARGS", "{}")))
     try:
         yield {"cluster": cluster, "arbiter": arbiter, "url": out["url"]}
     finally:

@@ -86,3 +86,62 @@ class ServeTenant:
             return False
         self.target = n
         return True
+
+
+def describe_serve_app(dashboard_url: str, app: str, deployment: str, gpu_resource: str = "GPU") -> dict:
+    """What the arbiter needs to know about a deployed Serve application to lend it GPUs, read from the
+    dashboard's Serve REST API (GET /api/serve/applications/): {"grace_s", "gpus_per_replica"}. ConfigError
+    when the app or deployment is not deployed, the app was deployed without external_scaler_enabled (the
+    arbiter could not set its replica count), or its replicas ask for no `gpu_resource`."""
+    import math
+
+    from spotfill.config.errors import ConfigError
+    url = dashboard_url if "://" in dashboard_url else f"http://{dashboard_url}"
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/api/serve/applications/", timeout=10) as resp:
+            apps = json.loads(resp.read()).get("applications") or {}
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ConfigError("dashboard_url", dashboard_url, reason=f"Serve's REST API did not answer ({exc})",
+                          accepted="the Ray dashboard's address, e.g. 127.0.0.1:8265") from None
+    if app not in apps:
+        raise ConfigError("serve app", app, reason="not deployed", accepted=", ".join(sorted(apps)) or "none deployed")
+    if not apps[app].get("external_scaler_enabled"):
+        raise ConfigError("serve app", app, reason="deployed without external_scaler_enabled, so the arbiter "
+                          "cannot set its replica count", accepted="redeploy it with external_scaler_enabled: true")
+    deployments = apps[app].get("deployments") or {}
+    if deployment not in deployments:
+        raise ConfigError("serve deployment", deployment, reason=f"not a deployment of {app}",
+                          accepted=", ".join(sorted(deployments)))
+    cfg = deployments[deployment].get("deployment_config") or {}
+    opts = cfg.get("ray_actor_options") or {}
+
+    def gpus_in(resources: dict) -> float:
+        key = "GPU" if gpu_resource == "GPU" else gpu_resource
+        return float(resources.get("num_gpus" if key == "GPU" else key, 0) or
+                     (resources.get("resources") or {}).get(key, 0) or resources.get(key, 0) or 0)
+    gpus = gpus_in(opts) + sum(gpus_in(b) for b in cfg.get("placement_group_bundles") or [])
+    if gpus <= 0:
+        raise ConfigError("serve deployment", f"{app}/{deployment}", reason=f"its replicas ask for no {gpu_resource}",
+                          accepted=f"a deployment whose replicas use {gpu_resource} (ray_actor_options or "
+                                   "placement_group_bundles)")
+    return {"grace_s": float(cfg.get("graceful_shutdown_timeout_s") or 20.0), "gpus_per_replica": math.ceil(gpus)}
+
+
+def register_serve_app(app: str, deployment: str, *, max_replicas: int, dashboard_url: str = "127.0.0.1:8265",
+                       gpu_resource: str = "GPU", arbiter=None) -> dict:
+    """Make any deployed Serve application with external_scaler_enabled a fill-in tenant by name (a Ray Serve
+    LLM / vLLM deployment, or any other): the arbiter (started if absent) sets its replica count on GPUs
+    training cannot use and takes them back for training, like spotfill's own app. Returns the arbiter's
+    answer ({"tenant", "scale_url", "target"})."""
+    import ray
+
+    from spotfill.config.errors import ConfigError
+    if int(max_replicas) < 1:
+        raise ConfigError("max_replicas", max_replicas, accepted="an integer >= 1")
+    info = describe_serve_app(dashboard_url, app, deployment, gpu_resource)
+    if arbiter is None:
+        from spotfill.fillin.arbiter import ensure_arbiter
+        arbiter = ensure_arbiter(gpu_resource)
+    return ray.get(arbiter.register_tenant.remote({
+        "app": app, "deployment": deployment, "dashboard_url": dashboard_url, "max_replicas": int(max_replicas),
+        **info}), timeout=60)

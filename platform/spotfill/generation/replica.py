@@ -42,6 +42,14 @@ class DraftSpec:
         return {"": "", "self": f"self:{self.layers}", "uri": self.uri}[self.kind]
 
 
+def replica_device():
+    """(torch device, dtype) this process generates on: the GPU Ray assigned it (cuda:0 inside the process),
+    else the CPU; bf16 where the device supports it (spotfill/devices.py)."""
+    from spotfill.devices import assigned_device, compute_dtype
+    device = assigned_device()
+    return device, compute_dtype(device)
+
+
 def build_engine(model, draft: DraftSpec = DraftSpec(), draft_model=None, num_draft_tokens: int = 4,
                  max_batch: int = 8, policy=None) -> Engine:
     """An engine over `model` (spotfill's GPT or any forward(idx) -> logits model with a .cfg), with the draft
