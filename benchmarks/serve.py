@@ -5,8 +5,9 @@ without a speculative draft. No Ray, no Serve: the model on one device, the same
     python -m benchmarks.serve [--quick] [--preset 50m] [--device cpu|cuda:0] [--draft self:2] [--json PATH]
     spotfill bench --only serve
 
-Sides (tokens/s = generated tokens over wall time, each side after a warm-up request; every side once per
-round, 3 rounds (1 with --quick), the median round reported):
+Sides (tokens/s = generated tokens over wall time; every side once per round, 3 rounds (1 with --quick), the
+median round reported; each engine is built once and warmed up at batch 1 and 8 first, as a replica's engine
+lives on, so the adaptive policy has measured both batch sizes):
   toy_loop       batch1: one request; batch8: 8 requests on 8 threads, as the old replica ran them
   engine         batch1: one request; batch8: 8 requests submitted together
   specdec        the engine with the draft and the adaptive policy (what `draft:` gives users)
@@ -65,45 +66,37 @@ def toy_loop(model, n_requests: int, new_tokens: int) -> dict:
     return {"tokens": sum(counts), "seconds": round(wall, 3), "tokens_per_s": round(sum(counts) / wall, 2)}
 
 
-def engine_run(model, n_requests: int, new_tokens: int, draft: str = "", k: int = 4, fixed: bool = False,
-               max_batch: int = 8) -> dict:
-    """Requests submitted together to one engine; tokens/s and the speculative counts."""
-    from spotfill.generation.engine import GenerationRequest
+def make_engine(model, draft: str = "", k: int = 4, fixed: bool = False, max_batch: int = 8):
+    """One engine, kept for the whole run like a replica's (the adaptive policy learns across requests)."""
     from spotfill.generation.replica import DraftSpec, build_engine
-    from spotfill.generation.sampling import SamplingParams
     from spotfill.generation.spec_policy import FixedK
-
     spec = DraftSpec.parse(draft) if draft else DraftSpec()
-    engine = build_engine(model, spec, None, k, max_batch, policy=FixedK(k) if (fixed and draft) else None)
-    done = threading.Event()
+    return build_engine(model, spec, None, k, max_batch, policy=FixedK(k) if (fixed and draft) else None)
+
+
+def engine_run(engine, n_requests: int, new_tokens: int) -> dict:
+    """Requests submitted together to the engine; tokens/s and the speculative counts."""
+    from spotfill.generation.engine import GenerationRequest
+    from spotfill.generation.sampling import SamplingParams
+
     finished, tokens = [], [0]
 
     def sink(u):
         tokens[0] += len(u.ids)
         if u.finish_reason:
             finished.append(u)
-            if len(finished) == n_requests:
-                done.set()
 
-    def submit(rid: str, n: int) -> None:
-        engine.submit(GenerationRequest(rid, list((PROMPT + rid).encode()),
-                                        SamplingParams(max_tokens=n, ignore_eos=True)), sink)
-    submit("warm", 4)
-    while engine.step():
-        pass
-    finished.clear()
-    done.clear()
-    tokens[0] = 0
     engine.stats.clear()
     t0 = time.perf_counter()
     for i in range(n_requests):
-        submit(str(i), new_tokens)
-    while not done.is_set() and engine.step():
+        engine.submit(GenerationRequest(str(i), list((PROMPT + str(i)).encode()),
+                                        SamplingParams(max_tokens=new_tokens, ignore_eos=True)), sink)
+    while len(finished) < n_requests and engine.step():
         pass
     wall = time.perf_counter() - t0
     st = engine.stats
     out = {"tokens": tokens[0], "seconds": round(wall, 3), "tokens_per_s": round(tokens[0] / wall, 2)}
-    if draft:
+    if engine.draft is not None:
         steps = sum(u.verify_steps for u in finished)
         accepted = sum(u.accepted for u in finished)
         out.update(drafted=st["drafted"], checked=st["checked"], accepted=st["accepted"],
@@ -146,10 +139,14 @@ def bench_serve(quick: bool, progress=None, preset: str | None = None, device: s
                  "torch_threads": torch.get_num_threads(),
                  "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "new_tokens": new_tokens,
                  "weights": "checkpoint" if checkpoint else "random"}
+    engines = {"engine": make_engine(model), "specdec": make_engine(model, draft, k),
+               "specdec_fixed": make_engine(model, draft, k, fixed=True)}
+    for name, eng in engines.items():        # warm-up: the adaptive policy measures both batch sizes
+        for batch in (1, 8):
+            engine_run(eng, batch, new_tokens)
+    say("warm-up done: " + ", ".join(f"{n} {getattr(e.policy, 'last_reason', '')}" for n, e in engines.items()))
     runs = [("toy_loop", b, lambda b=b: toy_loop(model, b, new_tokens)) for b in (1, 8)]
-    runs += [("engine", b, lambda b=b: engine_run(model, b, new_tokens)) for b in (1, 8)]
-    runs += [("specdec", b, lambda b=b: engine_run(model, b, new_tokens, draft, k)) for b in (1, 8)]
-    runs += [("specdec_fixed", b, lambda b=b: engine_run(model, b, new_tokens, draft, k, fixed=True)) for b in (1, 8)]
+    runs += [(name, b, lambda b=b, e=eng: engine_run(e, b, new_tokens)) for name, eng in engines.items() for b in (1, 8)]
     rounds = 1 if quick else 3
     seen: dict = {}
     for r in range(rounds):                  # every side once per round: drift on a shared machine hits all

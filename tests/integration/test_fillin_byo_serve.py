@@ -6,16 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from spotfill.sim.cluster import free_port
 from spotfill.testing.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(420)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def echo_app(name: str, slot: bool = True):
@@ -33,30 +27,15 @@ def echo_app(name: str, slot: bool = True):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    import ray
     from ray import serve
 
-    from spotfill.fillin.arbiter import ensure_arbiter
-    from spotfill.fillin.local import runtime_env, start_serve
-    from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths
+    from spotfill.fillin.local import start_serve
+    from spotfill.testing.fillin_cluster import fillin_cluster
 
-    cluster = EmbeddedCluster()
-    for _ in range(2):
-        cluster.add_node(1)
-    ray.init(address=cluster.address, runtime_env=runtime_env(), logging_level="WARNING")
-    quiet_expected_node_deaths()
-    arbiter = ensure_arbiter("GPU_SLOT", runtime_env=runtime_env(),
-                             state_path=str(tmp_path_factory.mktemp("arbiter") / "state.json"))
-    start_serve(free_port(), "GPU_SLOT")
-    serve.run(echo_app("Echo"), name="byo", route_prefix="/byo", external_scaler_enabled=True)
-    try:
+    with fillin_cluster(2, 1, str(tmp_path_factory.mktemp("arbiter") / "state.json")) as (cluster, arbiter):
+        start_serve(free_port(), "GPU_SLOT")
+        serve.run(echo_app("Echo"), name="byo", route_prefix="/byo", external_scaler_enabled=True)
         yield {"cluster": cluster, "arbiter": arbiter, "dashboard": cluster.cluster.webui_url}
-    finally:
-        try:
-            serve.shutdown()
-            ray.kill(arbiter, no_restart=True)
-        finally:
-            cluster.shutdown()
 
 
 def echo_replicas() -> int:

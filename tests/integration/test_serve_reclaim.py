@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from spotfill.sim.cluster import free_port
 from spotfill.testing.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -24,12 +24,6 @@ LONG = {"prompt": "def main():", "max_tokens": CONTEXT - 24, "temperature": 0, "
 
 def metric(name, value):
     print(f"SERVE-METRIC {name} {value}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url, body, timeout=120):
@@ -76,33 +70,16 @@ def tiny_checkpoint(uri: str, step: int = 1) -> None:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    import ray
-    from ray import serve
-
-    from spotfill.fillin.arbiter import ensure_arbiter
-    from spotfill.fillin.local import deploy_serve, runtime_env
-    from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths
+    from spotfill.fillin.local import deploy_serve
+    from spotfill.testing.fillin_cluster import fillin_cluster
 
     uri = f"file://{tmp_path_factory.mktemp('ckpt')}/run"
     tiny_checkpoint(uri)
-    cluster = EmbeddedCluster()
-    for _ in range(2):
-        cluster.add_node(1)
-    ray.init(address=cluster.address, runtime_env=runtime_env(), logging_level="WARNING")
-    quiet_expected_node_deaths()
-    arbiter = ensure_arbiter("GPU_SLOT", runtime_env=runtime_env(),
-                             state_path=str(tmp_path_factory.mktemp("arbiter") / "state.json"))
-    out = deploy_serve(uri, port=free_port(), dashboard_url=cluster.cluster.webui_url, max_replicas=2,
-                       arbiter=arbiter, replicas=0, max_queue_wait_s=2.0, reload_s=30,
-                       **json.loads(os.environ.get("SERVE_TEST_ARGS", "{}")))
-    try:
+    with fillin_cluster(2, 1, str(tmp_path_factory.mktemp("arbiter") / "state.json")) as (cluster, arbiter):
+        out = deploy_serve(uri, port=free_port(), dashboard_url=cluster.cluster.webui_url, max_replicas=2,
+                           arbiter=arbiter, replicas=0, max_queue_wait_s=2.0, reload_s=30,
+                           **json.loads(os.environ.get("SERVE_TEST_ARGS", "{}")))
         yield {"cluster": cluster, "arbiter": arbiter, "url": out["url"]}
-    finally:
-        try:
-            serve.shutdown()
-            ray.kill(arbiter, no_restart=True)
-        finally:
-            cluster.shutdown()
 
 
 def replica_pids(env) -> dict[str, int]:

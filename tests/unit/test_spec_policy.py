@@ -66,3 +66,13 @@ def test_a_useless_draft_is_switched_off():
 
 def test_buckets():
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+
+
+def test_probing_stays_within_its_budget_from_the_first_decision():
+    """Once a plain and a speculative step are measured, probes wait long enough for their predicted extra
+    cost that probing adds under 5% right away (not only after many doublings)."""
+    p = SpecPolicy(max_k=4)
+    drive(p, 64, 0.1, 2, draft_s=0.03)           # one plain, one speculative step measured: a draft as
+    for steps in (60, 300):                       # costly as the model, under load
+        ks, cost = drive(p, 64, 0.1, steps, draft_s=0.03)
+        assert ks.count(0) >= 0.97 * steps and cost < 1.05, (steps, ks.count(0), cost)

@@ -9,11 +9,14 @@ grows with the acceptance rate and falls with it, and speculation switches itsel
 stops being cheap (a large batch makes the target compute-bound: k + 1 tokens cost about k + 1 times one).
 
 While off, it still runs a speculative step now and then (a probe) to see whether that changed: the first
-probe after `probe_every` plain steps, each further one after twice as many (up to `probe_max`), so probing
-costs at most (probe cost / probe_every) and less the longer speculation stays off.
+probe after `probe_every` plain steps, each further one after twice as many (up to `probe_max`), and never
+sooner than the probe's predicted extra cost allows within `probe_budget` (a probe predicted to cost 5 plain
+steps more than the tokens it yields waits for 5 / 0.03 = 167 plain steps) -- so probing costs at most about
+3% from the first decision on, and less the longer speculation stays off.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -46,6 +49,7 @@ class SpecPolicy:
     start_k: int | None = None      # k of the first speculative step (default max_k)
     probe_every: int = 16
     probe_max: int = 256
+    probe_budget: float = 0.03      # the most a probe's predicted extra cost may add over the plain steps
     smoothing: float = 0.3          # weight of a new measurement in the running averages
     acceptance: float | None = None
     buckets: dict[int, _Bucket] = field(default_factory=dict)
@@ -112,10 +116,12 @@ class SpecPolicy:
             self.last_reason = (f"k={best}: acceptance {self.acceptance:.2f}, predicted "
                                 f"{rates[best] / rates[0]:.2f}x plain")
             return best
-        if b.plain_since_probe >= b.probe_every:        # off: look again now and then
+        k = max(range(1, self.max_k + 1), key=lambda m: rates[m])
+        extra = rates[0] / rates[k] - 1.0                 # the probe's cost beyond its tokens, in plain steps
+        gap = min(4096, max(b.probe_every, math.ceil(extra * expected_tokens(self.acceptance, k) / self.probe_budget)))
+        if b.plain_since_probe >= gap:                    # off: look again now and then
             b.plain_since_probe = 0
             b.probe_every = min(self.probe_max, b.probe_every * 2)
-            k = max(range(1, self.max_k + 1), key=lambda m: rates[m])
             self.last_reason = f"probe k={k} (speculation off)"
             return k
         self.last_reason = (f"off: best k predicted {max(rates[k] for k in rates if k) / rates[0]:.2f}x "
