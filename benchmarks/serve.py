@@ -48,9 +48,26 @@ def build_model(preset: str, device: str, dtype: str, seed: int = 0, checkpoint:
     return GPT(get_preset(preset)).to(device=dev, dtype=dt).eval()
 
 
+class BytesOnly:
+    """The model with ids above 255 (end-of-document, and a 32000-token preset's others) masked out, so the old
+    loop generates as many tokens as asked, like the engine's ignore_eos (one masked_fill per step)."""
+
+    def __init__(self, model):
+        self.model, self.cfg = model, model.cfg
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, idx):
+        logits = self.model(idx)
+        logits[..., 256:] = float("-inf")
+        return logits
+
+
 def toy_loop(model, n_requests: int, new_tokens: int) -> dict:
     """The old loop: each request on its own thread (the old replica ran up to 8 with asyncio.to_thread)."""
     from spotfill.fillin.generate import generate
+    model = BytesOnly(model)                 # the old loop stops at any id > 255: the engine sides use ignore_eos
     counts = [0] * n_requests
 
     def one(i: int) -> None:
@@ -124,10 +141,19 @@ def bench_serve(quick: bool, progress=None, preset: str | None = None, device: s
                 checkpoint: str | None = None, threads: int | None = None) -> dict:
     say = progress or (lambda msg: None)
     import torch
+    before = torch.get_num_threads()
     if threads or device == "cpu":
         # one intra-op thread on the CPU by default: on a shared, loaded machine torch's OpenMP threads
         # wait on each other (a LayerNorm over 8 rows took 3-15 ms with 2 threads, 0.01 ms with 1)
         torch.set_num_threads(threads or 1)
+    try:
+        return _bench(say, quick, preset, device, dtype, draft, k, new_tokens, checkpoint)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _bench(say, quick, preset, device, dtype, draft, k, new_tokens, checkpoint) -> dict:
+    import torch
     preset = preset or ("tiny" if quick else "50m")
     new_tokens = new_tokens or (24 if quick else 64)
     draft = draft if draft is not None else "self:1" if preset == "tiny" else "self:2"
