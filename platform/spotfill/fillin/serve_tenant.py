@@ -104,13 +104,13 @@ def describe_serve_app(dashboard_url: str, app: str, deployment: str, gpu_resour
         raise ConfigError("dashboard_url", dashboard_url, reason=f"Serve's REST API did not answer ({exc})",
                           accepted="the Ray dashboard's address, e.g. 127.0.0.1:8265") from None
     if app not in apps:
-        raise ConfigError("serve app", app, reason="not deployed", accepted=", ".join(sorted(apps)) or "none deployed")
+        raise ConfigError(f"serve app {app}", reason="not deployed", accepted=", ".join(sorted(apps)) or "none deployed")
     if not apps[app].get("external_scaler_enabled"):
-        raise ConfigError("serve app", app, reason="deployed without external_scaler_enabled, so the arbiter "
+        raise ConfigError(f"serve app {app}", reason="deployed without external_scaler_enabled, so the arbiter "
                           "cannot set its replica count", accepted="redeploy it with external_scaler_enabled: true")
     deployments = apps[app].get("deployments") or {}
     if deployment not in deployments:
-        raise ConfigError("serve deployment", deployment, reason=f"not a deployment of {app}",
+        raise ConfigError(f"serve deployment {deployment}", reason=f"not a deployment of {app}",
                           accepted=", ".join(sorted(deployments)))
     cfg = deployments[deployment].get("deployment_config") or {}
     opts = cfg.get("ray_actor_options") or {}
@@ -121,7 +121,7 @@ def describe_serve_app(dashboard_url: str, app: str, deployment: str, gpu_resour
                      (resources.get("resources") or {}).get(key, 0) or resources.get(key, 0) or 0)
     gpus = gpus_in(opts) + sum(gpus_in(b) for b in cfg.get("placement_group_bundles") or [])
     if gpus <= 0:
-        raise ConfigError("serve deployment", f"{app}/{deployment}", reason=f"its replicas ask for no {gpu_resource}",
+        raise ConfigError(f"serve deployment {app}/{deployment}", reason=f"its replicas ask for no {gpu_resource}",
                           accepted=f"a deployment whose replicas use {gpu_resource} (ray_actor_options or "
                                    "placement_group_bundles)")
     return {"grace_s": float(cfg.get("graceful_shutdown_timeout_s") or 20.0), "gpus_per_replica": math.ceil(gpus)}
