@@ -133,6 +133,11 @@ def test_a_continued_request_goes_on_as_if_uninterrupted(model, temperature):
     second = run(Engine(GPTDecoder(model), ByteTokenizer()), [rest])["r"]
     assert first.rstrip("\ufffd") + "".join(u.text for u in second) == text
     assert second[-1].completion_tokens == 24
+    # lost right after its last token: the continuation only says it is finished (and sends the held-back rest)
+    done = run(Engine(GPTDecoder(model), ByteTokenizer()), [GenerationRequest(
+        "r", list(b"continue me"), SamplingParams(**params), generated=full, emitted=0)])["r"]
+    assert [(u.ids, u.finish_reason, u.completion_tokens) for u in done] == [([], "length", 24)]
+    assert done[0].text == ByteTokenizer().decode(full)
 
 
 def test_stop_sequence_ends_the_request_and_is_not_returned(model):

@@ -97,6 +97,12 @@ class Engine:
         """Queue a request; `sink(update)` gets its tokens as they come. A prompt that leaves no room for a
         token in the model's context is answered at once with finish_reason "error"."""
         total = len(req.prompt_ids) + len(req.generated)
+        if req.generated and (len(req.generated) >= req.params.max_tokens or total >= self.target.context):
+            # a continuation whose first replica generated the last token but was lost before saying so
+            rest = IncrementalText(self.tokenizer, req.params.stop, req.generated, req.emitted).finish()
+            sink(Update(req.request_id, [], rest, "length", len(req.prompt_ids), len(req.generated),
+                        req.emitted + len(rest), req.drafted, req.accepted, req.verify_steps))
+            return
         if not req.prompt_ids or total >= self.target.context:
             sink(Update(req.request_id, [], "", "error", len(req.prompt_ids), len(req.generated), req.emitted,
                         error=f"the prompt takes {total} of the model's {self.target.context} tokens of context: "
