@@ -76,3 +76,13 @@ def test_probing_stays_within_its_budget_from_the_first_decision():
     for steps in (60, 300):                       # costly as the model, under load
         ks, cost = drive(p, 64, 0.1, steps, draft_s=0.03)
         assert ks.count(0) >= 0.97 * steps and cost < 1.05, (steps, ks.count(0), cost)
+
+
+def test_a_plain_step_measured_during_a_stall_does_not_keep_speculation_on():
+    """One plain step took 50x its time (the process was descheduled): speculation looks worth it and turns
+    on, but plain steps are measured again now and then, and a useless draft is switched off."""
+    p = SpecPolicy(max_k=4)
+    p.record_plain(1, 0.5)                        # a stall: a plain step really takes 0.01 s
+    ks, _ = drive(p, 1, 0.05, 400, draft_s=0.004)
+    assert ks[0] > 0                              # fooled at first
+    assert ks[-100:].count(0) >= 95, ks[-100:]

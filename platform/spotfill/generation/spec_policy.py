@@ -41,6 +41,7 @@ class _Bucket:
     verify_s: dict[int, float] = field(default_factory=dict)    # k -> one verify pass
     plain_since_probe: int = 0
     probe_every: int = 0
+    spec_since_plain: int = 0              # speculative steps since the last plain one (while on)
 
 
 @dataclass
@@ -50,8 +51,14 @@ class SpecPolicy:
     probe_every: int = 16
     probe_max: int = 256
     probe_budget: float = 0.03      # the most a probe's predicted extra cost may add over the plain steps
-    smoothing: float = 0.3          # weight of a new measurement in the running averages
+    smoothing: float = 0.3          # weight of a new measurement in the running averages (a faster one
+                                    # weighs more: a stall only ever makes a step slower)
+    refresh_every: int = 32         # while on, one plain step after this many speculative ones: a plain
+                                    # step's time measured during a stall must not keep speculation on
+    decay: float = 0.9              # acceptance: accepted / judged tokens, older steps weighing less
     acceptance: float | None = None
+    _accepted: float = 0.0
+    _checked: float = 0.0
     buckets: dict[int, _Bucket] = field(default_factory=dict)
     last_reason: str = ""
 
@@ -60,7 +67,10 @@ class SpecPolicy:
             raise ValueError(f"max_k {self.max_k}: accepted >= 1")
 
     def _avg(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+        if old is None:
+            return new
+        weight = self.smoothing if new >= old else min(1.0, 2.5 * self.smoothing)
+        return old + weight * (new - old)
 
     def _bucket(self, batch: int) -> _Bucket:
         return self.buckets.setdefault(bucket(batch), _Bucket(probe_every=self.probe_every))
@@ -69,6 +79,7 @@ class SpecPolicy:
         b = self._bucket(batch)
         b.plain_s = self._avg(b.plain_s, seconds)
         b.plain_since_probe += 1
+        b.spec_since_plain = 0
 
     def record_speculative(self, batch: int, k: int, draft_s: float, verify_s: float, checked: int,
                            accepted: int) -> None:
@@ -79,8 +90,11 @@ class SpecPolicy:
         b = self._bucket(batch)
         b.draft_s = self._avg(b.draft_s, draft_s / max(1, k))
         b.verify_s[k] = self._avg(b.verify_s.get(k), verify_s)
-        if checked:
-            self.acceptance = self._avg(self.acceptance, accepted / checked)
+        b.spec_since_plain += 1
+        self._accepted = self.decay * self._accepted + accepted
+        self._checked = self.decay * self._checked + checked
+        if self._checked > 0:
+            self.acceptance = self._accepted / self._checked
 
     def _verify_s(self, b: _Bucket, k: int) -> float:
         if k in b.verify_s:
@@ -110,6 +124,9 @@ class SpecPolicy:
             self.last_reason = "measuring a speculative step"
             return self.start_k or self.max_k
         best = max(rates, key=lambda k: (rates[k], -k))
+        if best > 0 and b.spec_since_plain >= self.refresh_every:
+            self.last_reason = "refreshing the plain step's time"
+            return 0
         if best > 0:
             b.probe_every = self.probe_every
             b.plain_since_probe = 0
