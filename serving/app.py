@@ -391,6 +391,7 @@ class Ingress:
             yield protocol.sse(body)
         finally:
             self._done(relay)
+            await it.aclose()                 # a client that went away: the replica stops generating
         yield protocol.SSE_DONE
 
     async def _answer(self, call_of, request: Request):

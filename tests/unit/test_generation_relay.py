@@ -137,3 +137,15 @@ def test_an_error_that_is_not_a_lost_replica_is_not_retried(model):
             raise ValueError("bad job")
     with pytest.raises(ValueError):
         asyncio.run(drain(relay_for(route(Broken(model, "x"), Replica(model, "y")))))
+
+
+def test_a_client_that_stops_listening_cancels_the_replicas_work(model):
+    a = Replica(model, "a")
+    relay = relay_for(route(a))
+
+    async def run():
+        it = relay.__aiter__()
+        await it.__anext__()
+        await it.aclose()                        # the client disconnected after the first chunk
+    asyncio.run(run())
+    assert relay._stream.cancelled

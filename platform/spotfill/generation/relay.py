@@ -72,6 +72,16 @@ class Relay:
         return await it.__anext__()
 
     async def __aiter__(self):
+        finished = False
+        try:
+            async for chunk in self._attempts():
+                finished = bool(chunk.get("finish_reason"))
+                yield chunk
+        finally:
+            if not finished and self._stream is not None:   # the client went away: stop the replica's work
+                self._stream.cancel()
+
+    async def _attempts(self):
         attempts = 0
         while True:
             attempts += 1
