@@ -77,7 +77,7 @@ def env(tmp_path_factory):
     tiny_checkpoint(uri)
     with fillin_cluster(2, 1, str(tmp_path_factory.mktemp("arbiter") / "state.json")) as (cluster, arbiter):
         out = deploy_serve(uri, port=free_port(), dashboard_url=cluster.cluster.webui_url, max_replicas=2,
-                           arbiter=arbiter, replicas=0, max_queue_wait_s=2.0, reload_s=30)
+                           arbiter=arbiter, replicas=0, max_queue_wait_s=10.0, reload_s=30)
         yield {"cluster": cluster, "arbiter": arbiter, "url": out["url"]}
 
 
