@@ -20,11 +20,10 @@ acceptance depends on the weights, so numbers from random weights say how fast, 
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 
-from benchmarks._common import REPO  # noqa: F401 - puts platform/ on sys.path
+from benchmarks._common import REPO, emit  # noqa: F401 - REPO: puts platform/ on sys.path
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -229,12 +228,7 @@ def main(argv=None) -> int:
     result = bench_serve(a.quick, progress=lambda m: print(m, flush=True), preset=a.preset, device=a.device,
                          dtype=a.dtype, draft=a.draft, k=a.num_draft_tokens, new_tokens=a.new_tokens,
                          checkpoint=a.checkpoint, threads=a.threads)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return emit(result, a.json)
 
 
 if __name__ == "__main__":

@@ -106,10 +106,14 @@ def test_handback_is_bounded_idle_and_busy(env):
     from spotfill.fillin.load import ServeLoad
     wait_for(lambda: both_running(env), 180, "2 Generator replicas on the lent slots")
     time.sleep(1.0)
+    t_claim = time.time()
     idle = ray.get(env["arbiter"].claim.remote("idle", 1, 15.0, 1, 1, 1), timeout=30)
+    steps = [(d["action"], round(d["at"] - t_claim, 3), d["reason"][:60])
+             for d in ray.get(env["arbiter"].status.remote(), timeout=30)["decisions"] if d["at"] >= t_claim - 0.01]
     ray.get(env["arbiter"].release_job.remote("idle"))
     metric("handback_idle_s", idle["waited_s"])
-    assert idle["ok"] and idle["waited_s"] <= 1.0, idle
+    metric("handback_idle_steps", steps)
+    assert idle["ok"] and idle["waited_s"] <= 1.0, (idle, steps)
     wait_for(lambda: both_running(env), 180, "2 Generator replicas again")
     load = ServeLoad(env["url"], rps=4, max_tokens=LONG["max_tokens"], timeout_s=60, max_in_flight=8,
                      extra_body={"ignore_eos": True}).start()
