@@ -121,6 +121,13 @@ def single_rank_dist() -> Iterator[None]:
                 dist.destroy_process_group()
 
 
+def log_tail(log, chars: int = 1500) -> str:
+    """The last `chars` characters a child process wrote to `log` (an open file), flushed first."""
+    log.flush()
+    with open(log.name, errors="replace") as f:
+        return f.read()[-chars:]
+
+
 def quiet_deepspeed() -> None:
     """DeepSpeed logs every initialize/save at INFO on stdout; the benchmarks print their own summary."""
     for name in ("DeepSpeed", "deepspeed"):

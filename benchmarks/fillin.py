@@ -174,6 +174,7 @@ def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: fl
     return {"ok": report["ok"], "tokens_per_s": tr.get("tokens_per_s"), "steps": tr.get("steps_completed"),
             "world_size_timeline": [n for _, n in tr.get("world_size_timeline", [])],
             "gpu_seconds": report.get("gpu_seconds"), "harvest_ratio": report.get("harvest_ratio"),
+            "harvest_ratio_reserved": report.get("harvest_ratio_reserved"),
             "handback_seconds": fill.get("handback_seconds") or [], "leases": len(fill.get("leases") or []),
             "handback_by_workload": handback_by_workload(fill.get("leases") or []),
             "batch": fill.get("batch"), "sweep": fill.get("sweep"),
@@ -221,7 +222,8 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu
             "handback_by_workload": by_workload,
             "handback_s_max_by_workload": {k: max(v) for k, v in by_workload.items() if v},
             "batch": jobs["batch"], "sweep": jobs["sweep"],
-            "harvest_ratio": with_fill["harvest_ratio"],
+            "harvest_ratio": with_fill["harvest_ratio"],                     # on busy GPU-s (tenants measure)
+            "harvest_ratio_reserved": with_fill["harvest_ratio_reserved"],   # on held GPU-s
             "training_tokens_s_with_fillin": a, "training_tokens_s_without": b,
             "training_tokens_ratio": round(a / b, 4) if a and b else None,
             "training_slowdown": round(1 - a / b, 4) if a and b else None,

@@ -1,12 +1,19 @@
-"""Training throughput and MFU on one CUDA GPU (the "gpu" section; None without CUDA).
+"""Training throughput, MFU and HFU on one CUDA GPU (the "gpu" section; None without CUDA).
 
-    python benchmarks/gpu.py [--preset 1b] [--quick] [--json PATH]
+    python benchmarks/gpu.py [--preset 1b[,125m]] [--quick] [--baseline] [--json PATH]
 
-One DeepSpeed engine (world size 1, NCCL, ZeRO-2, bf16, spotfill's ds_config) of a model preset on random
-tokens at the preset's sequence length. Micro-batch: the largest of 16, 8, 4, 2, 1 that fits. Tokens/s
-is timed over steady steps (after warm-up, CUDA-synchronised); MFU = tokens/s x FLOPs/token (model.py's
-6N + 12*L*h*s, PaLM appendix B) / the device's dense bf16 peak from spotfill.planning.hardware (None when the device
-is not in the catalogue). HFU equals MFU: the presets recompute no activations.
+The engine training builds (spotfill.train.engine.build_engine: DeepSpeed ZeRO-2, bf16, torch's fused
+AdamW as the client optimizer, spotfill's ds_config) at world size 1 over a preset on random tokens at its
+sequence length. Micro-batch: the largest of 16, 8, 4, 2, 1 that fits; each try builds a fresh model (a
+model a failed engine hooked is never reused) and only an out-of-memory moves on to the next size -- any
+other error surfaces as it is. Each step is the worker loop's own (worker_loop._train_step: a host batch
+in, forward, backward, optimizer step). Tokens/s over steady steps (after warm-up, CUDA-synchronised); the step
+split (forward+backward, optimizer, the rest) from CUDA events (train.step_timer, as rank 0 times
+training's steps); MFU = tokens/s x model FLOPs per token (train.model.model_flops: PaLM App. B, 6N +
+12*L*h*s, N without the embedding lookups) / the device's dense bf16 peak (planning.hardware; None when
+the device is not catalogued); HFU with hardware FLOPs (= model FLOPs: the presets recompute nothing).
+`--baseline`: the same model, batch and fused AdamW in plain PyTorch with bf16 weights (no DeepSpeed, no
+fp32 master weights), side by side: the ceiling the engine's MFU is held against.
 """
 from __future__ import annotations
 
@@ -19,125 +26,199 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `spotfil
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import emit, free_port, quiet_deepspeed, rnd, scoped_env  # noqa: E402
-from spotfill.telemetry.throughput import catalogue_name  # noqa: E402,F401 (the device -> catalogue rule)
+from spotfill.telemetry.throughput import catalogue_name, peak_flops_per_gpu  # noqa: E402
+
+MICRO_BATCHES = (16, 8, 4, 2, 1)
+
+
+def _job(preset: str, micro: int, steps: int):
+    from spotfill.config.job import DataConfig, JobConfig, TrainingConfig
+    return JobConfig(name="bench-gpu", storage="unused", data=DataConfig(path="unused"),
+                     training=TrainingConfig(model=preset, global_batch=micro, max_micro_batch=micro, steps=steps))
+
+
+def _timed_steps(step, timer, device, warmup: int, steps: int) -> dict:
+    """Run `warmup` then `steps` steps; wall seconds of the steady ones and their device-timed split."""
+    import torch
+    on_cuda = device.type == "cuda"
+    for _ in range(warmup):
+        step(None)
+    if on_cuda:
+        torch.cuda.synchronize()
+    fb = opt = 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step(timer)
+        if on_cuda:
+            torch.cuda.synchronize()      # each step's events are complete before they are read
+        f, o = timer.read()
+        fb, opt = fb + (f or 0.0), opt + (o or 0.0)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "loss": float(loss.item()), "forward_backward_s": fb / steps,
+            "optimizer_s": opt / steps, "other_s": max(0.0, seconds / steps - (fb + opt) / steps)}
+
+
+def _engine_run(preset: str, micro: int, device, precision: str, steps: int, warmup: int) -> dict:
+    """One try at `micro`: a fresh model and engine, the timed steps. OutOfMemoryError propagates."""
+    import numpy as np
+    import torch
+
+    from spotfill.train import engine as engine_mod
+    from spotfill.train.worker_loop import _train_step
+    from spotfill.train.model import build_model, count_params, model_flops
+    from spotfill.train.step_timer import make_timer
+
+    torch.manual_seed(0)
+    model = build_model(preset)
+    cfg, n_params = model.cfg, count_params(model)
+    engine = None
+    try:
+        config = engine_mod.ds_config(_job(preset, micro, warmup + steps), micro, 1, precision, False)
+        engine = engine_mod.build_engine(model, config, device if device.type == "cuda" else None)
+        rng = np.random.default_rng(0)
+
+        def step(timer):          # the step the worker loop runs (host batch in, loss summed on the device)
+            return _train_step(engine, [rng.integers(0, cfg.vocab_size, size=(micro, cfg.seq_len + 1))],
+                               cfg.vocab_size, timer)
+
+        run = _timed_steps(step, make_timer(engine.device), engine.device, warmup, steps)
+        opt = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+        fm, fh = model_flops(cfg, n_params)
+        return {**run, "params": n_params, "seq_len": cfg.seq_len, "flops_per_token": fm,
+                "hardware_flops_per_token": fh,
+                "optimizer": f"torch.optim.{type(opt).__name__}" + (" (fused)" if opt.defaults.get("fused") else "")}
+    finally:
+        engine = model = None  # noqa: F841 - drop references before the next try
 
 
 def train_throughput(preset: str, device: str, precision: str, steps: int, warmup: int = 3,
-                     micro_batches=(16, 8, 4, 2, 1)) -> dict:
-    """Tokens/s of a ZeRO-2 DeepSpeed engine at world size 1 on `device` ("cuda" or, for testing, "cpu")."""
-    import deepspeed
+                     micro_batches=MICRO_BATCHES, runner=None) -> dict:
+    """Tokens/s of training's engine at world size 1 on `device` ("cuda" or, for testing, "cpu"): the
+    largest micro-batch of `micro_batches` that fits. Each try builds a fresh model; only an out-of-memory
+    moves on to the next size (the result lists them in `oom_at`), and when none fits the first error is
+    raised (with the last one chained)."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from spotfill.config.job import DataConfig, JobConfig, TrainingConfig
-    from spotfill.train.model import build_model, count_params, flops_per_token
-    from spotfill.train.engine import ds_config
 
     quiet_deepspeed()
     on_cuda = device == "cuda"
-    last_error = None
+    runner = runner or _engine_run
+    ooms: list[tuple[int, BaseException]] = []
     with scoped_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                     LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"):
-        own_pg = not dist.is_initialized()
         if on_cuda:
             torch.cuda.set_device(0)
-        if own_pg:
+        if not dist.is_initialized():     # one group for the process: DeepSpeed keeps a handle on it
             dist.init_process_group("nccl" if on_cuda else "gloo", rank=0, world_size=1)
-        try:
-            for micro in micro_batches:
-                engine = None
-                try:
-                    torch.manual_seed(0)
-                    model = build_model(preset)
-                    cfg, n_params = model.cfg, count_params(model)
-                    job = JobConfig(name="bench-gpu", storage="unused", data=DataConfig(path="unused"),
-                                    training=TrainingConfig(model=preset, global_batch=micro,
-                                                            max_micro_batch=micro, steps=warmup + steps))
-                    config = ds_config(job, micro, 1, precision, False)
-                    optimizer = "spotfill ds_config (DeepSpeed AdamW)"
-                    try:
-                        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                               config=config)
-                    except Exception as exc:  # e.g. FusedAdam's CUDA op cannot be built here (no nvcc)
-                        config["optimizer"]["params"]["torch_adam"] = True
-                        optimizer = f"torch AdamW (DeepSpeed's op failed: {type(exc).__name__})"
-                        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                               config=config)
-                    gen = torch.Generator(device=engine.device).manual_seed(0)
-
-                    def step():
-                        tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1),
-                                               device=engine.device, generator=gen)
-                        logits = engine(tokens[:, :-1])
-                        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size),
-                                               tokens[:, 1:].reshape(-1))
-                        engine.backward(loss)
-                        engine.step()
-                        return loss
-
-                    for _ in range(warmup):
-                        step()
-                    if on_cuda:
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(steps):
-                        loss = step()
-                    loss = float(loss.item())
-                    if on_cuda:
-                        torch.cuda.synchronize()
-                    seconds = time.perf_counter() - t0
-                    tokens_s = micro * cfg.seq_len * steps / seconds
-                    return {"preset": preset, "params": n_params, "precision": precision,
-                            "micro_batch": micro, "seq_len": cfg.seq_len, "steps": steps,
-                            "step_s": seconds / steps, "tokens_s": tokens_s,
-                            "flops_per_token": flops_per_token(cfg, n_params), "loss": loss,
-                            "optimizer": optimizer,
-                            "max_memory_gb": (torch.cuda.max_memory_allocated() / 1e9) if on_cuda else None}
-                except torch.OutOfMemoryError as exc:
-                    last_error = exc
-                finally:
-                    engine = model = None  # noqa: F841 - drop references before the next try
-                    if on_cuda:
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats()
-        finally:
-            if own_pg:
-                dist.destroy_process_group()
-    raise RuntimeError(f"{preset} does not fit at micro-batch {micro_batches[-1]}: {last_error}")
+        for micro in micro_batches:
+            if on_cuda:
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                r = runner(preset, micro, torch.device(device), precision, steps, warmup)
+            except torch.OutOfMemoryError as exc:
+                ooms.append((micro, exc))
+                continue
+            finally:
+                if on_cuda:
+                    torch.cuda.empty_cache()
+            return {**r, "preset": preset, "precision": precision, "micro_batch": micro, "steps": steps,
+                    "step_s": r["seconds"] / steps, "tokens_s": micro * r["seq_len"] * steps / r["seconds"],
+                    "oom_at": [m for m, _ in ooms],
+                    "max_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if on_cuda else None}
+    first = ooms[0][1] if ooms else None
+    raise RuntimeError(f"{preset} does not fit at any micro-batch of {list(micro_batches)}: first error "
+                       f"{type(first).__name__}: {first}") from first
 
 
-def bench_gpu(quick: bool = True, preset: str | None = None) -> dict | None:
-    """The CONTRACTS "gpu" section: None when CUDA is unavailable."""
+def plain_bf16_throughput(preset: str, micro: int, steps: int, warmup: int = 3) -> dict:
+    """The ceiling: the same model and batch in plain PyTorch on CUDA with bf16 weights and torch's fused
+    AdamW (no DeepSpeed, no fp32 master weights)."""
+    import torch
+    import torch.nn.functional as F
+
+    from spotfill.train.model import build_model, count_params, model_flops
+    from spotfill.train.step_timer import make_timer
+
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    model = build_model(preset).to(device=device, dtype=torch.bfloat16)
+    cfg = model.cfg
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def step(timer):
+        tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1), device=device, generator=gen)
+        if timer is not None:
+            timer.begin()
+            timer.mark()
+        loss = F.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        if timer is not None:
+            timer.backward_done()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if timer is not None:
+            timer.step_done()
+        return loss
+
+    try:
+        run = _timed_steps(step, make_timer(device), device, warmup, steps)
+        fm, _ = model_flops(cfg, count_params(model))
+        return {**run, "tokens_s": micro * cfg.seq_len * steps / run["seconds"], "flops_per_token": fm,
+                "micro_batch": micro}
+    finally:
+        model = opt = None  # noqa: F841
+        torch.cuda.empty_cache()
+
+
+def bench_gpu(quick: bool = True, preset: str | None = None, baseline: bool = False) -> dict | None:
+    """The CONTRACTS "gpu" section for one preset: None when CUDA is unavailable."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    from spotfill.planning import hardware
-
     preset = preset or "1b"
     device_name = torch.cuda.get_device_name(0)
-    name = catalogue_name(device_name)
-    peak_tflops = hardware.lookup(name).peak_tflops("bf16") if name else None
+    peak = peak_flops_per_gpu(device_name, "bf16")
     t0 = time.perf_counter()
     r = train_throughput(preset, "cuda", "bf16", steps=8 if quick else 30)
-    mfu = r["tokens_s"] * r["flops_per_token"] / (peak_tflops * 1e12) if peak_tflops else None
-    return {"device": device_name, "catalogue": name, "peak_bf16_tflops": peak_tflops,
-            "mfu": rnd(mfu, 4), "hfu": rnd(mfu, 4), "tokens_s": rnd(r["tokens_s"], 1),
-            "params": r["params"], "preset": preset, "precision": "bf16", "zero_stage": 2,
-            "micro_batch": r["micro_batch"], "seq_len": r["seq_len"], "step_s": rnd(r["step_s"], 4),
-            "steps": r["steps"], "optimizer": r["optimizer"], "max_memory_gb": rnd(r["max_memory_gb"], 2),
-            "achieved_tflops": rnd(r["tokens_s"] * r["flops_per_token"] / 1e12, 2),
-            "seconds": round(time.perf_counter() - t0, 1)}
+
+    def util(tokens_s, fpt):
+        return rnd(tokens_s * fpt / peak, 4) if peak else None
+
+    out = {"device": device_name, "catalogue": catalogue_name(device_name),
+           "peak_bf16_tflops": rnd(peak / 1e12, 1) if peak else None,
+           "mfu": util(r["tokens_s"], r["flops_per_token"]), "hfu": util(r["tokens_s"], r["hardware_flops_per_token"]),
+           "tokens_s": rnd(r["tokens_s"], 1), "params": r["params"], "preset": preset, "precision": "bf16",
+           "zero_stage": 2, "micro_batch": r["micro_batch"], "oom_at": r["oom_at"], "seq_len": r["seq_len"],
+           "step_s": rnd(r["step_s"], 4), "steps": r["steps"], "loss": rnd(r["loss"], 4),
+           "split_s": {"forward_backward": rnd(r["forward_backward_s"], 4), "optimizer": rnd(r["optimizer_s"], 4),
+                       "other": rnd(r["other_s"], 4)},
+           "optimizer": r["optimizer"], "flops_per_token": r["flops_per_token"],
+           "max_memory_gb": rnd(r["max_memory_gb"], 2),
+           "achieved_tflops": rnd(r["tokens_s"] * r["flops_per_token"] / 1e12, 2)}
+    if baseline:
+        b = plain_bf16_throughput(preset, r["micro_batch"], steps=4 if quick else 15)
+        out["plain_bf16"] = {"tokens_s": rnd(b["tokens_s"], 1), "mfu": util(b["tokens_s"], b["flops_per_token"]),
+                             "step_s": rnd(b["seconds"] / (4 if quick else 15), 4),
+                             "split_s": {"forward_backward": rnd(b["forward_backward_s"], 4),
+                                         "optimizer": rnd(b["optimizer_s"], 4)}}
+        out["ratio_to_plain_bf16"] = rnd(r["tokens_s"] / b["tokens_s"], 4)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="1b")
+    parser.add_argument("--preset", default="1b", help="a preset, or several separated by commas")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--baseline", action="store_true", help="also time plain PyTorch with bf16 weights")
     parser.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args(argv)
-    return emit(bench_gpu(args.quick, args.preset), args.json)
+    presets = [p for p in args.preset.split(",") if p]
+    if len(presets) == 1:
+        return emit(bench_gpu(args.quick, presets[0], args.baseline), args.json)
+    return emit({p: bench_gpu(args.quick, p, args.baseline) for p in presets}, args.json)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ import time
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `spotfill` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import REPO, median, quiet_deepspeed, rnd, single_rank_dist, subprocess_env  # noqa: E402
+from benchmarks._common import (REPO, log_tail, median, quiet_deepspeed, rnd, single_rank_dist,  # noqa: E402
+                               subprocess_env)
 
 SLICE_MIN_S = 2.0     # a time slice lasts at least this long,
 SLICE_STEPS = 10      # and at least this many plain steps
@@ -196,9 +197,7 @@ class PlainProcess:
             return json.load(f)
 
     def _tail(self) -> str:
-        self._log.flush()
-        with open(self._log.name, errors="replace") as f:
-            return f.read()[-1500:]
+        return log_tail(self._log)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -306,8 +305,10 @@ def bench_overhead(quick: bool = True, preset: str = "tiny", seconds: float | No
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
         cluster.add_node(num_cpus=1, resources={"GPU_SLOT": 1})
         cluster.wait_for_nodes()
-        # what TrainingJob.fit() would pass to ray.init itself (it reuses an initialised Ray)
-        ray.init(address=cluster.address, runtime_env={"env_vars": ray_train_env()},
+        # what TrainingJob.fit() would pass to ray.init itself (it reuses an initialised Ray); the slices are
+        # cut from every step's end time, so the event sink writes every step (no step sampling)
+        ray.init(address=cluster.address, runtime_env={"env_vars": {**ray_train_env(),
+                                                                    "SPOTFILL_EVENTS_STEPS_KEEP": str(10 ** 9)}},
                  log_to_driver=False)
         source = os.path.dirname(json.__file__)
         manifest = prepare(PrepareConfig(source=source, output=data, seq_len=64))

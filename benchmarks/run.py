@@ -33,15 +33,18 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "recovery": ("benchmarks.recovery", "bench_recovery"),
     "preemption": ("benchmarks.recovery", "bench_preemption"),
     "fillin": ("benchmarks.fillin", "bench_fillin"),
+    "eventlog": ("benchmarks.eventlog", "bench_eventlog"),
+    "pipeline": ("benchmarks.pipeline", "bench_pipeline"),
     "serve": ("benchmarks.serve", "bench_serve"),
 }
-DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "fillin", "serve")
+DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "fillin", "pipeline", "serve")
 TARGETS = {("checkpoint", "stall_ratio"): ("<=", 0.10), ("checkpoint", "upload_ratio"): (">=", 0.70),
            ("overhead", "ratio"): (">=", 0.97), ("recovery", "speedup"): (">=", 8.0),
            ("recovery", "speedup_vs_tuned"): (">=", 2.0),
            ("preemption", "lost_steps"): ("<=", 0),
            ("fillin", "handback_s_max"): ("<=", 5.0), ("fillin", "harvest_ratio"): (">=", 0.9),
-           ("fillin", "training_tokens_ratio"): (">=", 0.98)}
+           ("fillin", "training_tokens_ratio"): (">=", 0.98),
+           ("pipeline", "slowdown"): ("<=", 0.02), ("pipeline", "fill_share"): (">=", 0.5)}
 
 
 def _versions() -> dict:
@@ -205,6 +208,14 @@ def summary(result: dict) -> str:
                   f"{f.get('training_tokens_ratio_no_load')} with Serve deployed and no load",
                   f"  serve: {sv.get('requests_ok')} ok, {sv.get('requests_rejected_503')} x 503, "
                   f"{sv.get('requests_failed')} failed; p50 {sv.get('p50_ms')} ms, p99 {sv.get('p99_ms')} ms"]
+    pl = result.get("pipeline")
+    if pl:
+        lines += [f"pipeline    {pl['stages']} stages x {pl['micro_batches']} micro-batches ({pl.get('model')}, "
+                  f"gloo): bubble {pl['bubble_fraction_measured']} measured vs {pl['bubble_fraction_theory']} "
+                  f"theory (per stage {pl.get('bubble_stage')})",
+                  f"  fill share {pl['fill_share']} {mark('pipeline.fill_share')}, slowdown {pl['slowdown']} "
+                  f"{mark('pipeline.slowdown')}, losses identical {pl['loss_identical']}, overrun p50 "
+                  f"{pl['overrun_s']['p50']} s / p99 {pl['overrun_s']['p99']} s"]
     sv = result.get("serve")
     if sv:
         sd = sv.get("specdec") or {}

@@ -221,6 +221,12 @@ class Ingress:
         self.continued = _metric("Counter", "spotfill_serve_requests_continued",
                                  "requests continued on another replica", ("why",))
         threading.Thread(target=self._watch_replicas, daemon=True, name="replica-watch").start()
+        if args.under_arbiter:
+            # a deployed app registers itself -- `serve deploy`, `serve run`, `spotfill serve` and the demo
+            # alike -- so the arbiter lends it GPUs training does not use (fillin/wiring.py)
+            from spotfill.fillin.wiring import register_in_background
+            register_in_background(app_name, GENERATOR, gpu_resource=args.gpu_resource,
+                                   max_replicas=args.max_replicas, grace_s=GRACEFUL["graceful_shutdown_timeout_s"])
 
     @property
     def live(self) -> int:

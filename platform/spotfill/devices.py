@@ -27,6 +27,15 @@ def choose_device(gpu_ids: list, cuda_devices: int) -> str:
     return "cuda:0" if gpu_ids and cuda_devices > 0 else "cpu"
 
 
+def choose_train_device(gpu_resource: str, cuda_devices: int, ray_train_device: str | None) -> str:
+    """A Ray Train worker's device: the one Ray Train assigned it (`ray.train.torch.get_device()`, which
+    answers cuda:N from Ray's GPU ids even where torch has no CUDA) when the job asks for Ray's GPU resource
+    and CUDA sees a device; else the CPU (a logical resource such as GPU_SLOT assigns no device)."""
+    if gpu_resource != "GPU" or cuda_devices <= 0 or not ray_train_device:
+        return "cpu"
+    return ray_train_device
+
+
 def choose_precision(requested: str, device: str, capability: tuple[int, int] | None) -> str:
     """The training/inference precision for `device` ("cpu" or "cuda:N"): `requested` unless "auto";
     auto: bf16 on a GPU with bf16 tensor cores, fp16 on an older GPU, fp32 on the CPU. A request the device

@@ -108,6 +108,8 @@ HOOKS = [
     (_train_callback.ControllerCallback, "before_controller_execute_resize_decision", ("resize_decision",)),
     # a worker group's teardown: reap workers whose node is gone before Ray Train's 5 s shutdown patience
     (WorkerGroupCallback, "before_worker_group_shutdown", ("worker_group",)),
+    # the GPU-seconds ledger: when a group's GPUs were let go (train/sink.py, group_end)
+    (WorkerGroupCallback, "after_worker_group_shutdown", ("worker_group_context",)),
     (_wg.WorkerGroup, "get_workers", ()),
     (_wg_worker.RayTrainWorker, "get_metadata", ()),
     # Ray's fake multi-node provider (local autoscaler tests, the demo's autoscaling cluster)
@@ -150,6 +152,11 @@ HOOKS = [
     (_raylet.CoreWorker, "kill_actor", None),
     (_raylet.ActorID, "from_hex", None),
     (_worker, "global_worker", None),
+    # what the cluster says about itself: autoscaling (fillin/cluster_kind.py), the dashboard's address,
+    # ended drivers (the arbiter drops their training records)
+    (_state.GlobalState, "get_cluster_config", ()),
+    (_state.GlobalState, "job_table", ()),
+    (_ray_constants, "KV_NAMESPACE_DASHBOARD", None),
 ]
 for _owner, _name, _params in HOOKS:
     _require(_owner, _name, _params)
@@ -220,6 +227,42 @@ def _check_zero_elastic_sources() -> None:
 
 
 _check_zero_elastic_sources()
+
+
+# DeepSpeed's PipelineEngine runs a step's schedule in `_exec_schedule`, dispatching every instruction
+# through `self._INSTRUCTION_MAP[type(cmd)]` (deepspeed 0.19; unchanged since 2023). The bubble probe
+# (train/bubble_probe.py) gives one engine instance its own copy of that map with timed wrappers: no fork,
+# no subclass (deepspeed.initialize builds PipelineEngine itself). Checked in the source at import; the
+# map and the dispatch again when first used.
+PIPE_ENGINE_SOURCE = "runtime/pipe/engine.py"
+PIPE_DISPATCH = "self._INSTRUCTION_MAP[type(cmd)]"
+
+
+def _check_pipe_engine_source() -> None:
+    spec = importlib.util.find_spec("deepspeed")
+    path = os.path.join(os.path.dirname(spec.origin), PIPE_ENGINE_SOURCE) if spec else "?"
+    text = open(path, encoding="utf-8").read() if os.path.isfile(path) else ""
+    missing = [n for n in ("def _exec_schedule(", "_INSTRUCTION_MAP = {", PIPE_DISPATCH) if n not in text]
+    if not text or missing:
+        raise RayCompatError(f"spotfill needs DeepSpeed's {PIPE_ENGINE_SOURCE} to have {', '.join(missing)} "
+                             f"(checked against deepspeed 0.19); the installed DeepSpeed does not ({path})")
+
+
+_check_pipe_engine_source()
+
+
+def pipe_instruction_map(engine) -> dict:
+    """Give this PipelineEngine instance its own copy of the class's instruction map (type -> function
+    taking (engine, **kwargs)) and return it: what the caller puts in it runs in place of DeepSpeed's
+    functions for this engine only."""
+    cls = type(engine)
+    table = _require(cls, "_INSTRUCTION_MAP")
+    run = _require(cls, "_exec_schedule", ("pipe_schedule",))
+    if not isinstance(table, dict) or PIPE_DISPATCH not in inspect.getsource(run):
+        raise RayCompatError(f"spotfill needs {cls.__name__}._exec_schedule to dispatch through "
+                             f"{PIPE_DISPATCH} (checked against deepspeed 0.19)")
+    engine._INSTRUCTION_MAP = dict(table)
+    return engine._INSTRUCTION_MAP
 
 
 # Ray's fake multi-node node provider (ray.autoscaler._private; what ray.cluster_utils.AutoscalingCluster
@@ -757,3 +800,63 @@ def watch_running_replicas(app: str, deployment: str, on_change, event_loop):
     return LongPollClient(controller, {key: lambda info: on_change(ids(info))},
                           call_in_event_loop=event_loop,
                           client_id=f"spotfill-replica-watch:{app}/{deployment}:{os.getpid()}")
+
+
+# -- what the cluster says about itself (the fill-in arbiter, on the head) ----------------------------------
+def cluster_config_node_groups() -> list[tuple[int, int]] | None:
+    """(min_count, max_count) of every node group in the cluster config an autoscaler reported to the GCS
+    (what Ray Data's autoscaling check reads), or None when none was reported."""
+    config = _state.state.get_cluster_config()
+    if config is None:
+        return None
+    return [(int(g.min_count), int(g.max_count)) for g in config.node_group_configs if g.resources]
+
+
+def dashboard_url() -> str | None:
+    """The dashboard's address as the head registered it in the GCS (Serve's scale endpoint lives there)."""
+    raw = _kv._internal_kv_get("webui:url", namespace=_ray_constants.KV_NAMESPACE_DASHBOARD)
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def dead_job_ids() -> set[str]:
+    """Hex ids of the Ray jobs (drivers) the GCS knows to have ended."""
+    return {j["JobID"] for j in _state.state.job_table() if j.get("IsDead")}
+
+
+# -- Ray Train's torch backend (train/backend.py chooses NCCL or gloo on the first worker) -------------------
+_warned: set[str] = set()
+
+
+def warn_once(hook: str, lost: str) -> None:
+    """One warning per process for a robustness hook whose private name is gone."""
+    if hook not in _warned:
+        _warned.add(hook)
+        log.warning("spotfill: %s is not in the installed ray %s (checked against %s): %s", hook, ray.__version__,
+                    RAY_VERSION_CHECKED, lost)
+
+
+def torch_train_backend():
+    """Ray Train's torch Backend class (ray.train.torch.config._TorchBackend), or None when it is gone: then
+    Ray's own backend choice applies (NCCL for any GPU worker, which fails where the GPU resource has no CUDA
+    device behind it)."""
+    try:
+        from ray.train.torch.config import _TorchBackend
+    except ImportError:
+        warn_once("ray.train.torch.config._TorchBackend", "the torch backend follows Ray's choice (NCCL for "
+                  "any GPU worker), not what the workers have")
+        return None
+    return _TorchBackend
+
+
+def dashboard_auth_headers() -> dict[str, str]:
+    """The Authorization header a request to this cluster's dashboard needs when the cluster runs with token
+    authentication (RAY_AUTH_MODE=token; Ray 2.60 turns it on for local clusters when ~/.ray/auth_token
+    exists): {} otherwise. Serve's scale endpoint (fill-in's external scaler) answers 401 without it."""
+    try:
+        from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+    except ImportError:
+        warn_once("ray._private.authentication.http_token_authentication.get_auth_headers_if_auth_enabled",
+                  "requests to a dashboard with token authentication carry no token (Serve's scale endpoint "
+                  "answers 401 there)")
+        return {}
+    return dict(get_auth_headers_if_auth_enabled({}) or {})

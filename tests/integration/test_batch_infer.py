@@ -60,14 +60,14 @@ def env(tmp_path_factory):
     import ray
 
     from spotfill.fillin.arbiter import ensure_arbiter
-    from spotfill.fillin.local import runtime_env
+    from spotfill.fillin.wiring import runtime_env
     from spotfill.sim.cluster import EmbeddedCluster
 
     cluster = EmbeddedCluster()
     for _ in range(2):
         cluster.add_node(1)
     ray.init(address=cluster.address, runtime_env=runtime_env(), logging_level="WARNING")
-    arbiter = ensure_arbiter("GPU_SLOT", runtime_env=runtime_env(),
+    arbiter = ensure_arbiter("GPU", runtime_env=runtime_env(),
                              state_path=str(tmp_path_factory.mktemp("arbiter") / "state.json"))
     try:
         yield {"cluster": cluster, "arbiter": arbiter}
@@ -83,7 +83,7 @@ def write_config(path, inputs, output: str, *, units: int = 0, max_tokens: int =
     import yaml
     cfg = {"name": path.stem, "checkpoint": inputs["checkpoint"], "output": output,
            "eval": {"data": inputs["heldout"], "rows": eval_rows, "rows_per_unit": 16, "batch_size": 8},
-           "cluster": {"gpu_resource": "GPU_SLOT", "max_units": 2, "grace_s": grace_s},
+           "cluster": {"gpu_resource": "GPU", "max_units": 2, "grace_s": grace_s},
            "grant": {"units": units}}
     if prompts:
         cfg["generate"] = {"prompts": inputs["prompts"], "max_tokens": max_tokens, "rows_per_unit": 4}
@@ -241,7 +241,7 @@ def test_a_wave_whose_actor_waits_for_a_gpu_no_one_lent_ends_when_its_grant_fall
     from spotfill.fillin.batch_config import load_batch_config
     from spotfill.fillin.grant import FixedGrant
 
-    @ray.remote(num_cpus=0, resources={"GPU_SLOT": 1})
+    @ray.remote(num_cpus=0, num_gpus=1)
     class Squatter:                              # holds a slot: what the lent GPU's loss leaves the wave
         def ping(self):
             return 1

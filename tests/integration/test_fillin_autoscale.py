@@ -45,23 +45,23 @@ def env(tmp_path_factory):
     import ray
 
     from spotfill.fillin.arbiter import ensure_arbiter
-    from spotfill.fillin.local import deploy_serve, runtime_env
+    from spotfill.fillin.wiring import deploy_serve, runtime_env
     from spotfill.sim.autoscaler_config import NodeTypeSpec
     from spotfill.sim.autoscaling import AutoscalingCluster
 
     tmp = tmp_path_factory.mktemp("fillin-autoscale")
     cluster = AutoscalingCluster([NodeTypeSpec("gpu_spot", gpus=2, market="spot", max_workers=2, priority=10)],
-                                 "GPU_SLOT", idle_timeout_s=IDLE_S, allocate_timeout_s=8,
+                                 "GPU", idle_timeout_s=IDLE_S, allocate_timeout_s=8,
                                  workdir=str(tmp / "autoscaler"))
     try:
         ray.init(address=cluster.address, runtime_env=runtime_env(), log_to_driver=False)
         renv = runtime_env()
-        arbiter = ensure_arbiter("GPU_SLOT", runtime_env=renv, state_path=str(tmp / "arbiter" / "state.json"),
-                                 autoscaled=True, idle_reclaim_s=IDLE_S)
+        # not told the cluster autoscales: it finds out on the head (the autoscaler config), as on `ray up`
+        arbiter = ensure_arbiter("GPU", runtime_env=renv, state_path=str(tmp / "arbiter" / "state.json"),
+                                 idle_reclaim_s=IDLE_S)
         os.makedirs(tmp / "run", exist_ok=True)
         t0 = time.time()
-        out = deploy_serve(f"file://{tmp / 'run'}", port=free_port(), dashboard_url=cluster.cluster.webui_url,
-                           max_replicas=2, arbiter=arbiter, max_tokens=8, replicas=0)
+        out = deploy_serve(f"file://{tmp / 'run'}", port=free_port(), max_replicas=2, max_tokens=8)
         yield {"cluster": cluster, "arbiter": arbiter, "deployed_at": t0, "url": out["url"], "tmp": tmp}
     finally:
         try:
@@ -111,7 +111,7 @@ def story(env):
                      "status": ray.get(arbiter.status.remote())}
 
     # 2. training starts (max 1 worker): the autoscaler launches a node for it; the other slot is lent
-    @ray.remote(num_cpus=1, resources={"GPU_SLOT": 1})
+    @ray.remote(num_cpus=1, num_gpus=1)
     class Worker:
         def node(self) -> str:
             return ray.get_runtime_context().get_node_id()
@@ -232,3 +232,11 @@ def test_a_replica_serve_starts_by_itself_after_the_idle_reclaim_is_stopped_at_o
     load = s["load"]
     assert load["requests_failed"] == 0, load
     assert load["requests_rejected_503"] > 0, load     # no checkpoint in this run: every answer is a 503
+
+
+def test_the_arbiter_found_out_itself_that_the_cluster_autoscales(story):
+    """Nobody told the arbiter (ensure_arbiter without `autoscaled`, as a `serve deploy`'d app or a batch
+    driver starts it): it read the autoscaler config on the head."""
+    st = story["step1"]["status"]
+    assert st["autoscaled"] is True, st["cluster_kind"]
+    assert "gpu_spot" in st["cluster_kind"] and "0..2" in st["cluster_kind"]

@@ -1,5 +1,5 @@
 """Bring your own serving engine: a plain Serve deployment that is not spotfill's app, deployed with
-external_scaler_enabled, becomes a fill-in tenant by name (fillin/serve_tenant.register_serve_app): the
+external_scaler_enabled, becomes a fill-in tenant by name (fillin/serve_tenant.lend_to_serve_app): the
 arbiter lends it the idle GPU slots (its replicas appear), a training claim takes them back (they go), and
 they come back when training leaves. An app deployed without the external scaler is refused by name."""
 from __future__ import annotations
@@ -13,11 +13,10 @@ pytestmark = pytest.mark.timeout(420)
 
 
 def echo_app(name: str, slot: bool = True):
-    """A trivial deployment, one GPU slot per replica (defined here: pickled by value)."""
+    """A trivial deployment, one GPU per replica (defined here: pickled by value)."""
     from ray import serve
 
-    @serve.deployment(name=name, num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {"GPU_SLOT": 1}
-                                                                    if slot else {}},
+    @serve.deployment(name=name, num_replicas=1, ray_actor_options={"num_cpus": 0, "num_gpus": 1 if slot else 0},
                       graceful_shutdown_timeout_s=2.0, graceful_shutdown_wait_loop_s=0.1)
     class Echo:
         def __call__(self, request) -> str:
@@ -29,11 +28,11 @@ def echo_app(name: str, slot: bool = True):
 def env(tmp_path_factory):
     from ray import serve
 
-    from spotfill.fillin.local import start_serve
+    from spotfill.fillin.wiring import start_serve
     from spotfill.testing.fillin_cluster import fillin_cluster
 
     with fillin_cluster(2, 1, str(tmp_path_factory.mktemp("arbiter") / "state.json")) as (cluster, arbiter):
-        start_serve(free_port(), "GPU_SLOT")
+        start_serve(free_port(), "GPU")
         serve.run(echo_app("Echo"), name="byo", route_prefix="/byo", external_scaler_enabled=True)
         yield {"cluster": cluster, "arbiter": arbiter, "dashboard": cluster.cluster.webui_url}
 
@@ -46,9 +45,8 @@ def echo_replicas() -> int:
 def test_a_plain_serve_app_is_lent_gpus_and_gives_them_back(env):
     import ray
 
-    from spotfill.fillin.serve_tenant import register_serve_app
-    answer = register_serve_app("byo", "Echo", max_replicas=2, dashboard_url=env["dashboard"],
-                                gpu_resource="GPU_SLOT", arbiter=env["arbiter"])
+    from spotfill.fillin.serve_tenant import lend_to_serve_app
+    answer = lend_to_serve_app("byo", "Echo", max_replicas=2)          # the dashboard the head registered
     assert answer["tenant"] == "serve:byo/Echo"
     wait_for(lambda: echo_replicas() == 2, 120, "the arbiter to lend the second slot to the plain app")
     st = ray.get(env["arbiter"].status.remote(), timeout=30)
@@ -66,12 +64,10 @@ def test_an_app_without_the_external_scaler_is_refused_by_name(env):
     from ray import serve
 
     from spotfill.config.errors import ConfigError
-    from spotfill.fillin.serve_tenant import register_serve_app
+    from spotfill.fillin.serve_tenant import lend_to_serve_app
     serve.run(echo_app("Fixed", slot=False), name="fixed", route_prefix="/fixed")      # no external scaler
     with pytest.raises(ConfigError, match="fixed: deployed without external_scaler_enabled"):
-        register_serve_app("fixed", "Fixed", max_replicas=1, dashboard_url=env["dashboard"], gpu_resource="GPU_SLOT",
-                           arbiter=env["arbiter"])
+        lend_to_serve_app("fixed", "Fixed", max_replicas=1, dashboard_url=env["dashboard"])
     with pytest.raises(ConfigError, match="not a deployment of byo; accepted: Echo"):
-        register_serve_app("byo", "Nope", max_replicas=1, dashboard_url=env["dashboard"], gpu_resource="GPU_SLOT",
-                           arbiter=env["arbiter"])
+        lend_to_serve_app("byo", "Nope", max_replicas=1, dashboard_url=env["dashboard"])
     serve.delete("fixed")

@@ -20,12 +20,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STUBBORN = r"""
 import sys, time, ray
 from spotfill.fillin.grant import ArbiterGrant
-from spotfill.fillin.local import runtime_env
+from spotfill.fillin.wiring import runtime_env
 ray.init(address=sys.argv[1], runtime_env=runtime_env(), logging_level="WARNING")
 grant = ArbiterGrant("sweep", "stubborn", max_units=1, grace_s=1.0)
 assert grant.wait(1, timeout=60) >= 1, "never granted"
 
-@ray.remote(num_cpus=0, resources={"GPU_SLOT": 1})
+@ray.remote(num_cpus=0, num_gpus=1)
 class Holder:
     def ping(self):
         return "ok"
@@ -43,14 +43,14 @@ def env(tmp_path_factory):
     import ray
 
     from spotfill.fillin.arbiter import ensure_arbiter
-    from spotfill.fillin.local import runtime_env
+    from spotfill.fillin.wiring import runtime_env
     from spotfill.sim.cluster import EmbeddedCluster
 
     cluster = EmbeddedCluster()
     for _ in range(2):
         cluster.add_node(1)
     ray.init(address=cluster.address, runtime_env=runtime_env(), logging_level="WARNING")
-    arbiter = ensure_arbiter("GPU_SLOT", runtime_env=runtime_env(),
+    arbiter = ensure_arbiter("GPU", runtime_env=runtime_env(),
                              state_path=str(tmp_path_factory.mktemp("arbiter") / "state.json"))
     try:
         yield {"cluster": cluster, "arbiter": arbiter}
@@ -79,7 +79,7 @@ def test_a_yielding_job_tenant_gets_spare_gpus_and_hands_them_back_on_a_claim(en
     try:
         assert grant.wait(2, timeout=30) == 2, "both idle slots are lent to the batch tenant"
 
-        @ray.remote(num_cpus=0, resources={"GPU_SLOT": 1})
+        @ray.remote(num_cpus=0, num_gpus=1)
         class Worker:
             def node(self):
                 return ray.get_runtime_context().get_node_id()

@@ -85,7 +85,7 @@ def env(ckpts, tmp_path_factory):
     from ray import serve
 
     from spotfill.fillin.arbiter import ensure_arbiter
-    from spotfill.fillin.local import deploy_serve, runtime_env
+    from spotfill.fillin.wiring import deploy_serve, runtime_env
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths
 
     cluster = EmbeddedCluster()
@@ -93,11 +93,10 @@ def env(ckpts, tmp_path_factory):
         cluster.add_node(1)
     ray.init(address=cluster.address, runtime_env=runtime_env(), logging_level="WARNING")
     quiet_expected_node_deaths()
-    arbiter = ensure_arbiter("GPU_SLOT", runtime_env=runtime_env(),
+    arbiter = ensure_arbiter("GPU", runtime_env=runtime_env(),
                              state_path=str(tmp_path_factory.mktemp("arbiter") / "state.json"))
     port = free_port()
-    out = deploy_serve(ckpts["serving"], port=port, dashboard_url=cluster.cluster.webui_url, max_replicas=2,
-                       arbiter=arbiter, reload_s=0.5, max_tokens=16)
+    out = deploy_serve(ckpts["serving"], port=port, max_replicas=2, reload_s=0.5, max_tokens=16)
     try:
         yield {"cluster": cluster, "arbiter": arbiter, "url": out["url"], **ckpts}
     finally:
@@ -156,7 +155,7 @@ def test_idle_serve_processes_leave_the_cpu_to_training(env):
     """With nothing to do (no request, no replica change) fill-in's always-on Serve processes take next to
     no CPU: the Ingress learns the running replicas from the controller's push (no serve.status() call every
     0.1 s: 5-10% of a core here, and as much again in the controller answering it), the controller runs its
-    loop every 0.5 s and the replicas and proxy export metrics once a second (fillin/local.py,
+    loop every 0.5 s and the replicas and proxy export metrics once a second (fillin/wiring.py,
     serving/app.py). CPU seconds over WINDOW_S of each process, from /proc (psutil)."""
     import psutil
     from ray.util.state import list_actors
@@ -217,7 +216,7 @@ def test_training_claim_takes_lent_gpus_back_under_load(env):
         time.sleep(3)
         t0 = time.monotonic()
         answer = ray.get(env["arbiter"].claim.remote("train", 3, 15.0, 1, 1, 3), timeout=30)
-        pg = placement_group([{"GPU_SLOT": 1}] * 3, strategy="STRICT_SPREAD")
+        pg = placement_group([{"GPU": 1}] * 3, strategy="STRICT_SPREAD")
         assert pg.wait(15), "the claimed GPU slots are not free for training's group"
         group_ready_s = time.monotonic() - t0
         t_reclaimed = time.monotonic()
@@ -281,9 +280,9 @@ def test_ray_train_claims_the_lent_gpus_through_the_hook(env, tmp_path, monkeypa
         time.sleep(1)
 
     trainer = TorchTrainer(one_second_of_training,
-                           scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"GPU_SLOT": 1}),
+                           scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"GPU": 1}),
                            run_config=RunConfig(name="hooked", storage_path=str(tmp_path), callbacks=[
-                               FillinClaimCallback(ClaimSpec("hooked", 1, 3, 1, "GPU_SLOT"))]))
+                               FillinClaimCallback(ClaimSpec("hooked", 1, 3, 1, "GPU"))]))
     t0 = time.monotonic()
     trainer.fit()
     metric("ray_train_fit_with_claim_seconds", round(time.monotonic() - t0, 2))

@@ -38,7 +38,7 @@ def env(tmp_path_factory):
     import ray
 
     from spotfill.fillin.arbiter import ensure_arbiter
-    from spotfill.fillin.local import runtime_env
+    from spotfill.fillin.wiring import runtime_env
     from spotfill.sim.cluster import EmbeddedCluster
     from spotfill.storage.base import open_storage
     from spotfill.train.data import BYTE_VOCAB, ShardWriter
@@ -52,7 +52,7 @@ def env(tmp_path_factory):
     for _ in range(2):
         cluster.add_node(1)
     ray.init(address=cluster.address, runtime_env=runtime_env(), logging_level="WARNING")
-    arbiter = ensure_arbiter("GPU_SLOT", runtime_env=runtime_env(), state_path=str(root / "arbiter.json"))
+    arbiter = ensure_arbiter("GPU", runtime_env=runtime_env(), state_path=str(root / "arbiter.json"))
     try:
         yield {"cluster": cluster, "arbiter": arbiter, "data": data, "root": root}
     finally:
@@ -70,7 +70,7 @@ def sweep_config(env, name: str, grant: str = "fixed", trials: int = 2, steps: i
                       "checkpoint_every": CKPT_EVERY, "eval_rows": 32, "trials": trials,
                       "search": {"lr": [0.001, 0.003], "warmup_steps": [0, 4]}, "max_failures": 2},
             "fillin": {"grant": grant, "max_units": 2, "grace_s": 5.0},
-            "cluster": {"gpu_resource": "GPU_SLOT", "cpus_per_trial": 1}}
+            "cluster": {"gpu_resource": "GPU", "cpus_per_trial": 1}}
 
 
 def make_cfg(cfg_dict):

@@ -1,6 +1,12 @@
-"""jobs/*.py through the real `ray job submit` CLI against a head this module starts with `ray start --head`:
-prepare_data.py and pretrain.py, then batch_infer.py (every parquet row exactly once) and sweep.py (every trial
-completed) on their data and checkpoint.
+"""The story without the simulator: only the commands a user runs, against a head this module starts with
+`ray start --head --num-gpus 3` (Ray's own GPU resource on this CPU machine: Ray assigns GPUs, the code
+follows Ray's assignment and computes on the CPU). `serve deploy serving/config.yaml` (the shipped file, its
+checkpoint pointed at the run) registers the generation app with the fill-in arbiter, which lends it the idle
+GPUs; `ray job submit -- python jobs/prepare_data.py`, then `jobs/pretrain.py` (workers [1, 2] on `GPU`):
+training's start claims its GPUs back from Serve (a hand-back), Serve answers real completions from the run's
+checkpoints on the GPU training does not use while training runs, and report.json lists the leases and the
+hand-back. Then batch_infer.py (every parquet row exactly once) and sweep.py (every trial completed) on GPUs
+the arbiter lends them. No `spotfill demo` code on this path.
 
 The head runs with its own --temp-dir, ports and auth token (RAY_AUTH_MODE=token, as Ray 2.60 turns on
 for local clusters when ~/.ray/auth_token exists), so it never touches other Ray clusters on the machine.
@@ -53,6 +59,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 MARK = "SPOTFILL_TEST_RAY_HEAD"
+GPUS = 3                  # the head's GPUs: training takes up to 2, Serve may hold 2 (max_replicas)
 
 
 def _head_processes(temp_dir: str) -> list:
@@ -105,7 +112,7 @@ def _installed_platforms() -> list[str]:
 
 @pytest.fixture(scope="module")
 def head():
-    """A real Ray head: 2 CPUs, 2 GPU_SLOTs, dashboard on 127.0.0.1; yields (job API address, env)."""
+    """A real Ray head: 2 CPUs, 3 GPUs (Ray's resource), dashboard on 127.0.0.1; yields (job API address, env)."""
     temp_dir = tempfile.mkdtemp(prefix="sfray-", dir="/tmp")   # short: unix socket paths have a limit
     hook = os.path.join(temp_dir, "hook")
     os.makedirs(hook)
@@ -118,7 +125,7 @@ def head():
     hidden = subprocess.run([sys.executable, "-c", "import spotfill"], env=env, cwd=temp_dir,
                             capture_output=True).returncode != 0
     gcs, dash, client, nm, om, agent, agent_grpc, renv, metrics = _free_ports(9)
-    cmd = [RAY, "start", "--head", f"--port={gcs}", "--num-cpus=2", '--resources={"GPU_SLOT": 2}',
+    cmd = [RAY, "start", "--head", f"--port={gcs}", "--num-cpus=2", f"--num-gpus={GPUS}",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
            f"--ray-client-server-port={client}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
            f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
@@ -153,6 +160,7 @@ def staged(tmp_path_factory):
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
     shutil.copytree(REPO / "platform" / "spotfill", root / "platform" / "spotfill", ignore=skip)
     shutil.copytree(REPO / "jobs", root / "jobs", ignore=skip)
+    shutil.copytree(REPO / "serving", root / "serving", ignore=skip)
     shutil.copytree(REPO / "examples", root / "examples", ignore=skip)
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     bad = (root / "examples" / "tiny-cpu.yaml").read_text().replace("workers: [1, 2]", "workers: [3, 1]")
@@ -188,10 +196,62 @@ def job_info(head, job_id: str, wait_s: float = 120) -> tuple[str, str]:
         time.sleep(1)
 
 
+def serve_cli(head, *args: str, timeout: float = 120):
+    serve = str(Path(RAY).with_name("serve")) if Path(RAY).with_name("serve").exists() else "serve"
+    return subprocess.run([serve, *args], env=head["env"], capture_output=True, text=True, timeout=timeout)
+
+
+def serve_config(staged: Path, checkpoint: str, port: int, out: Path) -> Path:
+    """serving/config.yaml as shipped, with what a user changes: the run's checkpoint URI, the port, the
+    checkout's location and at most 2 replicas. cluster.yaml installs spotfill on every node and points the
+    app's working_dir at the checkout; the head here hides the installed spotfill, so the working_dir holds
+    serving/ and the staged spotfill package side by side (links into the staged copy)."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "serving" / "config.yaml").read_text())
+    cfg["http_options"] = {"host": "127.0.0.1", "port": port}
+    (app,) = cfg["applications"]
+    assert app["runtime_env"]["working_dir"].startswith("local://"), app["runtime_env"]
+    wd = staged / "serve-wd"
+    wd.mkdir(exist_ok=True)
+    for name, target in (("serving", staged / "serving"), ("spotfill", staged / "platform" / "spotfill")):
+        if not (wd / name).exists():
+            (wd / name).symlink_to(target)
+    app["runtime_env"] = {"working_dir": f"local://{wd}"}
+    app["args"].update(checkpoint=checkpoint, max_replicas=2, reload_s=1)
+    assert app["external_scaler_enabled"] is True and app["args"]["replicas"] == 0 and app["args"]["gpu_resource"] == "GPU"
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 30) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"{}")
+        except ValueError:           # the proxy's own answers (no app on the route yet) are plain text
+            return e.code, {}
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, {}
+
+
+def job_logs(head, job_id: str) -> str:
+    return subprocess.run([RAY, "job", "logs", "--address", head["address"], job_id], env=head["env"],
+                          capture_output=True, text=True).stdout
+
+
 @pytest.fixture(scope="module")
 def trained(head, staged, tmp_path_factory):
-    """prepare_data.py, then pretrain.py, through `ray job submit` (asserted by the first test; the batch and
-    sweep jobs below run on their data and checkpoint); a bad config submitted alongside, not waited for."""
+    """prepare_data.py; `serve deploy` of the generation app over the run's checkpoints (the arbiter lends it
+    the idle GPUs); then pretrain.py submitted while completions are asked for every 0.5 s. A bad config is
+    submitted alongside, not waited for."""
     root = tmp_path_factory.mktemp("trained")
     data, ckpt, run_dir = root / "data", root / "ckpt", root / "run"
     t0 = time.time()
@@ -200,43 +260,95 @@ def trained(head, staged, tmp_path_factory):
     _, prep = submit(head, staged, "jobs/prepare_data.py", "--config", "examples/prepare-stdlib.yaml",
                      "--output", str(data))
     t_prep = time.time() - t0
-    train_id, train = None, None
-    if prep.returncode == 0:
-        train_id, train = submit(head, staged, "jobs/pretrain.py", "--config", "examples/tiny-cpu.yaml",
-                                 "--steps", "10", "--storage", str(ckpt), "--run-dir", str(run_dir),
-                                 "--data", str(data))
-    return {"data": data, "ckpt": ckpt, "run_dir": run_dir, "bad_id": bad_id, "bad": bad, "prep": prep,
-            "train_id": train_id, "train": train, "t_prep": t_prep, "t_total": time.time() - t0}
+    out = {"data": data, "ckpt": ckpt, "run_dir": run_dir, "bad_id": bad_id, "bad": bad, "prep": prep,
+           "train_id": None, "train": None, "t_prep": t_prep, "completions": [], "replicas_before": []}
+    if prep.returncode != 0:
+        return out
+    (port,) = _free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    out["serve"] = serve_cli(head, "deploy", str(serve_config(staged, f"file://{ckpt / 'tiny-cpu'}", port,
+                                                              root / "serve.yaml")), "--address", head["address"])
+    deadline = time.time() + 150
+    while time.time() < deadline:          # the app registered itself; the arbiter lent it 2 idle GPUs
+        code, body = http_json("GET", url + "/healthz", timeout=5)
+        out["replicas_before"].append(body.get("replicas") if code == 200 else None)
+        if code == 200 and body.get("replicas") == 2:
+            break
+        time.sleep(1)
+    out["serve_status"] = serve_cli(head, "status", "--address", head["address"]).stdout
+    out["train_id"], _ = submit(head, staged, "jobs/pretrain.py", "--config", "examples/tiny-cpu.yaml", "--steps",
+                                "30", "--storage", str(ckpt), "--run-dir", str(run_dir), "--data", str(data),
+                                wait=False)
+    from ray.job_submission import JobSubmissionClient
+    client = JobSubmissionClient(head["address"], headers=head["headers"])
+    while True:
+        status = client.get_job_info(out["train_id"]).status
+        if status.is_terminal() or time.time() - t0 > 600:
+            break
+        code, body = http_json("POST", url + "/v1/completions", {"prompt": "def ", "max_tokens": 8}, timeout=15)
+        out["completions"].append({"t": time.time(), "code": code, "job": str(status),
+                                   "checkpoint": (body.get("checkpoint") or {}).get("tag"),
+                                   "text": (body.get("choices") or [{}])[0].get("text")})
+        time.sleep(0.5)
+    out["train_status"], out["train_logs"] = str(client.get_job_info(out["train_id"]).status), \
+        job_logs(head, out["train_id"])
+    out["serve_url"], out["t_total"] = url, time.time() - t0
+    return out
 
 
 def test_prepare_then_pretrain_through_ray_job_submit(head, trained):
-    data, run_dir, bad, prep, train = (trained[k] for k in ("data", "run_dir", "bad", "prep", "train"))
+    data, run_dir, bad, prep = (trained[k] for k in ("data", "run_dir", "bad", "prep"))
     assert bad.returncode == 0, bad.stdout + bad.stderr
     assert prep.returncode == 0, prep.stdout[-4000:] + prep.stderr[-2000:]
     p = summary_line(prep.stdout)
     assert p["samples"] >= 160 and (data / "manifest.json").is_file()
     assert p["shipped"] and p["spotfill"].startswith(head["temp_dir"]), p   # the working-dir copy
 
-    assert train.returncode == 0, train.stdout[-6000:] + train.stderr[-2000:]
-    s = summary_line(train.stdout)
-    assert s["ok"] and s["steps_completed"] == 10 and s["checkpoints"] >= 2, s
+    assert trained["train_status"] == "SUCCEEDED", trained["train_logs"][-6000:]
+    s = summary_line(trained["train_logs"])
+    assert s["ok"] and s["steps_completed"] == 30 and s["checkpoints"] >= 2, s
     assert s["spotfill"].startswith(head["temp_dir"]) and "working_dir" in s["spotfill"], s
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["ok"] is True and report["training"]["steps_completed"] == 10
+    assert report["ok"] is True and report["training"]["steps_completed"] == 30
     assert (run_dir / "events.jsonl").is_file()
-    assert job_info(head, trained["train_id"])[0] == "SUCCEEDED"
     if not head["hidden"]:
         pytest.fail("could not hide the installed spotfill from the head; the job may have used it")
 
     status, message = job_info(head, trained["bad_id"])
     assert status == "FAILED" and "exit code 2" in message, (status, message)
-    logs = subprocess.run([RAY, "job", "logs", "--address", head["address"], trained["bad_id"]], env=head["env"],
-                          capture_output=True, text=True).stdout
+    logs = job_logs(head, trained["bad_id"])
     errors = [ln for ln in logs.splitlines() if "error:" in ln]
     assert errors == ["pretrain.py: error: training.workers: min > max (got [3, 1]); "
                       "accepted: [min, max] with min <= max"], logs
     assert "Traceback" not in logs
-    print(f"\nprepare job {trained['t_prep']:.1f}s, prepare+pretrain {trained['t_total']:.1f}s")
+    print(f"\nprepare job {trained['t_prep']:.1f}s, prepare+serve+pretrain {trained['t_total']:.1f}s")
+
+
+def test_serve_deploy_registers_with_the_arbiter_and_gets_the_idle_gpus(trained):
+    """`serve deploy serving/config.yaml` alone (0 replicas, external scaler): the app registered itself and
+    the arbiter lent it GPUs -- before, nothing registered it and every request got 503."""
+    assert trained["serve"].returncode == 0, trained["serve"].stdout + trained["serve"].stderr
+    assert trained["replicas_before"] and trained["replicas_before"][-1] == 2, \
+        (trained["replicas_before"], trained["serve_status"])
+
+
+def test_serve_answers_from_the_run_while_it_trains_on_the_gpu_training_leaves(trained):
+    answered = [c for c in trained["completions"] if c["code"] == 200 and c["job"] == "RUNNING"]
+    assert answered, trained["completions"][-20:]
+    assert all(c["checkpoint"].startswith("step-") for c in answered) and any(c["text"] for c in answered), answered
+    # after the hand-back one replica stays: the GPU beyond training's max of 2 on this 3-GPU head
+    assert not [c for c in trained["completions"] if c["code"] not in (200, 503)], trained["completions"]
+
+
+def test_training_took_its_gpus_back_and_the_report_lists_lease_and_hand_back(trained):
+    report = json.loads((trained["run_dir"] / "report.json").read_text())
+    fillin = report.get("fillin") or {}
+    serve_leases = [le for le in fillin.get("leases", []) if le["workload"] == "serve"]
+    assert serve_leases, fillin
+    reclaimed = [le for le in serve_leases if le["ended_by"] == "reclaim" and le.get("cause") == "training_claim"]
+    assert reclaimed and fillin["handback_seconds"], fillin
+    assert all(0 <= h <= 5 for h in fillin["handback_seconds"]), fillin["handback_seconds"]
+    assert report["training"]["world_size_timeline"][0][1] == 2, report["training"]["world_size_timeline"]
 
 
 def last_json_line(output: str) -> dict:
@@ -261,7 +373,7 @@ def parquet_ids(folder: Path) -> list[str]:
 def test_batch_infer_through_ray_job_submit(head, staged, trained, tmp_path):
     import yaml
 
-    assert trained["train"] is not None and trained["train"].returncode == 0, "pretrain did not run"
+    assert trained["train_status"] == "SUCCEEDED", "pretrain did not run"
     t0 = time.time()
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"def f{i}("}) + "\n" for i in range(4)))
@@ -271,8 +383,8 @@ def test_batch_infer_through_ray_job_submit(head, staged, trained, tmp_path):
         "name": "batch-submit", "checkpoint": str(trained["ckpt"] / "tiny-cpu"), "output": str(out),
         "eval": {"data": str(trained["data"]), "rows": 32, "rows_per_unit": 16, "batch_size": 8},
         "generate": {"prompts": str(prompts), "max_tokens": 8, "rows_per_unit": 2},
-        "cluster": {"gpu_resource": "GPU_SLOT", "max_units": 2, "grace_s": 5.0},
-        "grant": {"units": 2}}))            # GPUs of its own: no arbiter on this head
+        "cluster": {"gpu_resource": "GPU", "max_units": 2, "grace_s": 5.0},
+        "grant": {"units": 0}}))            # only GPUs the arbiter (started by the Serve app) lends
     job_id, r = submit(head, staged, "jobs/batch_infer.py", "--config", str(cfg))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     s = last_json_line(r.stdout)
@@ -294,8 +406,8 @@ def test_sweep_through_ray_job_submit(head, staged, trained, tmp_path):
         "data": {"path": str(trained["data"])},
         "sweep": {"model": "tiny", "steps": 8, "batch": 4, "steps_per_report": 4, "checkpoint_every": 4,
                   "eval_rows": 32, "trials": 2, "search": {"lr": [0.001, 0.003], "warmup_steps": [0]}},
-        "fillin": {"grant": "fixed", "max_units": 2, "grace_s": 5.0},     # GPUs of its own: no arbiter
-        "cluster": {"gpu_resource": "GPU_SLOT", "cpus_per_trial": 0}}))
+        "fillin": {"grant": "arbiter", "max_units": 2, "grace_s": 5.0},   # only GPUs the arbiter lends
+        "cluster": {"gpu_resource": "GPU", "cpus_per_trial": 0}}))
     job_id, r = submit(head, staged, "jobs/sweep.py", "--config", str(cfg))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     s = last_json_line(r.stdout)

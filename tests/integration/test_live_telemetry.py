@@ -3,7 +3,8 @@ two workers on an embedded cluster (one spot-labelled node with 2 GPU slots).
 
 - every step event carries the split (data wait, forward+backward, optimizer, collective wait) adding up to
   the step, tokens/s, and MFU/HFU null (CPU: no peak), and the group's start event the model's FLOPs per
-  token, checked against the tiny preset's size worked out by hand;
+  token and, with full activation checkpointing, its hardware FLOPs per token, checked against the tiny
+  preset's size worked out by hand;
 - report.json's training section carries the split and null MFU/HFU;
 - the live view prints plain lines (stderr is not a TTY here);
 - while the job runs, `spotfill status --address` (a separate process) shows its live numbers and the
@@ -29,9 +30,12 @@ STEPS = 900
 # tiny preset (presets.py): vocab 257, 64 positions, 2 layers of width 64, 4x MLP, untied head:
 #   wte 257*64 = 16,448   wpe 64*64 = 4,096   per block: 2 LayerNorms 2*128, qkv 64*192+192 = 12,480,
 #   proj 64*64+64 = 4,160, MLP 64*256+256 + 256*64+64 = 33,088 -> 49,984; two blocks 99,968;
-#   ln_f 128; head 64*257 = 16,448.  N = 137,088
-#   FLOPs/token = 6N + 12*L*h*s = 822,528 + 12*2*64*64 = 822,528 + 98,304 = 920,832
-TINY_PARAMS, TINY_FLOPS_PER_TOKEN = 137_088, 920_832.0
+#   ln_f 128; head 64*257 = 16,448.  All parameters: 137,088
+#   PaLM's N leaves out the lookups wte and wpe: 137,088 - 16,448 - 4,096 = 116,544
+#   FLOPs/token = 6N + 12*L*h*s = 699,264 + 12*2*64*64 = 699,264 + 98,304 = 797,568
+#   with training.activation_checkpointing: full, the blocks' forward runs again in backward:
+#   hardware FLOPs/token = 797,568 + 2 * 99,968 + 4*L*h*s (32,768) = 1,030,272
+TINY_PARAMS, TINY_FLOPS_PER_TOKEN, TINY_HARDWARE_FLOPS_PER_TOKEN = 137_088, 797_568.0, 1_030_272.0
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +85,7 @@ def test_step_metrics_live_view_and_status(cluster, tmp_path, capsys):
         "name": "live-telemetry", "run_dir": str(tmp_path / "run"), "storage": str(tmp_path / "ckpt"),
         "data": {"path": data}, "cluster": {"gpu_resource": "GPU_SLOT"},
         "training": {"model": "tiny", "workers": [2, 2], "steps": STEPS, "global_batch": 16,
-                     "checkpoint_every": 300}})
+                     "checkpoint_every": 300, "activation_checkpointing": "full"}})
     job = TrainingJob(cfg, runtime_env={"env_vars": worker_env()}, live=True)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(report=job.fit()), daemon=True)
@@ -113,9 +117,17 @@ def test_step_metrics_live_view_and_status(cluster, tmp_path, capsys):
     assert kv_list("jobs/") == []
 
     events = list(read_events(job.events_path))
+    # the worker group's placement and teardown, as Ray Train's controller saw them: the ledger's evidence
+    # of when training held its GPUs
+    groups = [(e["kind"], e["group"]) for e in events if e["kind"] in ("group_start", "group_end")]
+    attempt = next(e for e in events if e["kind"] == "attempt")
+    finish = next(e for e in events if e["kind"] == "finish")
+    assert groups == [("group_start", 1), ("group_end", 1)] and attempt["group"] == 1
+    assert next(e for e in events if e["kind"] == "group_start")["t"] <= attempt["t"]
+    assert next(e for e in events if e["kind"] == "group_end")["t"] >= finish["t"]
     start = next(e for e in events if e["kind"] == "start")
     assert start["params"] == TINY_PARAMS and start["flops_per_token"] == TINY_FLOPS_PER_TOKEN
-    assert start["hardware_flops_per_token"] == TINY_FLOPS_PER_TOKEN and start["recompute"] == "none"
+    assert start["hardware_flops_per_token"] == TINY_HARDWARE_FLOPS_PER_TOKEN and start["recompute"] == "full"
     assert start["device"] == "cpu" and start["peak_flops_per_gpu"] is None
     steps = [e for e in events if e["kind"] == "step"]
     assert len(steps) == STEPS

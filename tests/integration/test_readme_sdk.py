@@ -1,8 +1,7 @@
 """The README's "## Python SDK" example runs as a newcomer would run it.
 
 The python block is taken from README.md verbatim and run by this interpreter in a subprocess, against a
-Ray head this module starts the way the README says (`ray start --head --num-cpus=2 --resources='{"GPU_SLOT":
-2}'`), bound to 127.0.0.1 with its own ports and temp dir, found through RAY_ADDRESS (with
+Ray head this module starts the way the README says (`ray start --head --num-cpus=2 --num-gpus=2`), bound to 127.0.0.1 with its own ports and temp dir, found through RAY_ADDRESS (with
 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, without which Ray rewrites a 127.0.0.1 address to the machine's). The subprocess runs in
 a copy of the repository's `examples/` whose /tmp/spotfill paths point into this test's tmp dir, so a
 previous run's checkpoints cannot leak in; spotfill is imported from this checkout (as `pip install -e .`
@@ -51,7 +50,7 @@ def head():
                RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=uuid.uuid4().hex * 2,
                **{MARK: temp_dir}, **LOOPBACK_CLIENT_ENV)
     gcs, client, nm, om, agent, agent_grpc, renv, metrics = _free_ports(8)
-    cmd = [RAY, "start", "--head", "--num-cpus=2", '--resources={"GPU_SLOT": 2}',   # the README's command
+    cmd = [RAY, "start", "--head", "--num-cpus=2", "--num-gpus=2",   # the README's command
            "--node-ip-address=127.0.0.1", f"--port={gcs}", "--include-dashboard=false",
            "--dashboard-host=127.0.0.1", f"--ray-client-server-port={client}", f"--node-manager-port={nm}",
            f"--object-manager-port={om}", f"--dashboard-agent-listen-port={agent}",

@@ -70,14 +70,13 @@ def tiny_checkpoint(uri: str, step: int = 1) -> None:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from spotfill.fillin.local import deploy_serve
+    from spotfill.fillin.wiring import deploy_serve
     from spotfill.testing.fillin_cluster import fillin_cluster
 
     uri = f"file://{tmp_path_factory.mktemp('ckpt')}/run"
     tiny_checkpoint(uri)
     with fillin_cluster(2, 1, str(tmp_path_factory.mktemp("arbiter") / "state.json")) as (cluster, arbiter):
-        out = deploy_serve(uri, port=free_port(), dashboard_url=cluster.cluster.webui_url, max_replicas=2,
-                           arbiter=arbiter, replicas=0, max_queue_wait_s=10.0, reload_s=30)
+        out = deploy_serve(uri, port=free_port(), max_replicas=2, replicas=0, max_queue_wait_s=10.0, reload_s=30)
         yield {"cluster": cluster, "arbiter": arbiter, "url": out["url"]}
 
 

@@ -31,7 +31,7 @@ STEPS, PER_REPORT, CKPT_EVERY, SLEEP_S = 40, 4, 8, 0.4     # ~4 s of reports per
 def env(tmp_path_factory):
     import ray
 
-    from spotfill.fillin.local import runtime_env
+    from spotfill.fillin.wiring import runtime_env
     from spotfill.sim.cluster import EmbeddedCluster
     from spotfill.storage.base import open_storage
     from spotfill.train.data import BYTE_VOCAB, ShardWriter
@@ -59,7 +59,7 @@ def sweep_config(env, name: str, trials: int = 2, max_units: int = 1) -> dict:
                       "checkpoint_every": CKPT_EVERY, "eval_rows": 32, "trials": trials,
                       "search": {"lr": [0.001, 0.003], "warmup_steps": [0, 4]}, "max_failures": 2},
             "fillin": {"grant": "fixed", "max_units": max_units, "grace_s": 5.0},
-            "cluster": {"gpu_resource": "GPU_SLOT", "cpus_per_trial": 1}}
+            "cluster": {"gpu_resource": "GPU", "cpus_per_trial": 1}}
 
 
 def experiment_state(exp_dir: str) -> dict:
@@ -225,7 +225,7 @@ def test_a_trial_paused_while_tune_has_only_staged_it_starts_when_units_are_lent
         return unstaged[-1]
     monkeypatch.setattr(ray_compat, "tune_unstage_trial", spy)
 
-    blocker = placement_group([{"GPU_SLOT": 1}, {"GPU_SLOT": 1}], strategy="SPREAD")   # "training" holds both
+    blocker = placement_group([{"GPU": 1}, {"GPU": 1}], strategy="SPREAD")   # "training" holds both
     ray.get(blocker.ready(), timeout=60)
     job_id = ray.get_runtime_context().get_job_id()
     blocker_id = blocker.id.hex()

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_the_example_config_parses():
     cfg = load_batch_config(os.path.join(ROOT, "examples", "batch-tiny.yaml"))
-    assert cfg.grant.units == 0 and cfg.cluster.gpu_resource == "GPU_SLOT" and cfg.eval.rows == 256
+    assert cfg.grant.units == 0 and cfg.cluster.gpu_resource == "GPU" and cfg.eval.rows == 256
 
 
 @pytest.mark.parametrize("doc, field", [

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spotfill.train.batching import (BatchShape, batch_shape, check_elastic_range,
-                               rank_micro_batches, rank_positions, step_stream_indices, stream_to_rows, valid_world_sizes)
+                               rank_micro_batches, rank_positions, rows_to_stream, step_stream_indices, stream_to_rows,
+                               valid_world_sizes)
 from spotfill.config.errors import ConfigError
 
 FAST = settings(max_examples=150, deadline=None)
@@ -161,6 +162,22 @@ def test_stream_to_rows_pointwise_matches_whole_epoch(indices, n_rows, seed):
         e = g // n_rows
         full = stream_to_rows(range(e * n_rows, (e + 1) * n_rows), n_rows, seed)
         assert r == full[g % n_rows]
+
+
+@FAST
+@given(st.lists(st.integers(0, 5000), max_size=50), st.integers(1, 97), st.integers(0, 3))
+def test_rows_to_stream_inverts_stream_to_rows(indices, n_rows, seed):
+    """The position a row read in an epoch is: back to the index it was read for, in any order."""
+    idx = np.asarray(indices, dtype=np.int64)
+    rows = stream_to_rows(idx, n_rows, seed)
+    assert rows_to_stream(rows, idx // n_rows, n_rows, seed).tolist() == idx.tolist()
+
+
+def test_rows_to_stream_of_another_row_is_another_position():
+    idx = np.arange(30, 40)
+    rows = stream_to_rows(idx, 13, 1)
+    assert (rows_to_stream((rows + 1) % 13, idx // 13, 13, 1) != idx).all()
+    assert (rows_to_stream(stream_to_rows(idx, 13, 2), idx // 13, 13, 1) != idx).any()
 
 
 # -- rank_positions ----------------------------------------------------------------------------------

@@ -118,6 +118,15 @@ def test_impossible_global_batch_for_the_elastic_range():
 def test_cluster_section_validated():
     assert error(JobConfig, job(cluster={"gpu_resource": "GPU SLOT"})).field == "cluster.gpu_resource"
     assert error(JobConfig, job(cluster={"gpus_per_worker": 0})).field == "cluster.gpus_per_worker"
+
+
+@pytest.mark.parametrize("gpus", [2, 0.5, 1.5])
+def test_a_worker_is_one_rank_on_one_whole_gpu(gpus):
+    # two GPUs per worker left one idle (DeepSpeed drives one device per rank) and divided MFU by two;
+    # a fraction shares a GPU without memory isolation
+    e = error(JobConfig, job(cluster={"gpus_per_worker": gpus}))
+    assert e.field == "cluster.gpus_per_worker" and e.value == gpus
+    assert "one whole GPU" in str(e) and "accepted: 1" in str(e)
     assert from_mapping(JobConfig, job(cluster={"gpu_resource": "GPU_SLOT"})).cluster.gpu_resource == "GPU_SLOT"
 
 

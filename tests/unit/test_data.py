@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from spotfill.train.data import (BYTE_VOCAB, EOD, FORMAT, Prefetcher, ShardReader, ShardWriter, StepBatch, byte_encode, read_step,
                            iter_corpus_files, load_tokenizer, pack, read_manifest, token_dtype)
-from spotfill.config.errors import CheckpointCorrupt, ConfigError
+from spotfill.config.errors import ConfigError, DataMismatch
 from spotfill.storage.base import open_storage
 
 
@@ -70,6 +70,7 @@ def test_token_dtype():
 
 # -- shards + manifest + reader ------------------------------------------------------------------
 def _write(tmp_path, n_rows=10, seq_len=5, rows_per_shard=3, chunks=(4, 1, 5)):
+    """Shards of `rows_per_shard` rows (3, 3, 3, 1 by default) of random tokens; (storage, rows, manifest)."""
     storage = open_storage(str(tmp_path / "ds"))
     rng = np.random.default_rng(0)
     data = rng.integers(0, BYTE_VOCAB, size=(n_rows, seq_len + 1))
@@ -111,6 +112,78 @@ def test_read_returns_each_rows_identity_across_shards(tmp_path):
         reader.read(np.array([10]))
 
 
+def test_each_row_carries_the_id_prepare_stored_with_it(tmp_path):
+    """The ids come from the shard files (np.load, not the reader): rows 0..9 in shard order."""
+    storage, data, manifest = _write(tmp_path)
+    stored = [np.load(os.path.join(storage.root, s["key"])) for s in manifest["shards"]]
+    assert [a["id"].tolist() for a in stored] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert np.array_equal(np.concatenate([a["tokens"] for a in stored]), data)
+    assert [s["first_id"] for s in manifest["shards"]] == [0, 3, 6, 9]
+    assert len(manifest["fingerprint"]) == 64
+
+
+def test_the_same_rows_give_the_same_fingerprint_and_other_rows_another(tmp_path):
+    one = _write(tmp_path / "a")[2]["fingerprint"]
+    assert _write(tmp_path / "b")[2]["fingerprint"] == one            # prepare is deterministic
+    assert _write(tmp_path / "c", rows_per_shard=5)[2]["fingerprint"] != one   # same rows, other shards
+    assert _write(tmp_path / "d", n_rows=9, chunks=(9,))[2]["fingerprint"] != one
+
+
+def test_a_row_mapping_fault_in_the_reader_is_caught_naming_the_shard(tmp_path):
+    storage, _, _ = _write(tmp_path)
+    reader = ShardReader(storage, str(tmp_path / "cache"))
+    reader._starts = reader._starts.copy()
+    reader._starts[2] -= 1                  # the fault: shard 2 thought to start a row early
+    with pytest.raises(DataMismatch, match=r"data shard shard-00002.npy: row 2 holds dataset row 8, not row 7"):
+        reader.read(np.array([0, 7]))
+
+
+def _swap_files(a: str, b: str) -> None:
+    da, db = open(a, "rb").read(), open(b, "rb").read()
+    open(a, "wb").write(db)
+    open(b, "wb").write(da)
+
+
+def test_shards_swapped_in_storage_are_caught_naming_the_shard_and_whose_rows_it_holds(tmp_path):
+    storage, _, manifest = _write(tmp_path)
+    _swap_files(*(os.path.join(storage.root, s["key"]) for s in manifest["shards"][1:3]))
+    with pytest.raises(DataMismatch) as err:
+        ShardReader(storage, str(tmp_path / "cache"))
+    msg = str(err.value)
+    assert msg.startswith("data shard shard-00001.npy in ") and "\n" not in msg
+    assert "it holds rows 6..8, shard-00002.npy's by the manifest" in msg and "re-run prepare" in msg
+
+
+def test_a_cached_copy_replaced_on_disk_is_caught(tmp_path):
+    storage, _, manifest = _write(tmp_path)
+    cache = tmp_path / "cache"
+    ShardReader(storage, str(cache))
+    copies = sorted(os.listdir(cache), key=lambda n: n.split("-", 1)[1])
+    _swap_files(str(cache / copies[0]), str(cache / copies[1]))        # shard-00000's copy holds 3..5
+    with pytest.raises(DataMismatch, match=r"data shard shard-00000.npy: the copy cached at .* holds rows 3..5, "
+                                           r"shard-00001.npy's by the manifest, where the manifest places rows 0..2"):
+        ShardReader(storage, str(cache))
+
+
+def test_a_reordered_or_edited_manifest_is_refused(tmp_path):
+    storage, _, manifest = _write(tmp_path)
+    reordered = {**manifest, "shards": [manifest["shards"][1], manifest["shards"][0], *manifest["shards"][2:]]}
+    storage.put_bytes("manifest.json", json.dumps(reordered).encode())
+    with pytest.raises(ConfigError, match="places shard-00001.npy at row 3 where the shards before it end at row 0"):
+        read_manifest(storage)
+    storage.put_bytes("manifest.json", json.dumps({**manifest, "num_samples": 9}).encode())
+    with pytest.raises(ConfigError, match="does not match its fingerprint"):
+        read_manifest(storage)
+
+
+def test_a_dataset_without_stored_ids_is_refused_with_what_to_do(tmp_path):
+    storage = open_storage(str(tmp_path / "old"))
+    storage.put_bytes("manifest.json", json.dumps({"format": "spotfill-tokens/1", "seq_len": 4, "shards": []}).encode())
+    with pytest.raises(ConfigError) as err:
+        read_manifest(storage)
+    assert err.value.field == "data.path" and "re-run prepare" in str(err.value) and FORMAT in str(err.value)
+
+
 def test_read_step_keeps_rows_and_their_positions_together(tmp_path):
     from spotfill.train.batching import stream_to_rows
 
@@ -138,7 +211,8 @@ def test_tampered_shard_fails_its_checksum(tmp_path):
     with open(path, "wb") as f:
         f.write(raw)
     cache = tmp_path / "cache"
-    with pytest.raises(CheckpointCorrupt, match=key):
+    with pytest.raises(DataMismatch, match=f"data shard {key} .* is not the shard its manifest names "
+                                           r"\(it holds its own rows 3..5, with other bytes; sha256"):
         ShardReader(storage, str(cache))
     assert not [n for n in os.listdir(cache) if key in n]     # neither cached nor left as a partial file
 

@@ -36,3 +36,12 @@ def test_precisions_the_device_cannot_run_are_refused_with_both_named():
     with pytest.raises(ValueError, match="accepted"):
         choose_precision("int8", "cpu", None)
     assert choose_precision("fp16", "cuda:0", (9, 0)) == "fp16"   # an explicit choice the GPU supports stays
+
+
+def test_a_train_worker_uses_ray_trains_device_only_where_cuda_has_one():
+    from spotfill.devices import choose_train_device
+    assert choose_train_device("GPU", cuda_devices=2, ray_train_device="cuda:1") == "cuda:1"
+    # Ray Train answers cuda:N from Ray's GPU ids even on a CPU build of torch (seen: cuda:1 with
+    # CUDA_VISIBLE_DEVICES=0,1 on this CPU machine): the CPU then
+    assert choose_train_device("GPU", cuda_devices=0, ray_train_device="cuda:1") == "cpu"
+    assert choose_train_device("GPU_SLOT", cuda_devices=8, ray_train_device="cuda:0") == "cpu"

@@ -48,12 +48,17 @@ def test_a_lease_ends_as_reclaim_release_or_lease_end_with_its_cause():
 
 def test_node_events_and_opening():
     events, seen = node_events({}, [Node(A, 2, 2), Node(B, 1, 1)], now=5.0)
-    assert [(e["kind"], e["node"], e.get("gpus")) for e in events] == [("node_up", A, 2), ("node_up", B, 1)]
-    assert node_events(seen, [Node(A, 2, 0), Node(B, 1, 1)], now=6.0)[0] == []     # nothing changed
+    assert [(e["kind"], e["node"], e.get("gpus"), e.get("free")) for e in events] == [
+        ("node_up", A, 2, None), ("gpu_free", A, None, 2), ("node_up", B, 1, None), ("gpu_free", B, None, 1)]
+    assert node_events(seen, [Node(A, 2, 2), Node(B, 1, 1)], now=6.0)[0] == []     # nothing changed
+    events, seen = node_events(seen, [Node(A, 2, 0), Node(B, 1, 1)], now=6.5)      # A's GPUs were taken
+    assert events == [{"t": 6.5, "kind": "gpu_free", "node": A, "free": 0}]
     events, seen2 = node_events(seen, [Node(A, 2, 0, alive=False)], now=9.0)
     assert sorted((e["kind"], e["node"]) for e in events) == [("node_down", A), ("node_down", B)] and seen2 == {}
     first = opening(seen, [lease("r1", B, 7.0)])
-    assert [(e["kind"], e["t"]) for e in first] == [("node_up", 5.0), ("node_up", 5.0), ("lease", 7.0)]
+    assert [(e["kind"], e["t"], e.get("free")) for e in first] == [
+        ("node_up", 5.0, None), ("node_up", 5.0, None), ("gpu_free", 5.0, 1), ("gpu_free", 6.5, 0),
+        ("lease", 7.0, None)]
 
 
 def test_journal_reads_what_is_new_and_sends_a_lost_reader_to_the_opening():
@@ -96,14 +101,16 @@ def test_the_ledger_counts_journal_leases_as_fillin_and_the_report_lists_them():
     assert ledger.nodes_source == "events"
     assert round(ledger.gpu_seconds["fillin"], 3) == 110.5
     assert round(ledger.gpu_seconds["total"], 3) == 400.0
-    assert round(ledger.harvest_ratio, 4) == round(110.5 / 200, 4)
+    # no tenant measured its busy time: the harvest ratio (on busy seconds) is not guessed; what was held is
+    assert ledger.harvest_ratio is None and ledger.gpu_seconds["fillin_busy"] is None
+    assert round(ledger.harvest_ratio_reserved, 4) == round(110.5 / 200, 4)
     section = fillin_section(sorted(ev, key=lambda e: e["t"]), (0.0, 100.0))
     assert section["handback_seconds"] == [0.5] and section["handback_seconds_max"] == 0.5
     assert [(le["lease_id"], le["ended_by"], le["end"]) for le in section["leases"]] == \
         [("r1", "reclaim", 60.5), ("r2", "release", 80.0)]
     _, keys = summarize(ev, {"fillin": {"serve": {"requests_ok": 3}}})
     assert keys["fillin"]["serve"] == {"requests_ok": 3} and keys["fillin"]["handback_seconds"] == [0.5]
-    assert keys["harvest_ratio"] == round(110.5 / 200, 4)
+    assert "harvest_ratio" not in keys and keys["harvest_ratio_reserved"] == round(110.5 / 200, 4)
 
 
 def test_no_lease_events_no_fillin_section():

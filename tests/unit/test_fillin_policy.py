@@ -120,11 +120,20 @@ def test_arbiter_restart_rebuilds_leases_from_what_tenants_hold():
     assert by_id["r1"].granted_at == 5.0 and by_id["r1"].reclaiming_since == 7.0   # history kept
     assert by_id["r2"].granted_at == T0                                              # adopted
     assert {(d.action, d.lease_id) for d in decisions} == {("adopt", "r2"), ("drop", "r9")}
-    # after a restart nothing is known: every holding is adopted, and the same snapshot decides the same
+    # after a restart nothing is known: every holding is adopted, as a lease granted now
     fresh, adopted = rebuild_leases(holdings, [], T0)
     assert [d.action for d in adopted] == ["adopt", "adopt"]
+    assert [(le.lease_id, le.node_id, le.granted_at, le.reclaiming_since) for le in fresh] == \
+        [("r1", "a", T0, None), ("r2", "b", T0, None)]
+    # and a claim is met from them as from any lease, by hand: node a's 2 GPUs are training's 1 and r1's,
+    # node b's are r2's and 1 free. A claim of 2 GPUs (1 per worker) takes b's free one and needs one
+    # more: both leases are equally old (adopted now), so the tie goes by lease id -- r1 -- with its 3 s
+    # grace; r2 stays lent
     snap = Snapshot((Node("a", 2, 0), Node("b", 2, 1)), (), fresh)
-    assert decide_claim(snap, "j", 2, 1, T0) == decide_claim(snap, "j", 2, 1, T0)
+    plan = decide_claim(snap, "j", 2, 1, T0)
+    assert (plan.free_now, plan.short_by, plan.ready) == (1, 0, False)
+    assert [(d.action, d.lease_id, d.node_id, d.gpus, d.deadline) for d in plan.decisions] == \
+        [("reclaim", "r1", "a", 1, T0 + 3.0)]
 
 
 def test_a_new_lease_starts_when_its_holder_began_holding_not_when_first_seen():

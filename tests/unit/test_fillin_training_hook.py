@@ -43,9 +43,9 @@ def test_a_broken_or_missing_arbiter_never_stops_training(caplog):
 
 def test_training_callbacks_from_the_job_config():
     job = from_mapping(JobConfig, {"name": "demo", "storage": "/tmp/x", "data": {"path": "/tmp/d"},
-                                   "cluster": {"gpu_resource": "GPU_SLOT", "gpus_per_worker": 2},
+                                   "cluster": {"gpu_resource": "GPU_SLOT"},
                                    "training": {"workers": [2, 4], "global_batch": 12}})
     (hook,) = training_callbacks(job)
-    assert hook.spec == ClaimSpec("demo", 2, 4, 2, "GPU_SLOT")
+    assert hook.spec == ClaimSpec("demo", 2, 4, 1, "GPU_SLOT")
     from spotfill.ray_compat import ControllerCallback
     assert isinstance(hook, ControllerCallback)

@@ -20,6 +20,9 @@ PURE = [
     "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.train.opcache",
     "spotfill.fillin.policy", "spotfill.fillin.journal", "spotfill.fillin.batch_plan", "spotfill.sim.fillin_spec", "spotfill.sim.nodes", "spotfill.sim.autoscaler_config",
     "spotfill.fillin.sweep_policy", "spotfill.config.sweep", "spotfill.fillin.cpu_priority",
+    "spotfill.devices", "spotfill.fillin.cluster_kind",
+    "spotfill.train.pipe_layout", "spotfill.train.bubble", "spotfill.train.pipeline_summary",
+    "spotfill.planning.pipeline_advice",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 
@@ -34,7 +37,8 @@ def test_pure_module_loads_nothing_heavy(module):
 
 def test_one_subpackage_per_capability():
     root = pathlib.Path(spotfill.__file__).parent
-    flat = sorted(p.name for p in root.glob("*.py") if p.name not in {"__init__.py", "__main__.py", "ray_compat.py"})
+    flat = sorted(p.name for p in root.glob("*.py") if p.name not in {"__init__.py", "__main__.py", "ray_compat.py",
+                                                                           "devices.py"})
     assert flat == [], f"modules outside a capability subpackage: {flat}"
 
 

@@ -76,12 +76,15 @@ def test_gpt3_175b_training_flops():
     out = plan(params="175B", tokens="300B", gpus=1024, gpu_type="a100-40gb")
     assert out["flops_6nd"] == pytest.approx(3.14e23, rel=0.01)
     assert out["inputs"]["architecture_source"] == "table: gpt3-175b"
-    # PaLM's formula adds the attention term 12*L*h*s per token: a few percent more
+    # PaLM's formula adds the attention term 12*L*h*s per token: a few percent more. Its N leaves out the
+    # embedding lookups: GPT-3's 2048 x 12288 learned positions (its token embedding is also its output
+    # layer, a matmul: counted), 25,165,824 parameters
     attention = 12 * 96 * 12288 * 2048 * 300e9
-    assert out["total_flops"] == pytest.approx(6 * 175e9 * 300e9 + attention)
+    n = 175e9 - 25_165_824
+    assert out["total_flops"] == pytest.approx(6 * n * 300e9 + attention)
     assert 1.0 < out["total_flops"] / 3.14e23 < 1.05
     assert "PaLM" in out["flops_formula"]
-    assert plan(params="175B", tokens="300B", flops_formula="6nd")["total_flops"] == pytest.approx(3.15e23)
+    assert plan(params="175B", tokens="300B", flops_formula="6nd")["total_flops"] == pytest.approx(6 * n * 300e9)
 
 
 def test_llama3_405b_training_flops():
@@ -92,12 +95,12 @@ def test_llama3_405b_training_flops():
 
 
 def test_flops_per_token_model_and_hardware():
-    gpt3 = Arch(96, 12288, 96, 96, 49152, 50257, "gelu", "t")
-    n, lhs = 175e9, 96 * 12288 * 2048
-    model, hw = planner.flops_per_token(n, gpt3, 2048, recompute="full")
+    gpt3 = Arch(96, 12288, 96, 96, 49152, 50257, "gelu", "t", tied=True, positions=2048)
+    n, lhs = 175e9 - 2048 * 12288, 96 * 12288 * 2048        # N: no lookup table (positions) in it
+    model, hw = planner.flops_per_token(175e9, gpt3, 2048, recompute="full")
     assert model == pytest.approx(6 * n + 12 * lhs) and hw == pytest.approx(8 * n + 16 * lhs)
-    assert planner.flops_per_token(n, gpt3, 2048, recompute="selective")[1] == pytest.approx(6 * n + 16 * lhs)
-    lora = planner.flops_per_token(n, gpt3, 2048, method="lora", n_adapter=10**8)[0]
+    assert planner.flops_per_token(175e9, gpt3, 2048, recompute="selective")[1] == pytest.approx(6 * n + 16 * lhs)
+    lora = planner.flops_per_token(175e9, gpt3, 2048, method="lora", n_adapter=10**8)[0]
     assert lora == pytest.approx(4 * n + 6e8 + 12 * lhs)
 
 
@@ -175,12 +178,13 @@ def test_time_cost_and_data_bandwidth_hand_worked():
     out = plan(params="1B", layers=24, hidden=2048, tokens="10B", flops_formula="6nd", gpus=8,
                gpu_type="a100-80gb", mfu=0.5, zero=1, offload="none", activation_checkpointing="none",
                micro_batch=1, price_spot=1.5, price_on_demand=4.0, bytes_per_token=2)
-    seconds = 6 * 1e9 * 1e10 / (8 * 312e12 * 0.5)              # 48,076.9 s
+    # N = 1e9 less the 32000 x 2048 token embedding (a lookup; the output layer is its own matrix)
+    seconds = 6 * (1e9 - 65_536_000) * 1e10 / (8 * 312e12 * 0.5)          # 44,926.3 s
     assert out["train_time_hours"] == pytest.approx(seconds / 3600)
     assert out["gpu_hours"] == pytest.approx(8 * seconds / 3600)
     assert out["cost_usd"]["spot"] == pytest.approx(1.5 * 8 * seconds / 3600)
     assert out["cost_usd"]["on_demand"] == pytest.approx(4.0 * 8 * seconds / 3600)
-    assert out["data_bandwidth_mb_s"] == pytest.approx(1e10 / seconds * 2 / 1e6)   # 0.416 MB/s
+    assert out["data_bandwidth_mb_s"] == pytest.approx(1e10 / seconds * 2 / 1e6)   # 0.445 MB/s
     assert planner.data_bandwidth_mb_s(1e6, 2) == 2.0
     assert out["expected_mfu"] == pytest.approx(0.5)
 
@@ -323,3 +327,12 @@ def test_validation_errors_name_the_flag(kw, field):
     with pytest.raises(ConfigError) as exc:
         plan(**kw)
     assert exc.value.field == field and "\n" not in str(exc.value)
+
+
+def test_mfu_flops_leave_the_embedding_lookups_out_llama_7b_by_hand():
+    """PaLM App. B counts the matmul FLOPs, 6N + 12*L*h*s with N the parameters that enter a matmul: Llama
+    7B's 32000 x 4096 input embedding is a lookup (its output layer is a separate matrix, counted).
+    N = 6.7e9 - 131,072,000 = 6,568,928,000; 6N = 39,413,568,000; 12 x 32 x 4096 x 2048 = 3,221,225,472."""
+    arch = planner.derive_architecture(6.7e9)
+    assert arch.source == "table: llama-7b" and not arch.tied and arch.positions == 0
+    assert planner.flops_per_token(6.7e9, arch, 2048)[0] == pytest.approx(42_634_793_472)

@@ -175,10 +175,14 @@ def test_recorder_take_starts_over():
 
 
 def test_loader_fault_reaches_the_ledger(tmp_path):
-    """End to end on real shards: what the loader returned (StepBatch.positions) is what the ledger
-    records; a rank that builds its batch from the wrong slice is caught."""
+    """End to end on real shards: the positions recorded are the ones the ids stored in the rows read say
+    (rows_to_stream over StepBatch.row_ids, as feed.py records them), not the step's; a rank that builds its
+    batch from the wrong slice is counted, and the feed's check refuses that batch outright."""
+    from spotfill.config.errors import DataMismatch
     from spotfill.storage.base import open_storage
+    from spotfill.train.batching import rows_to_stream
     from spotfill.train.data import ShardReader, ShardWriter, read_step
+    from spotfill.train.feed import fed_positions
 
     storage = open_storage(str(tmp_path / "ds"))
     w = ShardWriter(storage, 4, 257, "bytes", rows_per_shard=5)
@@ -190,11 +194,15 @@ def test_loader_fault_reaches_the_ledger(tmp_path):
     rec = [FeedRecorder(), FeedRecorder()]
     for step in range(8):                 # 32 positions: more than two epochs of 13 rows
         for r in range(2):
-            src = 0 if (step, r) == (6, 1) else r          # the fault: rank 1 reads rank 0's slice at step 6
+            owed = rank_positions(step, shape, r)
+            src = 0 if (step, r) == (5, 1) else r          # the fault: rank 1 reads rank 0's slice at step 5
             batch = read_step(reader, step, rank_positions(step, shape, src), shape.accum, seed=3)
-            rec[r].record(batch.positions)
+            rec[r].record(rows_to_stream(batch.row_ids, owed // 13, 13, seed=3))
+            if src != r:
+                with pytest.raises(DataMismatch, match="step 5, rank 1: 2 of 2 rows read are not the rows"):
+                    fed_positions(reader, step, r, owed, batch.row_ids, seed=3)
     ledger = ledger.with_fed(*[x.take() for x in rec])
     s = ledger.summary(owed=32)
-    # step 6 owes 24..27; rank 1 fed 24, 25 again instead of 26, 27
+    # step 5 owes 20..23 (all of epoch 1); rank 1 fed 20, 21 again instead of 22, 23
     assert (s.consumed, s.duplicates, s.missing) == (32, 2, 2)
-    assert ledger.count(24) == 2 and ledger.count(26) == 0
+    assert ledger.count(20) == 2 and ledger.count(22) == 0 and ledger.count(23) == 0

@@ -134,3 +134,54 @@ def test_pick_node_follows_who_holds_the_gpus():
     assert pick_node("most_training", owners, ids, lambda i: i != 1) == 0
     assert pick_node("most_lent", {"b": owners["b"]}, ids, alive) is None   # nothing lent anywhere
     assert pick_node("most_training", {}, ids, alive) is None              # no view of the cluster
+
+
+def test_swap_shards_parses_with_default_shards_and_describes_them():
+    s = parse_scenario({"events": [{"at_step": 4, "action": "swap_shards"},
+                                   {"at_step": 5, "action": "swap_shards", "shards": [2, 0]}]})
+    assert [e.shards for e in s.events] == [(0, 1), (2, 0)]
+    assert s.events[1].describe() == "swap the contents of data shards 2 and 0 at step 5"
+
+
+@pytest.mark.parametrize("shards", [[1], [0, 0], [0, -1], [0, "1"], [True, 1], "0,1", [0, 1, 2]])
+def test_bad_swap_shards_fields_name_the_field(shards):
+    with pytest.raises(ConfigError) as err:
+        parse_scenario({"events": [{"at_step": 4, "action": "swap_shards", "shards": shards}]})
+    assert str(err.value).startswith("events[0].shards: bad value") and "two different shard indices" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"^events\[0\].node: unknown key for swap_shards"):
+        parse_scenario({"events": [{"at_step": 4, "action": "swap_shards", "node": 1}]})
+
+
+def test_swap_shards_beyond_the_prepared_dataset_is_refused_once_the_data_is_known():
+    from spotfill.sim.data_faults import check_shard_refs
+
+    events = parse_scenario({"events": [{"at_step": 4, "action": "swap_shards", "shards": [1, 2]}]}).events
+    check_shard_refs(events, {"shards": [{}, {}, {}]})
+    with pytest.raises(ConfigError, match=r"^events\[0\].shards: the prepared dataset has 2 shards \(got \[1, 2\]\); "
+                                          r"accepted: two different indices in 0..1$"):
+        check_shard_refs(events, {"shards": [{}, {}]})
+
+
+def test_swap_shards_exchanges_two_shards_in_storage_and_the_reader_names_the_swap(tmp_path):
+    import numpy as np
+
+    from spotfill.config.errors import DataMismatch
+    from spotfill.sim.data_faults import swap_outcome, swap_shards
+    from spotfill.storage.base import open_storage
+    from spotfill.train.data import ShardReader, ShardWriter
+
+    storage = open_storage(str(tmp_path / "ds"))
+    w = ShardWriter(storage, 4, 257, "bytes", rows_per_shard=4)
+    w.add(np.arange(10 * 5).reshape(10, 5) % 257)
+    w.close()
+    said: list[str] = []
+    out = swap_shards(str(tmp_path / "ds"), (0, 2), said.append)
+    assert out["shards"] == ["shard-00000.npy", "shard-00002.npy"] and said
+    with pytest.raises(DataMismatch, match=r"^data shard shard-00000.npy in .* \(it holds rows 8..9, "
+                                           r"shard-00002.npy's by the manifest; sha256"):
+        ShardReader(storage, str(tmp_path / "cache"))
+    events = [{"kind": "data_mismatch", "t": out["t"] - 5, "reason": "earlier"},
+              {"kind": "data_mismatch", "t": out["t"] + 1, "reason": "data shard x", "attempt": 2, "rank": 1}]
+    assert swap_outcome(events, out["t"]) == {"caught": "data shard x", "caught_by": {"attempt": 2, "rank": 1}}
+    assert swap_outcome(events[:1], out["t"]) == {"caught": None}

@@ -20,10 +20,20 @@ def test_gpu_seconds_match_the_ledger_on_the_hard_loss_log():
     ev = hard_loss_log()
     live, _ = feed(ev)
     gs = compute_ledger(ev, NODES).gpu_seconds
-    # by hand (test_telemetry_ledger): training 76, checkpoint_stall 8, recovering 80
+    # by hand (test_telemetry_ledger): training 76, checkpoint_stall 8
     assert live.totals["training"] == pytest.approx(76.0) == gs["training"]
     assert live.totals["checkpoint_stall"] == pytest.approx(8.0) == gs["checkpoint_stall"]
-    assert live.totals["recovering"] == pytest.approx(80.0) == gs["recovering"]
+    # recovering, event by event: 0->10 on the first group's 4; the gap 25->40 ending in attempt 1 and its
+    # start 40->45 on the new group's 2. (The ledger sees more: the hung group kept its 4 until n1 died.)
+    assert live.totals["recovering"] == pytest.approx(4 * 10 + 2 * 15 + 2 * 5)
+    assert gs["recovering"] == pytest.approx(4 * 10 + 4 * 5 + 2 * 10 + 2 * 5)
+
+
+def test_a_group_end_books_the_teardown_on_the_old_group():
+    ev = hard_loss_log() + [{"t": 35.0, "kind": "group_end", "group": 1}]
+    live, _ = feed(sorted(ev, key=lambda e: e["t"]))
+    # 25->35 on the old group's 4 GPUs, 35->40 (ending in attempt 1) and 40->45 on the new group's 2
+    assert live.totals["recovering"] == pytest.approx(4 * 10 + 4 * 10 + 2 * 5 + 2 * 5)
 
 
 def test_step_gauges_and_counters():

@@ -179,6 +179,12 @@ def test_finish_line(kind):
     assert p.state == "finished"
 
 
+def test_a_data_mismatch_gets_its_line():
+    assert Progress().update({"t": 1.0, "kind": "data_mismatch", "rank": 1, "attempt": 2,
+                              "reason": "data shard shard-00000.npy in /d is not the shard its manifest names"}) \
+        == "data mismatch on rank 1: data shard shard-00000.npy in /d is not the shard its manifest names"
+
+
 def test_on_a_real_terminal_other_output_goes_to_the_console_log(tmp_path):
     """A pseudo-terminal stands in for the user's: the panel draws there, while anything written to the
     process's stdout/stderr descriptors (as a local Ray cluster's child processes do) lands in the log."""

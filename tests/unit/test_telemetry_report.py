@@ -13,7 +13,9 @@ from test_telemetry_ledger import hard_loss_log
 
 def run_events():
     """hard_loss_log with a node timeline (n1 lost at 30), worker placement, commits, and a Serve lease on
-    n0's idle GPUs from 60 until reclaimed at 75; the job ends at 80."""
+    n0's idle GPUs from 60 until reclaimed at 75 (the replica computed 9 s of its 15); the job ends at 80.
+    The arbiter saw both nodes' GPUs free until the first group took them at 5 and n0's free again after
+    finish (57), until the lease (60); its view after the reclaim did not reach the log."""
     ev = [e for e in hard_loss_log() if e["kind"] != "job_end"]
     for e in ev:
         if e["kind"] == "start":
@@ -27,7 +29,12 @@ def run_events():
            {"t": 56.5, "kind": "checkpoint", "attempt": 1, "step": 10, "bytes": 10, "upload_s": 0.5},
            {"t": 60.0, "kind": "lease", "lease_id": "L1", "tenant": "serve:app", "node": "n0", "gpus": 2},
            {"t": 75.0, "kind": "reclaim", "lease_id": "L1", "tenant": "serve:app", "node": "n0", "gpus": 2},
+           {"t": 75.0, "kind": "fillin_busy", "tenant": "serve:app", "node": "n0", "gpus": 2, "busy_s": 9.0,
+            "t0": 60.0, "t1": 75.0},
            {"t": 80.0, "kind": "job_end"}]
+    ev += [{"t": t, "kind": "gpu_free", "node": n, "free": f}
+           for t, n, f in ((0.0, "n0", 2), (0.0, "n1", 2), (5.0, "n0", 0), (5.0, "n1", 0), (57.0, "n0", 2),
+                           (60.0, "n0", 0))]
     return sorted(ev, key=lambda e: e["t"])
 
 
@@ -48,17 +55,24 @@ def test_enrich_report_adds_ledger_diagnosis_and_recovery_breakdown():
     report = {"preemptions": [{"kind": "hard", "at": 30.0, "affected": True}]}
     enrich_report(report, run_events())
     gs = report["gpu_seconds"]
-    # n0 2x80 + n1 2x30 = 220; serve 2 GPUs x 15 s; idle: 25->30 (2), 57->60 (2x3), 75->80 (2x5)
-    assert gs["total"] == pytest.approx(220.0) and gs["fillin"] == pytest.approx(30.0)
-    assert gs["idle"] == pytest.approx(10.0 + 6.0 + 10.0)
-    assert report["harvest_ratio"] == pytest.approx(30.0 / (220.0 - 76.0 - 8.0 - 80.0), abs=1e-4)
-    assert report["goodput"] == pytest.approx(20 / 80, abs=1e-4)
+    # n0 2x80 + n1 2x30 = 220; serve held 2 GPUs x 15 s and computed 2 x 9; idle: n0 57->60 (2x3);
+    # unaccounted: n0 75->80 (2x5, nothing seen after the reclaim); recovering: waiting 0->5 and starting
+    # 5->10 on 4, the hung group 25->30 on 4 and 30->40 on n0's 2, attempt 1 starting 40->45 on 2
+    assert gs["total"] == pytest.approx(220.0) and gs["fillin"] == gs["fillin_reserved"] == pytest.approx(30.0)
+    assert gs["fillin_busy"] == pytest.approx(18.0)
+    assert gs["recovering"] == pytest.approx(4 * 5 + 4 * 5 + 4 * 5 + 2 * 10 + 2 * 5)
+    assert gs["idle"] == pytest.approx(6.0) and gs["unaccounted"] == pytest.approx(10.0)
+    spare = 220.0 - 76.0 - 8.0 - 90.0
+    assert report["harvest_ratio"] == pytest.approx(18.0 / spare, abs=1e-4)
+    assert report["harvest_ratio_reserved"] == pytest.approx(30.0 / spare, abs=1e-4)
+    assert report["goodput"] == pytest.approx((4 * 10 + 2 * 10) / (4 * 80), abs=1e-4)
     n1 = report["gpu_seconds_per_node"]["n1"]      # attempt 0 ran 2 workers there, 10->25, stalled 20->21
-    assert (n1["training"], n1["checkpoint_stall"], n1["recovering"]) == pytest.approx((2 * 14.0, 2.0, 2 * 10.0))
-    assert n1["total"] == pytest.approx(60.0) and n1["idle"] == pytest.approx(10.0)
+    assert (n1["training"], n1["checkpoint_stall"], n1["recovering"]) == pytest.approx((2 * 14.0, 2.0, 2 * 15.0))
+    assert n1["total"] == pytest.approx(60.0) and n1["idle"] == 0 and n1["unaccounted"] == 0
     rb = report["preemptions"][0]["recovery_breakdown"]
     assert rb["state_load_s"] == pytest.approx(3.0) and rb["total_s"] == pytest.approx(17.0)   # 30 -> 47
-    assert {f["cause"] for f in report["diagnosis"]["findings"]} >= {"recovery", "idle_capacity", "rolled_back"}
+    assert {f["cause"] for f in report["diagnosis"]["findings"]} >= {"recovery", "idle_capacity", "unaccounted",
+                                                                     "rolled_back"}
     assert json.loads(json.dumps(report))["gpu_seconds"]["total"] == pytest.approx(220.0)   # report.json-ready
 
 
@@ -93,7 +107,7 @@ def test_cli_writes_both_files(tmp_path, capsys):
     assert main(["report", run]) == 0
     assert os.path.getsize(os.path.join(run, "report.html")) > 1000
     assert os.path.getsize(os.path.join(run, "timeline.png")) > 1000
-    assert "goodput 25.0%" in capsys.readouterr().out
+    assert "goodput 18.8%" in capsys.readouterr().out         # 60 productive GPU-s of 4 GPUs x 80 s
 
 
 @pytest.mark.parametrize("case,expect", [

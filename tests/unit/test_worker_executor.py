@@ -13,7 +13,8 @@ from spotfill.config import constants
 from spotfill.config.job import JobConfig, from_mapping
 from spotfill.train import worker_loop
 from spotfill.train.sample_ledger import SampleLedger, runs
-from spotfill.train.worker_loop import LEDGER_KEY, PlannedExit, _Executor
+from spotfill.train.worker_loop import PlannedExit, _Executor
+from tests.unit.worker_standins import Checkpointer
 
 G, STEPS, EVERY = 8, 10, 5
 
@@ -34,27 +35,6 @@ class Comms:
     def gather_objects(self, obj) -> list:
         peer, self.peer_feeds = self.peer_feeds, np.zeros((0, 3), dtype=np.int64)
         return [peer, obj]
-
-
-class Checkpointer:
-    def __init__(self):
-        self.saves: list[dict] = []
-        self.uploader = type("U", (), {"busy": False})()
-
-    def save(self, engine, step, client_state, *, kind, deadline_unix_s=None):
-        self.saves.append({"step": step, "kind": kind, "deadline": deadline_unix_s,
-                           "ledger": SampleLedger.from_state(client_state[LEDGER_KEY])})
-        return {"tag": f"t{step}", "step": step, "kind": kind, "path": "/x", "reason": kind, "committed": True,
-                "snapshot_s": 0.0, "blocked_s": 0.0, "wait_s": 0.0, "stall_s": 0.0}
-
-    def pop_committed(self):
-        return []
-
-    def pop_skipped(self):
-        return []
-
-    def close(self, wait=True):
-        pass
 
 
 def _run(comms: Comms, ckpt: Checkpointer) -> int:

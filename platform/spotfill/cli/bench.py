@@ -1,6 +1,7 @@
 """`spotfill bench`: side-by-side benchmarks (the repo's benchmarks/ folder), JSON out.
 
-    spotfill bench [--quick] [--json PATH] [--only recovery,preemption,checkpoint,overhead,gpu,upload,fillin,serve]
+    spotfill bench [--quick] [--json PATH] [--only recovery,preemption,checkpoint,overhead,gpu,upload,fillin,eventlog,
+                    pipeline,serve]
 
 The benchmark code lives in the top-level benchmarks/ folder of a spotfill checkout (runnable scripts, not
 part of the installed package); this command finds it next to the package (`pip install -e .`), in the
@@ -16,7 +17,8 @@ import sys
 from spotfill.config.errors import ConfigError
 
 # benchmarks/run.py's sections, named here too so `--only` is checked without importing the benchmarks
-SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "upload", "fillin", "serve")
+SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "upload", "fillin", "eventlog", "pipeline",
+            "serve")
 
 
 def register(sub) -> None:

@@ -60,7 +60,8 @@ def summarize(report: dict) -> str:
     if fill.get("leases") is not None:
         lines.append(f"fill-in leases: {len(fill['leases'])}, given back: {reclaims_by_workload(fill['leases'])}; "
                      f"GPU-seconds lent {report.get('gpu_seconds', {}).get('fillin', 0):.1f}, harvest ratio "
-                     f"{report.get('harvest_ratio', 'n/a')}")
+                     f"{report.get('harvest_ratio', 'n/a (tenants did not measure busy time)')}, held "
+                     f"{report.get('harvest_ratio_reserved', 'n/a')} of the spare GPU-seconds")
     nodes = (report.get("cluster") or {}).get("nodes") or []
     t0 = min((n["started"] for n in nodes if n.get("started")), default=0)
     for n in nodes:

@@ -139,6 +139,7 @@ def format_plan(r: dict, ds_config_path: str | None = None) -> str:
         ("cost", f"spot ${r['cost_usd']['spot']:,.0f} (${i['price_spot']:.2f}/h)  on-demand "
                  f"${r['cost_usd']['on_demand']:,.0f} (${i['price_on_demand']:.2f}/h)"),
         ("pipeline bubble", f"{r['pipeline_bubble_fraction']:.3f} = (p-1)/m"),
+        *_pipeline_rows(r["pipeline"]),
         ("checkpoint", f"{r['checkpoint_size_gb']:,.2f} GB, upload {r['checkpoint_upload_seconds']:,.1f} s "
                        f"at {i['bandwidth_gbps']:g} Gbit/s"),
         ("data input", f"{r['data_bandwidth_mb_s']:.3f} MB/s ({r['tokens_per_second']:,.0f} tokens/s x "
@@ -157,3 +158,17 @@ def format_plan(r: dict, ds_config_path: str | None = None) -> str:
     lines.append("assumptions:")
     lines.extend(f"  - {a}" for a in r["assumptions"])
     return "\n".join(lines)
+
+
+def _pipeline_rows(p: dict) -> list[tuple[str, str]]:
+    """The pipeline advice: stages and micro-batches, and the fill work the bubbles carry."""
+    rows = [("pipeline advice", p["why"])]
+    if p.get("job_config"):
+        rows.append(("", ", ".join(f"{k}: {v}" for k, v in p["job_config"].items())))
+    fill = p.get("fill")
+    if fill and fill["bubble_gpu_hours"]:
+        rows.append(("bubble fill", f"{fill['bubble_step_fraction']:.1%} of each step, "
+                                    f"{fill['bubble_gpu_hours']:,.0f} GPU-h; at {fill['assumed_fill_share']:.0%} use "
+                                    f"~{_count(fill['fill_forward_tokens'])} forward tokens of this model"))
+    return rows
+

@@ -19,6 +19,7 @@ def run(args: argparse.Namespace) -> int:
     gs = s["gpu_seconds"]
     goodput = "n/a" if s.get("goodput") is None else f"{s['goodput']:.1%}"
     print(f"goodput {goodput}; GPU-seconds: " + ", ".join(
-        f"{k} {gs[k]:,.0f}" for k in ("training", "checkpoint_stall", "recovering", "fillin", "idle", "total")))
+        f"{k} {gs[k]:,.0f}" for k in ("training", "checkpoint_stall", "recovering", "fillin", "idle", "unaccounted",
+                                      "total") if k in gs))
     print(f"wrote {out['html']} and {out['png']}", file=sys.stderr)
     return 0

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     _stop_on_signals()
     import ray
 
-    from spotfill.fillin.local import deploy_serve, runtime_env
+    from spotfill.fillin.wiring import deploy_serve, runtime_env
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths
 
     cluster = EmbeddedCluster()
@@ -122,9 +122,8 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address=cluster.address, runtime_env=runtime_env(), logging_level="WARNING")
         quiet_expected_node_deaths()
         # replicas=0: the arbiter's lends create the replicas (no replica of Serve's own beside them)
-        out = deploy_serve(args.checkpoint, port=args.port, dashboard_url=cluster.cluster.webui_url,
-                           max_replicas=args.nodes * args.gpus_per_node, replicas=0,
-                           draft=args.draft, num_draft_tokens=args.num_draft_tokens)
+        out = deploy_serve(args.checkpoint, port=args.port, max_replicas=args.nodes * args.gpus_per_node,
+                           replicas=0, draft=args.draft, num_draft_tokens=args.num_draft_tokens)
         url = out["url"]
         print(f"spotfill serve: {url}/v1/completions and {url}/v1/chat/completions (OpenAI), {url}/-/ready; "
               f"checkpoint {latest['tag'] if latest else 'none committed yet (503 until one is)'} of "

@@ -150,6 +150,16 @@ WARM_SPARE_KEEP_ALIVE_S = env_int("SPOTFILL_WARM_SPARE_KEEP_ALIVE_S", 3600)
 UNIVERSAL_INPROCESS_MAX_BYTES = env_int("SPOTFILL_UNIVERSAL_INPROCESS_MAX_BYTES", 1 << 30)
 
 
+# --- The run's event log (telemetry/events.py) -----------------------------------------------------
+# events.jsonl rolls into events-NNNNNN.jsonl past this many MiB (readers read the set in order).
+EVENTS_ROLL_MB = env_int("SPOTFILL_EVENTS_ROLL_MB", 64, minimum=1)
+# Step events: the first N of a run are all kept; after that one line in K (plus every notable step: the
+# first after any other event, the last before one, a loss spike), each carrying the exact sums of the
+# steps it stands for; and at most this many seconds of event time pass between two lines written.
+EVENTS_STEPS_KEEP = env_int("SPOTFILL_EVENTS_STEPS_KEEP", 2000)
+EVENTS_STEP_EVERY = env_int("SPOTFILL_EVENTS_STEP_EVERY", 100, minimum=1)
+EVENTS_STEP_FLUSH_S = env_float("SPOTFILL_EVENTS_STEP_FLUSH_S", 10.0)
+
 def _set_env(values: dict[str, str | None]) -> None:
     for k, v in values.items():
         if v is None:

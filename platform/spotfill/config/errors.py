@@ -55,3 +55,9 @@ class CheckpointCorrupt(SpotfillError):
 
 class NoIntactCheckpoint(SpotfillError):
     """Committed checkpoints exist but none is intact (training.on_no_intact_checkpoint: fail)."""
+
+
+class DataMismatch(SpotfillError):
+    """The data a worker read is not the data the dataset's manifest and the schedule name: a shard changed,
+    swapped or replaced after prepare, another data seed or dataset than the checkpoint's, a row-mapping
+    fault. One line naming the shard and what differed. Fatal: a restart would read the same data."""

@@ -120,13 +120,19 @@ def _choice(path: str, name: str, value: Any, choices: list[Any]) -> None:
 
 @dataclass
 class ClusterConfig:
-    """Which Ray resource is the accelerator. `GPU` on real clusters; a logical one (GPU_SLOT) on CPUs."""
+    """Which Ray resource is the accelerator: Ray's `GPU` (on CPU-only test machines too: Ray assigns it
+    there and the workers compute on the CPU), or a logical one such as GPU_SLOT."""
     gpu_resource: str = "GPU"
+    # one DeepSpeed rank drives one device: a worker given two GPUs would leave one idle (and DeepSpeed's
+    # cuda:LOCAL_RANK would put the next worker on it), and fractions share a GPU without memory isolation
     gpus_per_worker: float = 1.0
     cpus_per_worker: float = 1.0
 
     def validate(self, path: str) -> None:
-        _positive(path, "gpus_per_worker", self.gpus_per_worker)
+        if self.gpus_per_worker != 1:
+            raise ConfigError(_join(path, "gpus_per_worker"), self.gpus_per_worker,
+                              reason="each worker is one DeepSpeed rank on one whole GPU",
+                              accepted="1 (scale with training.workers)")
         _positive(path, "cpus_per_worker", self.cpus_per_worker, allow_zero=True)
         if not self.gpu_resource or not self.gpu_resource.replace("_", "").isalnum():
             raise ConfigError(_join(path, "gpu_resource"), self.gpu_resource, accepted="a Ray resource name")
@@ -141,7 +147,7 @@ class TrainingConfig:
     global_batch: int = 16
     max_micro_batch: int = 8
     zero_stage: int = 2
-    precision: str = "auto"          # auto: bf16 on GPU, fp32 on CPU
+    precision: str = "auto"          # auto: bf16 on GPUs with bf16 tensor cores, fp16 on older ones, fp32 on CPU
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 10
@@ -160,6 +166,17 @@ class TrainingConfig:
     # Committed checkpoints exist but none is intact: "fail" the job (exit 1, naming the damaged tags) or
     # "restart" from step 0 (recorded as a `fresh_start` event with the cause).
     on_no_intact_checkpoint: str = "fail"
+    # Activation checkpointing: "none", "selective" (recompute the attention core), "full" (recompute each
+    # transformer block's forward in backward). Less activation memory for more compute; HFU counts it.
+    activation_checkpointing: str = "none"
+    # Pipeline parallelism (train/pipeline.py): S stages per replica, `workers` still counts ranks (GPUs), so
+    # there are workers / S data-parallel replicas; 1 = no pipeline. `micro_batches`: M per step at the full
+    # width (0: from max_micro_batch); the micro-batch size stays fixed when replicas are lost.
+    pipeline_stages: int = 1
+    micro_batches: int = 0
+    # A batch job's output (fillin/batch.py: its plan and pinned model): its evaluation units run in the
+    # pipeline's bubbles, inside the training processes (fillin/bubble_fill.py). "" = no bubble fill.
+    bubble_fill: str = ""
 
     @property
     def min_workers(self) -> int:
@@ -190,7 +207,39 @@ class TrainingConfig:
         _choice(path, "elastic_restarts", self.elastic_restarts, ["spotfill", "stock", "stock-tuned"])
         _choice(path, "on_no_intact_checkpoint", self.on_no_intact_checkpoint, ["fail", "restart"])
         _choice(path, "precision", self.precision, ["auto", "bf16", "fp16", "fp32"])
-        check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
+        from spotfill.train.presets import RECOMPUTE
+        _choice(path, "activation_checkpointing", self.activation_checkpointing, list(RECOMPUTE))
+        if self.model.startswith("hf:") and self.activation_checkpointing == "selective":
+            raise ConfigError(_join(path, "activation_checkpointing"), "selective",
+                              reason="a Hugging Face model recomputes whole layers",
+                              accepted="none or full with an hf: model")
+        _positive(path, "pipeline_stages", self.pipeline_stages)
+        _positive(path, "micro_batches", self.micro_batches, allow_zero=True)
+        if self.pipeline_stages == 1:
+            if self.bubble_fill:
+                raise ConfigError(_join(path, "bubble_fill"), self.bubble_fill,
+                                  reason="bubbles come with pipeline stages", accepted="training.pipeline_stages > 1")
+            check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
+            return
+        from spotfill.train.pipe_layout import check_pipeline_range
+        if self.activation_checkpointing != "none":
+            raise ConfigError(_join(path, "activation_checkpointing"), self.activation_checkpointing,
+                              reason="pipeline stages run their layers without recomputation",
+                              accepted="none with training.pipeline_stages > 1")
+        if self.zero_stage > 1:
+            raise ConfigError(_join(path, "zero_stage"), self.zero_stage,
+                              reason="DeepSpeed's pipeline engine does not run ZeRO-2/3",
+                              accepted="0 or 1 with training.pipeline_stages > 1")
+        if self.model.startswith("hf:"):
+            raise ConfigError(_join(path, "model"), self.model, reason="pipeline stages cut the GPT presets only",
+                              accepted=[*PRESETS])
+        layers = PRESETS[self.model].n_layer + 2      # embeddings, the blocks, the head
+        if self.pipeline_stages > layers:
+            raise ConfigError(_join(path, "pipeline_stages"), self.pipeline_stages,
+                              reason=f"more stages than the {layers} layers of {self.model}",
+                              accepted=f"1..{layers}")
+        check_pipeline_range(self.global_batch, self.pipeline_stages, self.min_workers, self.max_workers,
+                             self.micro_batches, self.max_micro_batch)
 
 
 @dataclass

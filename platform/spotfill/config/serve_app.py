@@ -19,11 +19,13 @@ FIELD = "serving.app args"
 class ServeArgs:
     checkpoint: str = ""                 # a run's storage URI (file://, s3://); checkpoints/ inside
     model: str = "auto"                  # preset name, or auto (from the weights' shape)
-    gpu_resource: str = "GPU_SLOT"       # "GPU" on a real cluster
+    gpu_resource: str = "GPU"            # Ray's GPU resource (a logical one such as GPU_SLOT on test clusters)
     replicas: int = 1                    # Generator replicas at deploy: 1 for `serve run` alone; 0 under
                                          # the fill-in arbiter, which sets the count (only its lends
                                          # create replicas: no GPU request it did not grant)
     max_replicas: int = 64               # with replicas 0: the most the arbiter may ask Serve for
+    fillin: str = "auto"                 # register with the fill-in arbiter (started if absent), which sets
+                                         # the Generator's count: auto = when replicas is 0; true; false
     max_tokens: int = 0                  # cap on tokens per request; 0: up to the model's context
     max_batch: int = 8                   # requests decoded together per replica (continuous batching)
     max_queue_wait_s: float = 15.0       # a request waits this long for a replica starting or replacing
@@ -51,6 +53,9 @@ class ServeArgs:
                 from spotfill.fillin.cpu_priority import configured_idle
                 out[f.name] = configured_idle(args[f.name], f"{FIELD} {f.name}")
                 continue
+            if f.name == "fillin" and isinstance(args[f.name], bool):     # YAML's true / false
+                out[f.name] = str(args[f.name]).lower()
+                continue
             try:
                 out[f.name] = _coerce(kind, args[f.name])
             except (ValueError, TypeError, OverflowError):
@@ -74,6 +79,7 @@ class ServeArgs:
              "GPU, or the name of a custom resource the GPU nodes declare (e.g. GPU_SLOT)")
         need(self.replicas >= 0, "replicas", "an integer >= 0 (0 under the fill-in arbiter, which sets the count)")
         need(self.max_replicas >= 1, "max_replicas", "an integer >= 1")
+        need(self.fillin.lower() in ("auto", "true", "false"), "fillin", "auto, true, false")
         need(self.max_tokens >= 0, "max_tokens", "an integer >= 1, or 0 for the model's context")
         need(1 <= self.max_batch <= 256, "max_batch", "an integer from 1 to 256")
         need(0 <= self.max_queue_wait_s <= 600, "max_queue_wait_s", "seconds from 0 to 600")
@@ -88,6 +94,12 @@ class ServeArgs:
         except ConfigError as exc:
             raise ConfigError(f"{FIELD} draft", self.draft, reason=exc.reason,
                               accepted="self:L (the model's first L layers), or a run's storage URI") from None
+
+    @property
+    def under_arbiter(self) -> bool:
+        """The fill-in arbiter sets the Generator's replica count (the app registers itself with it)."""
+        fillin = self.fillin.lower()
+        return fillin == "true" or (fillin == "auto" and self.replicas == 0)
 
     @staticmethod
     def _storage(name: str, uri: str):

@@ -41,22 +41,34 @@ IDLE_RECLAIM_S = 10.0      # autoscaled cluster: leases on a node training left 
 RESTART_GRACE_S = 120.0    # ... not while a registered job restarts (no training anywhere) for up to this
 RESOURCE_VIEW_LAG_S = 8.0  # a stopped replica's GPU shows as available within this (GCS resource view; on
                            # a loaded 2-core machine 3 s was measured too short: the claim came back short)
+RECORDS_EVERY_S = 2.0     # how often the training jobs announced in the GCS are read
 RAYLET_PROBE_S = 0.5       # a live raylet answers a loopback/local-network connect in milliseconds
 FORCE_MARGIN_S = 1.0       # a job tenant still holding a reclaimed unit this long after its grace: forced
 
 
 class Arbiter:
-    def __init__(self, gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,
+    def __init__(self, gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_ORDER,
                  state_path: str | None = None, interval_s: float = 1.0, dashboard_url: str | None = None,
-                 autoscaled: bool = False, launch_nodes: bool = False, idle_reclaim_s: float = IDLE_RECLAIM_S):
+                 autoscaled: bool | None = None, launch_nodes: bool = False,
+                 idle_reclaim_s: float = IDLE_RECLAIM_S):
         logging.basicConfig(level=logging.INFO)
         self.gpu_resource, self.order, self.interval_s = gpu_resource, tuple(order), interval_s
-        self.dashboard_url = dashboard_url                    # to stop a job tenant that does not yield
+        # Serve's scale endpoint and the job API live on the dashboard; found in the GCS when not given
+        self.dashboard_url = dashboard_url or self._dashboard_url()
         self.forced: dict[str, float] = {}                    # job tenant -> when it was last forced
         # autoscaled cluster: lend only on nodes training uses, reclaim from nodes training left (so idle
         # nodes scale down), and never leave a replica pending (demand the autoscaler would buy a node
-        # for) -- unless the user allowed fill-in to launch nodes (launch_nodes)
+        # for) -- unless the user allowed fill-in to launch nodes (launch_nodes). None: found out here, on
+        # the head (fillin/cluster_kind.py)
+        if autoscaled is None:
+            from spotfill.fillin.cluster_kind import detect
+            autoscaled, self.cluster_kind = detect()
+        else:
+            self.cluster_kind = "autoscaled: set by the caller" if autoscaled else "fixed nodes: set by the caller"
+        log.info("fill-in arbiter: the cluster is %s (%s)", "autoscaled" if autoscaled else "not autoscaled",
+                 self.cluster_kind)
         self.autoscaled, self.launch_nodes = bool(autoscaled), bool(launch_nodes)
+        self.records_read_at = 0.0                            # training records in the GCS, last read
         self.idle_reclaim_s = float(idle_reclaim_s)
         self.training_gpus = 0                                # GPUs in use that no lease holds (last tick)
         self.training_seen: dict[str, float] = {}             # node id -> last time training held GPUs on it
@@ -115,8 +127,27 @@ class Arbiter:
         self.decisions.add(decisions)
 
     # -- registration ----------------------------------------------------------------------------------
+    @staticmethod
+    def _dashboard_url() -> str | None:
+        try:
+            from spotfill.ray_compat import dashboard_url
+            return dashboard_url()
+        except Exception as exc:  # noqa: BLE001 - a tenant registered with its own URL still works
+            log.warning("fill-in: the dashboard's address could not be read from the GCS: %s", exc)
+            return None
+
     def register_tenant(self, spec: dict) -> dict:
+        """A Serve deployment (app, deployment) deployed with external_scaler_enabled becomes a tenant; its
+        replica count is set through the scale endpoint of the dashboard at `dashboard_url` (this cluster's,
+        read from the GCS, when the spec leaves it empty)."""
         with self.lock:
+            spec = dict(spec)
+            if not spec.get("dashboard_url"):
+                self.dashboard_url = self.dashboard_url or self._dashboard_url()
+                if not self.dashboard_url:
+                    raise RuntimeError("no dashboard address: Serve's scale endpoint cannot be reached (start "
+                                       "the head with the dashboard, or give dashboard_url)")
+                spec["dashboard_url"] = self.dashboard_url
             tenant = ServeTenant(ServeTenantSpec(**spec))
             old = self.tenants.get(tenant.tenant)
             tenant.target = old.target if old else None
@@ -309,9 +340,41 @@ class Arbiter:
             except Exception:  # noqa: BLE001
                 log.exception("fill-in arbiter tick failed; next tick in %.1fs", self.interval_s)
 
+    def _read_training_records(self, now: float) -> None:
+        """Training jobs announced in the GCS (fillin/wiring.py: TrainingJob.fit announces itself whether or
+        not an arbiter runs): register those not known yet; drop those whose driver has ended (its job's
+        record was not withdrawn: the driver was killed), so their GPUs are lent again."""
+        if now - self.records_read_at < RECORDS_EVERY_S:
+            return
+        self.records_read_at = now
+        from spotfill import ray_compat
+        from spotfill.fillin.wiring import TRAINING_KEY, announced_training
+        try:
+            records, dead = announced_training(), ray_compat.dead_job_ids()
+        except Exception as exc:  # noqa: BLE001 - next time
+            log.warning("fill-in: training records not read from the GCS: %s", exc)
+            return
+        for rec in records:
+            name = rec.get("job")
+            if not name:
+                continue
+            if rec.get("ray_job_id") in dead:
+                ray_compat.kv_del(TRAINING_KEY + name)
+                if self.jobs.pop(name, None) is not None:
+                    self.pending.pop(name, None)
+                    self._record([Decision("drop", f"training:{name}", 0, at=now, reason=(
+                        f"training job {name}'s driver (Ray job {rec.get('ray_job_id')}) has ended without "
+                        f"withdrawing it: its GPUs may be lent again"))])
+            elif name not in self.jobs:
+                self.register_job(name, rec["min_workers"], rec["max_workers"], rec.get("gpus_per_worker", 1))
+                self._record([Decision("adopt", f"training:{name}", 0, at=now, reason=(
+                    f"training job {name} ({rec['min_workers']}..{rec['max_workers']} workers) announced in "
+                    f"the GCS: GPUs it may grow into are not lent"))])
+
     def tick(self) -> dict:
         with self.lock:
             now = time.time()
+            self._read_training_records(now)
             snap = self._snapshot(now)
             drains = [d for d in reconcile(snap, now) if d.action == "reclaim"]
             self._apply_reclaims(drains, now, cause="node_draining")
@@ -554,6 +617,7 @@ class Arbiter:
             snap = self._snapshot(now)
             return {
                 "gpu_resource": self.gpu_resource, "order": list(self.order), "since": self.started,
+                "autoscaled": self.autoscaled, "cluster_kind": self.cluster_kind,
                 "restored": self.restored, "nodes": ownership(snap),
                 "jobs": [j.__dict__ for j in snap.jobs],
                 "tenants": [{"tenant": t.tenant, "target": t.target, **t.spec.as_dict()}
@@ -605,13 +669,14 @@ def default_state_path() -> str:
     return os.path.join(tempfile.gettempdir(), "spotfill-arbiter", head[:16], "state.json")
 
 
-def ensure_arbiter(gpu_resource: str = "GPU_SLOT", order: tuple[str, ...] = DEFAULT_ORDER,
+def ensure_arbiter(gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_ORDER,
                    state_path: str | None = None, runtime_env: dict | None = None, dashboard_url: str | None = None,
-                   autoscaled: bool = False, launch_nodes: bool = False, idle_reclaim_s: float = IDLE_RECLAIM_S):
+                   autoscaled: bool | None = None, launch_nodes: bool = False, idle_reclaim_s: float = IDLE_RECLAIM_S):
     """The arbiter actor: found by name, else started detached on the head node (0 CPUs). `autoscaled`:
     the cluster is scaled by Ray's autoscaler -- fill-in lends only on nodes training uses, gives a node
     back idle_reclaim_s after training left it, and never leaves a replica pending (autoscaler demand)
-    unless `launch_nodes` (the user allows fill-in to make the autoscaler launch nodes)."""
+    unless `launch_nodes` (the user allows fill-in to make the autoscaler launch nodes); None (the default):
+    the arbiter finds out on the head (fillin/cluster_kind.py). Callers go through fillin/wiring.py."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

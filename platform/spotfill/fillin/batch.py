@@ -9,7 +9,10 @@ stops consuming it: leaving the iterator shuts the streaming executor down (forc
 inside the grace. The driver leaves on the next unit done, so a unit must take well under the grace
 (`rows_per_unit`); a driver that still holds GPUs after its grace is stopped by the arbiter, and a rerun
 resumes on what remains. The next wave starts when the grant allows, on what remains. Each actor writes a unit's parquet part whole and
-then its commit marker; a unit without a valid marker is redone under the same name.
+then its commit marker; a unit without a valid marker is redone under the same name. An actor computes on
+the GPU Ray assigned it, in bf16 where the GPU has it (fp16 before Ampere), on the CPU in fp32 when Ray
+assigned none or CUDA is absent (spotfill.devices); its commit markers say where (`device`, `dtype`,
+`gpu_ids`).
 
 `read_back` computes the report's `fillin.batch` from the output itself.
 """
@@ -164,15 +167,17 @@ class UnitWorker:
         from spotfill.fillin.cpu_priority import lower_cpu_priority
         lower_cpu_priority()         # fill-in: lowest CPU priority ($SPOTFILL_FILLIN_CPU_NICE, default 19)
 
-        from spotfill.fillin.generate import config_from_state
+        from spotfill.devices import assigned_device, compute_dtype, ray_gpu_ids
         from spotfill.storage.base import open_storage
-        from spotfill.train.model import GPT
         torch.set_num_threads(1)
         self.out, self.plan, self.eval_batch, self.prompts = open_storage(output), plan, eval_batch, prompts
-        state = torch.load(io.BytesIO(self.out.get_bytes(bp.MODEL_KEY)), map_location="cpu", weights_only=False)
-        self.model = GPT(config_from_state(state, plan.get("model", "auto")))
-        self.model.load_state_dict(state)
-        self.model.eval()
+        # the GPU Ray assigned this actor (its `gpu_resource: 1`), in the precision it supports; the CPU when
+        # Ray assigned none or CUDA is absent (spotfill.devices)
+        self.device = assigned_device()
+        self.dtype = compute_dtype(self.device)
+        self.where = {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+                      "gpu_ids": [str(g) for g in ray_gpu_ids()]}
+        self.model = plan_model(self.out, plan, self.device, self.dtype)
         self.reader = None
         if plan["eval_rows"]:
             from spotfill.train.data import ShardReader
@@ -191,24 +196,13 @@ class UnitWorker:
 
     def _eval(self, unit: bp.Unit):
         import numpy as np
-        import pyarrow as pa
-        import torch
-        import torch.nn.functional as F
-        ids = np.arange(unit.start, unit.stop)
-        tokens = self.reader.rows(ids)
+        tokens = self.reader.rows(np.arange(unit.start, unit.stop))
         nll, count = [], []
-        with torch.no_grad():
-            for i in range(0, len(tokens), self.eval_batch):
-                chunk = torch.as_tensor(np.asarray(tokens[i:i + self.eval_batch], dtype=np.int64))
-                x, y = chunk[:, :-1], chunk[:, 1:]
-                logits = self.model(x).float()
-                per_tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
-                per_row = per_tok.view(y.shape).double().sum(dim=1)
-                nll.extend(per_row.tolist())
-                count.extend([y.shape[1]] * y.shape[0])
-        return pa.table({"id": bp.row_ids("eval", unit.start, unit.stop), "row": ids.astype("int64"),
-                         "tokens": pa.array(count, pa.int64()), "nll": pa.array(nll, pa.float64()),
-                         "loss": pa.array([a / b for a, b in zip(nll, count)], pa.float64())})
+        for i in range(0, len(tokens), self.eval_batch):
+            a, b = eval_rows(self.model, tokens[i:i + self.eval_batch])
+            nll.extend(a)
+            count.extend(b)
+        return eval_table(unit, nll, count)
 
     def _generate(self, unit: bp.Unit):
         import pyarrow as pa
@@ -224,14 +218,59 @@ class UnitWorker:
         return pa.table(cols)
 
     def _commit(self, unit: bp.Unit, table) -> None:
-        import pyarrow.parquet as pq
-        buf = io.BytesIO()
-        pq.write_table(table, buf)
-        data = buf.getvalue()
-        self.out.put_bytes(unit.key, data)           # whole file: rename locally, one PUT on S3
-        marker = {"key": unit.key, "rows": table.num_rows, "bytes": len(data),
-                  "sha256": hashlib.sha256(data).hexdigest(), "at": time.time(), "pid": os.getpid()}
-        self.out.put_bytes(unit.marker, json.dumps(marker).encode())
+        commit_unit(self.out, unit, table, self.where)
+
+
+def plan_model(out, plan: dict, device=None, dtype=None):
+    """The job's pinned model (`<output>/_plan/model.pt`) on `device` (default: the CPU) in `dtype`, in eval
+    mode."""
+    import torch
+
+    from spotfill.fillin.generate import config_from_state
+    from spotfill.train.model import GPT
+    device = device or torch.device("cpu")
+    state = torch.load(io.BytesIO(out.get_bytes(bp.MODEL_KEY)), map_location=device, weights_only=False)
+    model = GPT(config_from_state(state, plan.get("model", "auto")))
+    model.load_state_dict(state)
+    return model.to(device, dtype).eval()
+
+
+def eval_rows(model, tokens) -> tuple[list[float], list[int]]:
+    """Per row of token rows [rows, seq+1] (numpy): the summed next-token loss and the tokens it covers,
+    with no autograd, on the model's device."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        chunk = torch.as_tensor(np.asarray(tokens, dtype=np.int64)).to(device)
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        logits = model(x).float()
+        per_tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+        per_row = per_tok.view(y.shape).double().sum(dim=1)
+        return per_row.tolist(), [y.shape[1]] * y.shape[0]
+
+
+def eval_table(unit: bp.Unit, nll: list[float], count: list[int]):
+    """An evaluation unit's output part: one row per input row, with its id."""
+    import numpy as np
+    import pyarrow as pa
+    return pa.table({"id": bp.row_ids("eval", unit.start, unit.stop),
+                     "row": np.arange(unit.start, unit.stop).astype("int64"),
+                     "tokens": pa.array(count, pa.int64()), "nll": pa.array(nll, pa.float64()),
+                     "loss": pa.array([a / b for a, b in zip(nll, count)], pa.float64())})
+
+
+def commit_unit(out, unit: bp.Unit, table, where: dict | None = None) -> None:
+    """Write a unit's part whole (a rename locally, one PUT on S3), then its commit marker."""
+    import pyarrow.parquet as pq
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    data = buf.getvalue()
+    out.put_bytes(unit.key, data)
+    marker = {"key": unit.key, "rows": table.num_rows, "bytes": len(data),
+              "sha256": hashlib.sha256(data).hexdigest(), "at": time.time(), "pid": os.getpid(), **(where or {})}
+    out.put_bytes(unit.marker, json.dumps(marker).encode())
 
 
 # -- the driver ---------------------------------------------------------------------------------------

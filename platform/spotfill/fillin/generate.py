@@ -104,14 +104,14 @@ def generate(model, prompt: str, max_tokens: int, temperature: float = 0.0, seed
     """(text, tokens generated, finish_reason: "stop" | "length" | "time"). Byte-level tokens; stops at
     end-of-document, after `max_tokens`, or when `deadline_s` (seconds from now) runs out.
 
-    The first serving loop (no KV cache, one request at a time): the Serve app now runs
-    spotfill/generation's engine; this stays as the baseline `spotfill bench --only serve` compares it with."""
+    No KV cache, one request at a time: the batch job's generation and the baseline `spotfill bench --only
+    serve` compares spotfill/generation's engine (what the Serve app runs) with."""
     import torch
 
     t_end = None if deadline_s is None else time.monotonic() + deadline_s
     ids = list(prompt.encode("utf-8")) or [EOD]
-    gen = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
+    device = next(model.parameters()).device          # the model's device: the GPU its process was assigned
+    gen = torch.Generator().manual_seed(seed)         # sampling on the CPU: the same draws on any device
     out: list[int] = []
     reason = "length"
     with torch.no_grad():
@@ -120,9 +120,9 @@ def generate(model, prompt: str, max_tokens: int, temperature: float = 0.0, seed
                 reason = "time"
                 break
             ctx = torch.tensor([(ids + out)[-model.cfg.seq_len:]], device=device)
-            logits = model(ctx)[0, -1]
+            logits = model(ctx)[0, -1].float().cpu()
             if temperature > 0:
-                nxt = int(torch.multinomial(torch.softmax(logits.float().cpu() / temperature, -1), 1, generator=gen))
+                nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
             else:
                 nxt = int(logits.argmax())
             if nxt == EOD or nxt > 255:

@@ -56,11 +56,11 @@ class ArbiterGrant:
     """A job tenant of the fill-in arbiter (started detached if absent)."""
 
     def __init__(self, kind: str, name: str, *, max_units: int, gpus_per_unit: int = 1, grace_s: float = 5.0,
-                 gpu_resource: str = "GPU_SLOT", poll_s: float = 0.25, arbiter=None, runtime_env: dict | None = None):
+                 gpu_resource: str = "GPU", poll_s: float = 0.25, arbiter=None, runtime_env: dict | None = None):
         import ray
 
-        from spotfill.fillin.arbiter import ensure_arbiter, get_arbiter
-        self.arbiter = arbiter or get_arbiter() or ensure_arbiter(gpu_resource, runtime_env=runtime_env)
+        from spotfill.fillin import wiring
+        self.arbiter = arbiter or wiring.arbiter(gpu_resource, runtime_env=runtime_env)
         self.grace_s, self.poll_s = float(grace_s), float(poll_s)
         self.spec = {"name": name, "kind": kind, "job_id": ray.get_runtime_context().get_job_id(),
                      "max_replicas": int(max_units), "gpus_per_replica": int(gpus_per_unit),

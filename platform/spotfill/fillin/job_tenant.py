@@ -32,7 +32,7 @@ class JobTenantSpec:
     max_replicas: int = 4              # units it may ever hold
     gpus_per_replica: int = 1          # GPUs one unit (an actor, a trial) holds
     grace_s: float = 5.0               # how long it has to let go of a reclaimed unit
-    gpu_resource: str = "GPU_SLOT"
+    gpu_resource: str = "GPU"
     demand: int | None = None          # units it could use now (None: max_replicas)
 
     def __post_init__(self):

@@ -7,6 +7,9 @@ copies the journal into its own events.jsonl (train/job.py, LeaseForwarder).
 
     node_up    {node, gpus}                            a GPU node (t: when the arbiter first saw it)
     node_down  {node}                                  it is gone
+    gpu_free   {node, free}                            the node's GPUs held by nobody (Ray's available
+                                                       resources), at first sight and at every change: the
+                                                       ledger's evidence that GPUs were idle
     lease      {lease_id, tenant, workload, node, gpus, start}
     reclaim    {lease_id, ..., start, end, requested_at, reclaim_s, cause, reason, job}
                the lease ended because spotfill took the GPUs back: `cause` training_claim (a training job's
@@ -88,14 +91,18 @@ def lease_ended(decisions: Iterable[Decision], known: dict[str, Lease], orders: 
 
 
 def node_events(seen: dict[str, dict], nodes: Iterable[Node], now: float) -> tuple[list[dict], dict[str, dict]]:
-    """node_up for a GPU node alive and not seen before, node_down for a seen node now dead or gone.
-    `seen`: node id -> {"gpus", "since"}; returns the events and the new `seen`."""
+    """node_up for a GPU node alive and not seen before, node_down for a seen node now dead or gone,
+    gpu_free for an alive node's free GPUs when first seen or changed. `seen`: node id -> {"gpus", "since",
+    "free", "free_since"}; returns the events and the new `seen`."""
     events, out, listed = [], dict(seen), set()
     for n in nodes:
         listed.add(n.node_id)
         if n.alive and n.node_id not in out:
             out[n.node_id] = {"gpus": n.total_gpus, "since": now}
             events.append({"t": now, "kind": "node_up", "node": n.node_id, "gpus": n.total_gpus})
+        if n.alive and out[n.node_id].get("free") != n.free_gpus:
+            out[n.node_id] = {**out[n.node_id], "free": n.free_gpus, "free_since": now}
+            events.append({"t": now, "kind": "gpu_free", "node": n.node_id, "free": n.free_gpus})
         elif not n.alive and n.node_id in out:
             del out[n.node_id]
             events.append({"t": now, "kind": "node_down", "node": n.node_id})
@@ -106,9 +113,11 @@ def node_events(seen: dict[str, dict], nodes: Iterable[Node], now: float) -> tup
 
 
 def opening(seen: dict[str, dict], leases: Iterable[Lease]) -> list[dict]:
-    """What a reader that starts now needs first: the GPU nodes alive and the leases open, each at the time
-    it began (the ledger cuts everything to the run's window)."""
+    """What a reader that starts now needs first: the GPU nodes alive, their free GPUs and the leases open,
+    each at the time it began (the ledger cuts everything to the run's window)."""
     events = [{"t": v["since"], "kind": "node_up", "node": k, "gpus": v["gpus"]} for k, v in sorted(seen.items())]
+    events += [{"t": v["free_since"], "kind": "gpu_free", "node": k, "free": v["free"]}
+               for k, v in sorted(seen.items()) if v.get("free") is not None]
     events += [lease_event(le, le.granted_at) for le in leases]
     return sorted(events, key=lambda e: e["t"])
 

@@ -30,26 +30,24 @@ Tune's pieces, as Ray 2.60 runs them (tune/execution/tune_controller.py):
   restored status. A trial that completed after the last saved state is continued from its
   last checkpoint (its steps are still applied once).
 
-The trainable is a class `tune.Trainable`: `save_checkpoint` writes the model, optimizer, step and the
-list of steps applied to these weights (`history`), so a pause checkpoint is exact and the history proves
-that a resumed trial continued rather than restarted, and that no step was applied twice.
+The trainable (sweep_trial.py) is a class `tune.Trainable`: `save_checkpoint` writes the model, optimizer,
+step and the list of steps applied to these weights (`history`), so a pause checkpoint is exact and the
+history proves that a resumed trial continued rather than restarted, and that no step was applied twice.
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
-import uuid
 from typing import Any, Callable
 
 from spotfill.fillin import sweep_policy as sp
+from spotfill.fillin.sweep_trial import METRIC, MODE, trainable_class as _trainable_class
 
 log = logging.getLogger("spotfill.fillin.sweep")
 
-METRIC, MODE = "eval_loss", "min"
 CLEANUP_S = "2"      # TUNE_FORCE_TRIAL_CLEANUP_S: a stopping trial actor is killed after this long
 RESTORE_STATE_S = "2"   # TUNE_GLOBAL_CHECKPOINT_S: the experiment state a rerun restores is at most this old
 JOB_KEYS = ("model", "steps", "batch", "steps_per_report", "eval_rows", "seed")   # must match on restore
@@ -70,119 +68,6 @@ def _rebind(obj) -> None:
     from spotfill.fillin import sweep as this     # the live module, not the pickled class' globals
     if this._LIVE_CONTROL is not None:
         obj.control = this._LIVE_CONTROL
-
-
-def lr_at(step: int, lr: float, warmup_steps: int, total: int, min_ratio: float = 0.1) -> float:
-    """Linear warm-up to `lr`, then cosine decay to `min_ratio * lr` at `total` (step counts from 0)."""
-    if warmup_steps and step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    span = max(1, total - warmup_steps)
-    frac = min(1.0, (step - warmup_steps) / span)
-    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def _trainable_class():
-    from ray import tune
-
-    class SweepTrainable(tune.Trainable):
-        """One trial: the tiny GPT trained `steps` steps on the prepared shards with this trial's config."""
-
-        def setup(self, config: dict, job: dict | None = None):
-            import numpy as np
-            import torch
-
-            from spotfill.fillin.cpu_priority import lower_cpu_priority
-            from spotfill.storage.base import open_storage
-            from spotfill.train.data import ShardReader
-            from spotfill.train.model import GPT
-            from spotfill.train.presets import preset
-
-            lower_cpu_priority()     # fill-in: lowest CPU priority ($SPOTFILL_FILLIN_CPU_NICE, default 19)
-            torch.set_num_threads(1)
-            self.job = dict(job or {})
-            self.cfg = dict(config)
-            self.reader = ShardReader(open_storage(self.job["data"]),
-                                      os.path.join(tempfile.gettempdir(), "spotfill-sweep-data"))
-            model_cfg = preset(self.job["model"], seq_len=self.reader.seq_len,
-                               vocab_size=self.reader.manifest.get("vocab_size"))
-            torch.manual_seed(int(self.job["seed"]))
-            self.model = GPT(model_cfg)
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=float(self.cfg["lr"]),
-                                         weight_decay=float(self.cfg.get("weight_decay", 0.0)))
-            self.step_n, self.history, self.restored_from = 0, [], None
-            self.incarnation = uuid.uuid4().hex[:8]
-            n = self.reader.num_samples
-            self.eval_rows = np.arange(max(0, n - int(self.job["eval_rows"])), n)
-            self.train_rows = max(1, n - len(self.eval_rows))
-            self.first_step = None
-            if self.job.get("setup_sleep_s"):
-                time.sleep(float(self.job["setup_sleep_s"]))     # tests: a setup as slow as a CPU-starved one
-
-        def _batch(self, step: int):
-            import numpy as np
-            import torch
-            rng = np.random.default_rng([int(self.job["seed"]), step])
-            rows = rng.integers(0, self.train_rows, int(self.cfg.get("batch", self.job["batch"])))
-            t = torch.from_numpy(self.reader.rows(np.sort(rows)).astype("int64"))
-            return t[:, :-1], t[:, 1:]
-
-        def _loss(self, x, y):
-            import torch.nn.functional as F
-            logits = self.model(x)
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-        def step(self):
-            import torch
-            total = int(self.job["steps"])
-            if self.first_step is None:
-                self.first_step = self.step_n + 1
-            losses = []
-            for _ in range(int(self.job["steps_per_report"])):
-                if self.step_n >= total:
-                    break
-                for g in self.opt.param_groups:
-                    g["lr"] = lr_at(self.step_n, float(self.cfg["lr"]), int(self.cfg.get("warmup_steps", 0)), total)
-                x, y = self._batch(self.step_n)
-                loss = self._loss(x, y)
-                self.opt.zero_grad(set_to_none=True)
-                loss.backward()
-                self.opt.step()
-                self.step_n += 1
-                self.history.append(self.step_n)
-                losses.append(float(loss))
-            if self.job.get("step_sleep_s"):
-                time.sleep(float(self.job["step_sleep_s"]))      # tests: a trial long enough to reclaim
-            out = {"step": self.step_n, "loss": sum(losses) / max(1, len(losses)),
-                   "restored_from": self.restored_from, "first_step": self.first_step,
-                   "incarnation": self.incarnation, "pid": os.getpid()}
-            if self.step_n >= total:
-                with torch.no_grad():
-                    rows = self.reader.rows(self.eval_rows)
-                    t = torch.from_numpy(rows.astype("int64"))
-                    out[METRIC] = float(self._loss(t[:, :-1], t[:, 1:]))
-                out["history_len"] = len(self.history)
-                out["history_unique"] = len(set(self.history))
-                out["history_ok"] = self.history == list(range(1, total + 1))
-                out["done"] = True
-            return out
-
-        def save_checkpoint(self, checkpoint_dir: str):
-            import torch
-            torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step_n,
-                        "history": list(self.history), "incarnation": self.incarnation},
-                       os.path.join(checkpoint_dir, "state.pt"))
-            return None
-
-        def load_checkpoint(self, checkpoint_dir: str):
-            import torch
-            state = torch.load(os.path.join(checkpoint_dir, "state.pt"), weights_only=False)
-            self.model.load_state_dict(state["model"])
-            self.opt.load_state_dict(state["opt"])
-            self.step_n, self.history = int(state["step"]), list(state["history"])
-            self.restored_from = self.step_n
-            self.first_step = None
-
-    return SweepTrainable
 
 
 class SweepControl:
@@ -529,6 +414,7 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
         results.append({"trial": m.get("trial_id"), "config": {k: r.config.get(k) for k in configs[0]} if configs else {},
                         "step": m.get("step"), METRIC: m.get(METRIC), "history_ok": m.get("history_ok"),
                         "history_len": m.get("history_len"), "history_unique": m.get("history_unique"),
+                        "device": m.get("device"), "dtype": m.get("dtype"), "gpu_ids": m.get("gpu_ids"),
                         "error": None if r.error is None else f"{type(r.error).__name__}: {r.error}"[:300],
                         "path": r.path})
     control.tally.failed = sum(1 for r in results if r["error"])

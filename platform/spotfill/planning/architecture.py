@@ -28,6 +28,9 @@ KNOWN_MODELS: dict[str, tuple] = {
     "gpt3-6.7b": (6.7e9, 32, 4096, 32, 32, 16384, 50257, "gelu"),
     "gpt3-175b": (175e9, 96, 12288, 96, 96, 49152, 50257, "gelu"),
 }
+# GPT-3 shares its token embedding with the output layer and learns a table of 2048 positions (Brown et al.
+# 2020, Sec. 2.1, as GPT-2); Llama's embedding and output layer are separate matrices, and RoPE has no table.
+TIED_WITH_POSITIONS = {name: 2048 for name in KNOWN_MODELS if name.startswith("gpt3-")}
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,14 @@ class Arch:
     vocab: int
     mlp: str       # "gelu" (2 matrices h x ffn) or "swiglu" (3)
     source: str
+    tied: bool = False     # the output layer is the token embedding's matrix (a matmul: it counts once)
+    positions: int = 0     # rows of a learned position-embedding table (0: none, e.g. RoPE)
+
+    @property
+    def lookup_params(self) -> int:
+        """Parameters used only by table lookups, which do no matmul: the input token embedding (unless the
+        output layer shares it) and a learned position table. The FLOPs formula leaves them out."""
+        return (0 if self.tied else self.vocab * self.hidden) + self.positions * self.hidden
 
     def linear_params_per_layer(self) -> int:
         kv = self.hidden * self.kv_heads // self.heads
@@ -68,7 +79,8 @@ def derive_architecture(params: int, layers=None, hidden=None, heads=None, kv_he
             _, L, h, a, kv, ffn, v, mlp = spec
             a = heads or a
             return Arch(L, h, a, kv_heads or (kv if a == spec[3] else a), ffn, vocab or v, mlp,
-                        f"table: {name}")
+                        f"table: {name}", tied=name in TIED_WITH_POSITIONS,
+                        positions=TIED_WITH_POSITIONS.get(name, 0))
         guess = _round_nice((params / (12 * 128 ** 2)) ** (1 / 3))
         h = (-V + math.sqrt(V * V + 48 * guess * params)) / (24 * guess)
         hidden = 128 * _round_nice(h / 128)     # then fit the layer count to the rounded width

@@ -33,6 +33,7 @@ from typing import Any, Optional
 # Model shape lives in architecture.py; KNOWN_MODELS is re-exported for callers of planner.
 from spotfill.planning.architecture import KNOWN_MODELS, Arch, derive_architecture, lora_params  # noqa: F401
 from spotfill.config.errors import ConfigError
+from spotfill.planning.pipeline_advice import advise, fill_capacity
 from spotfill.planning.hardware import GPU, lookup
 # The formulas (sources in this docstring) live in sizing.py; re-exported for callers of planner.
 from spotfill.planning.sizing import (QLORA_BITS_PER_PARAM, activation_bytes, activation_bytes_per_layer,  # noqa: F401
@@ -373,6 +374,15 @@ def _knobs_dict(ev: dict) -> dict:
             "activation_checkpointing": k.activation_checkpointing}
 
 
+def _pipeline_row(ev: dict, pb: Problem) -> dict:
+    """A stage-count candidate's row (planning/pipeline_advice.py)."""
+    k = ev["knobs"]
+    steps = math.ceil(pb.tokens / (ev["global_batch"] * pb.seq_len))
+    return {"micro_batches": ev["accum"], "micro_batch": k.micro_batch, "gpus": k.gpus, "zero": k.zero,
+            "offload": k.offload, "memory_per_gpu_gb": ev["total"] / GB, "gpu_hours": ev["gpu_hours"],
+            "train_time_hours": ev["hours"], "step_seconds": ev["seconds"] / steps, "peak_flops": ev["peak"]}
+
+
 def _flags(ev: dict) -> str:
     k = ev["knobs"]
     return (f"--zero {k.zero} --offload {k.offload} --gpus {k.gpus} --micro-batch {k.micro_batch} "
@@ -415,6 +425,10 @@ def plan(**inputs: Any) -> dict:
                            "less offload, less recompute, lower ZeRO stage, fewer GPUs, larger micro-batch")}
     if rec_best is None:
         rec_out["reason"] = "no searched configuration fits; the one needing the least memory is shown"
+    pipeline = advise(pb, Knobs(zero=fixed.zero, gpus=fixed.gpus, micro_batch=fixed.micro_batch), search,
+                      lambda ev: _pipeline_row(ev, pb))
+    pipeline["this_plan"] = fill_capacity(pb.pp, chosen["accum"], chosen["gpu_hours"], chosen["seconds"] / steps,
+                                          pb.params, chosen["peak"], pb.mfu)
     return {
         "inputs": echo,
         "memory_per_gpu_gb": {"params": ms["params"] / GB, "grads": ms["grads"] / GB,
@@ -443,6 +457,7 @@ def plan(**inputs: Any) -> dict:
         "cost_usd": {"spot": chosen["gpu_hours"] * price_spot, "on_demand": chosen["gpu_hours"] * price_od},
         "tokens_per_second": tokens_per_s, "train_steps": steps,
         "pipeline_bubble_fraction": chosen["bubble"],
+        "pipeline": pipeline,
         "checkpoint_size_gb": ckpt / GB,
         "checkpoint_upload_seconds": upload_seconds(ckpt, echo["bandwidth_gbps"]),
         "data_bandwidth_mb_s": data_bandwidth_mb_s(tokens_per_s, echo["bytes_per_token"]),

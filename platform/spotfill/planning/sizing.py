@@ -66,14 +66,17 @@ def model_state_bytes(params: int, arch: Arch, method: str, precision: str, zero
 def flops_per_token(params: int, arch: Arch, seq_len: int, method: str = "full", n_adapter: int = 0,
                     recompute: str = "none", formula: str = "palm") -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per trained token. Model: PaLM App. B, 6N + 12*L*h*s (full) or
-    4N + 6*N_adapter + 12*L*h*s (LoRA: no weight grads for the frozen base); formula '6nd' drops the
-    attention term. Hardware adds recompute: one more forward (2N + 2N_adapter + 4Lhs) with full
-    checkpointing, the attention-core forward (4Lhs) with selective."""
+    4N + 6*N_adapter + 12*L*h*s (LoRA: no weight grads for the frozen base), where N counts the parameters
+    that take part in a matmul: `params` less the embedding lookups (arch.lookup_params: the input token
+    embedding unless tied to the output layer, a learned position table), which do no multiply-adds;
+    formula '6nd' drops the attention term. Hardware adds recompute: one more forward (2N + 2N_adapter +
+    4Lhs) with full checkpointing, the attention-core forward (4Lhs) with selective."""
+    n = params - arch.lookup_params
     attention = 12.0 * arch.layers * arch.hidden * seq_len if formula == "palm" else 0.0
-    dense = 6.0 * params if method == "full" else 4.0 * params + 6.0 * n_adapter
+    dense = 6.0 * n if method == "full" else 4.0 * n + 6.0 * n_adapter
     model = dense + attention
     extra = {"none": 0.0, "selective": attention / 3,
-             "full": 2.0 * params + (2.0 * n_adapter if method != "full" else 0.0) + attention / 3}
+             "full": 2.0 * n + (2.0 * n_adapter if method != "full" else 0.0) + attention / 3}
     return model, model + extra[recompute]
 
 

@@ -4,8 +4,8 @@
       gpu_spot:     {gpus: 2, market: spot, min_workers: 0, max_workers: 2, priority: 10}
       gpu_ondemand: {gpus: 2, market: on-demand, min_workers: 0, max_workers: 1, priority: 0}
 
-Every type carries `gpus` logical GPU slots (`cluster.gpu_resource`, e.g. GPU_SLOT, so CPU machines can
-pretend) and as many CPUs, and the Ray labels cluster.yaml gives its nodes (`spotfill.io/market-type`,
+Every type carries `gpus` of `cluster.gpu_resource` (Ray's GPU resource by default, which Ray assigns on CPU
+machines too; a logical one such as GPU_SLOT as an option) and as many CPUs, and the Ray labels cluster.yaml gives its nodes (`spotfill.io/market-type`,
 `spotfill.io/role`). `fake_cluster_config` turns them into an autoscaler config that Ray's autoscaler v2
 reads (the same keys `ray up` reads); `priority` orders the types as cluster.yaml's do (spot before
 on-demand for a demand both can hold).

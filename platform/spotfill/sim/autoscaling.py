@@ -20,7 +20,7 @@ import tempfile
 import time
 
 from spotfill.sim.autoscaler_config import HEAD_TYPE, MARKET_LABEL, NodeTypeSpec, fake_cluster_config
-from spotfill.sim.cluster import FAST_FAILURE_DETECTION, HEAD_DASHBOARD, LOOPBACK, LOOPBACK_NODE, free_port
+from spotfill.sim.cluster import FAST_FAILURE_DETECTION, HEAD_DASHBOARD, LOOPBACK, LOOPBACK_NODE, free_port, node_gpus
 
 log = logging.getLogger(__name__)
 PROVIDER_MODULE = "spotfill.testing.fake_market.MarketFakeProvider"
@@ -41,7 +41,7 @@ def _env(**values: str):
 
 
 class AutoscalingCluster:
-    def __init__(self, node_types: list[NodeTypeSpec], gpu_resource: str = "GPU_SLOT", head_cpus: int = 2,
+    def __init__(self, node_types: list[NodeTypeSpec], gpu_resource: str = "GPU", head_cpus: int = 2,
                  idle_timeout_s: float = 10.0, allocate_timeout_s: int = 10, workdir: str | None = None,
                  system_config: dict | None = None, max_workers: int | None = None):
         from ray.cluster_utils import Cluster
@@ -81,7 +81,7 @@ class AutoscalingCluster:
                   RAY_AUTOSCALER_RECONCILE_ALLOCATE_STATUS_TIMEOUT_S=str(int(allocate_timeout_s)),
                   PYTHONPATH=worker_env()["PYTHONPATH"]):
             self.cluster = Cluster(initialize_head=True, head_node_args={
-                **LOOPBACK_NODE, **HEAD_DASHBOARD, "num_cpus": head_cpus, "gcs_server_port": port,
+                **LOOPBACK_NODE, **HEAD_DASHBOARD, "num_cpus": head_cpus, "num_gpus": 0, "gcs_server_port": port,
                 "dashboard_port": free_port(),
                 "autoscaling_config": self.config_file,
                 # the head's node type as the provider lists it: autoscaler v2 reconciles Ray's nodes before
@@ -122,7 +122,7 @@ class AutoscalingCluster:
 
     def add_node(self, gpus: int, launched_by: str = "scenario") -> int:
         """A node outside the autoscaler (static, or added by a scenario event): on-demand, no type."""
-        node = self.cluster.add_node(**LOOPBACK_NODE, num_cpus=gpus, resources={self.gpu_resource: gpus},
+        node = self.cluster.add_node(**LOOPBACK_NODE, num_cpus=gpus, **node_gpus(self.gpu_resource, gpus),
                                      labels={MARKET_LABEL: "on-demand", "spotfill.io/role": "gpu-worker"})
         self.refresh()
         self.node_ids.append(node.node_id)

@@ -1,7 +1,10 @@
-"""An embedded local Ray cluster with logical GPU slots, for the demo, tests and benchmarks.
+"""An embedded local Ray cluster for the demo, tests and benchmarks.
 
-Each worker node is a real raylet (ray.cluster_utils.Cluster) carrying `{gpu_resource: gpus}` and as many
-logical CPUs; the head carries no GPU slots, like cluster.yaml's head. Node failure detection is tightened
+Each worker node is a real raylet (ray.cluster_utils.Cluster) carrying `gpus` of Ray's own `GPU` resource
+(Ray accepts num_gpus on a machine without GPUs: it assigns them, sets CUDA_VISIBLE_DEVICES, and the code
+that follows Ray's assignment -- spotfill.devices -- runs as on a GPU cluster, computing on the CPU) and as
+many logical CPUs; a logical resource such as GPU_SLOT instead is an option. The head carries no GPUs, like
+cluster.yaml's head. Node failure detection is tightened
 (GCS health checks every second) so a killed node is noticed in seconds, as `cluster.yaml` configures too.
 Every node binds to loopback (LOOPBACK): nothing of the embedded cluster is reachable from the network.
 """
@@ -46,7 +49,7 @@ def free_port(preferred: int = 0) -> int:
 
 
 class EmbeddedCluster:
-    def __init__(self, gpu_resource: str = "GPU_SLOT", head_cpus: int = 2,
+    def __init__(self, gpu_resource: str = "GPU", head_cpus: int = 2,
                  system_config: dict | None = None, cpu_layout: dict | None = None):
         """`cpu_layout` (sim.cpu_layout.plan_layout): the head's processes (and this driver's threads) run on
         its "head" cores, the i-th node added on its "nodes"[i]; None: every process on every core."""
@@ -68,7 +71,8 @@ class EmbeddedCluster:
         self._env_before = {k: os.environ.get(k) for k in LOOPBACK_CLIENT_ENV}
         os.environ.update(LOOPBACK_CLIENT_ENV)
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            **LOOPBACK_NODE, **HEAD_DASHBOARD, "dashboard_port": dashboard_port(), "num_cpus": head_cpus, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
+            **LOOPBACK_NODE, **HEAD_DASHBOARD, "dashboard_port": dashboard_port(), "num_cpus": head_cpus,
+            "num_gpus": 0, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
         self.node_ids: list[str] = []
         # what report.json's cluster.nodes starts from (sim/nodes.py): the head and every node added here
@@ -83,7 +87,7 @@ class EmbeddedCluster:
     def add_node(self, gpus: int, launched_by: str = "static") -> int:
         """Add a worker node; returns its index (position in the order nodes were added). launched_by:
         static (the scenario's cluster.nodes) or scenario (an add_node event)."""
-        node = self.cluster.add_node(**LOOPBACK_NODE, num_cpus=gpus, resources={self.gpu_resource: gpus})
+        node = self.cluster.add_node(**LOOPBACK_NODE, num_cpus=gpus, **node_gpus(self.gpu_resource, gpus))
         if self.cpu_layout is not None:
             self._pin_node(node, len(self.nodes))
         self.nodes.append(node)
@@ -183,9 +187,12 @@ def quiet_expected_node_deaths() -> None:
     wrap_driver_stdstream(quiet)
 
 
+def node_gpus(gpu_resource: str, gpus: int) -> dict:
+    """A node's accelerator arguments: Ray's GPU resource as num_gpus, a logical one as a custom resource."""
+    return {"num_gpus": gpus} if gpu_resource == "GPU" else {"num_gpus": 0, "resources": {gpu_resource: gpus}}
+
+
 def worker_env() -> dict[str, str]:
     """Environment for workers of the embedded cluster: find the library where this process found it."""
-    import spotfill
-    platform_dir = os.path.dirname(os.path.dirname(os.path.abspath(spotfill.__file__)))
-    path = os.environ.get("PYTHONPATH", "")
-    return {"PYTHONPATH": platform_dir + (os.pathsep + path if path else "")}
+    from spotfill.fillin.wiring import library_env
+    return library_env()

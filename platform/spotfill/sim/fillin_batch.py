@@ -112,11 +112,11 @@ def invariant(rep: dict) -> dict:
 
 
 def start(cluster, scenario, checkpoint_uri: str, name: str, out_dir: str, env: dict, say, data_dir: str,
-          corpus: str) -> "BatchFillin":
-    """The runner's hook before training starts: the arbiter up (training claims through it), the batch
-    fill-in ready to start at training's first step."""
+          corpus: str, arbiter) -> "BatchFillin":
+    """The runner's hook before training starts: the batch fill-in ready to start at training's first step
+    (`arbiter`: the one the runner started through fillin/wiring.py)."""
     batch = BatchFillin(cluster, scenario, checkpoint_uri, name, out_dir, env, say, data_dir, corpus)
-    batch.arbiter = ensure_arbiter(scenario, name, out_dir, env)
+    batch.arbiter = arbiter
     return batch
 
 
@@ -127,17 +127,3 @@ def merge(report: dict, rep: dict | None) -> None:
     report.setdefault("fillin", {})["batch"] = rep
     inv = report.setdefault("invariants", {})["batch_exactly_once"] = invariant(rep)
     report["ok"] = bool(report.get("ok")) and inv["ok"]
-
-
-def ensure_arbiter(scenario, name: str, out_dir: str, env: dict):
-    """The arbiter with the scenario's reclaim order, told about the training job (as Serve fill-in does)."""
-    import ray
-
-    from spotfill.fillin.arbiter import ensure_arbiter as ensure
-    t = scenario.training
-    arbiter = ensure(scenario.cluster.gpu_resource, order=tuple(scenario.fillin.reclaim_order),
-                     runtime_env={"env_vars": env}, state_path=os.path.join(out_dir, "arbiter", "state.json"),
-                     autoscaled=bool(scenario.cluster.autoscaler),       # same arbiter as Serve fill-in's
-                     launch_nodes=bool(scenario.fillin.serve.get("launch_nodes")))
-    ray.get(arbiter.register_job.remote(name, t.min_workers, t.max_workers, 1), timeout=30)
-    return arbiter

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 
-from spotfill.sim.fillin_batch import ensure_arbiter
 from spotfill.sim.fillin_driver import FINISH_S, DriverFillin
 
 log = logging.getLogger(__name__)
@@ -79,10 +78,11 @@ def invariant(rep: dict) -> dict:
             f"{rep.get('paused', 0)} paused and {rep.get('resumed', 0)} resumed from their checkpoints"}
 
 
-def start(cluster, scenario, name: str, out_dir: str, env: dict, say, data_dir: str) -> SweepFillin:
-    """The runner's hook before training starts: the arbiter up, the sweep ready to start at the first step."""
+def start(cluster, scenario, name: str, out_dir: str, env: dict, say, data_dir: str, arbiter) -> SweepFillin:
+    """The runner's hook before training starts: the sweep ready to start at the first step (`arbiter`: the
+    one the runner started through fillin/wiring.py)."""
     sweep = SweepFillin(cluster, scenario, name, out_dir, env, say, data_dir)
-    sweep.arbiter = ensure_arbiter(scenario, name, out_dir, env)
+    sweep.arbiter = arbiter
     return sweep
 
 

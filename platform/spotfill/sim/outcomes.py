@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import re
 
+from spotfill.telemetry.events import step_count
+
 
 def _tag_step(tag: str) -> int:
     m = re.match(r"step-(\d+)", tag)
@@ -26,7 +28,7 @@ def node_event_outcome(events: list[dict], fired_at: float, deadline_s: float | 
     nxt = _attempt_after(events, fired_at)
     if nxt is None:      # training never restarted after it: said with how many steps it still ran
         return {"affected": False, "lost_steps": 0, "recovery_seconds": None, "emergency_checkpoint": False,
-                "steps_after": sum(1 for e in events if e["kind"] == "step" and e["t"] >= fired_at)}
+                "steps_after": sum(step_count(e) for e in events if e["kind"] == "step" and e["t"] >= fired_at)}
     prev_steps = [e["step"] for e in events if e["kind"] == "step" and e["attempt"] == nxt - 1]
     resume = next((e for e in events if e["kind"] in ("resume", "start") and e["attempt"] == nxt), None)
     first = next((e for e in events if e["kind"] == "step" and e["attempt"] == nxt), None)

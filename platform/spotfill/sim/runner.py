@@ -18,9 +18,10 @@ from dataclasses import replace
 from spotfill.config.job import JobConfig, PrepareConfig, from_mapping
 from spotfill.config.errors import ConfigError
 from spotfill.sim import fillin_batch, fillin_sweep
+from spotfill.sim.data_faults import check_shard_refs, swap_outcome, swap_shards
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
 from spotfill.sim.scenario import Event, Scenario, pick_node
-from spotfill.telemetry.events import EventTail
+from spotfill.telemetry.events import EventTail, remove_log
 
 log = logging.getLogger(__name__)
 CORPUS_PACKAGES = ("json", "http", "logging", "urllib")
@@ -95,9 +96,9 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:
         raise ConfigError("--out", out_dir, reason=f"cannot create it ({exc.strerror})") from None
-    for name in ("events.jsonl", "report.json"):
-        if os.path.exists(os.path.join(out_dir, name)):
-            os.unlink(os.path.join(out_dir, name))
+    remove_log(os.path.join(out_dir, "events.jsonl"))      # with its rolled segments
+    if os.path.exists(os.path.join(out_dir, "report.json")):
+        os.unlink(os.path.join(out_dir, "report.json"))
     t_begin = time.time()
     s3 = None
     env = worker_env()
@@ -112,7 +113,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         shutil.rmtree(storage)
     serve_on = scenario.fillin.serve_enabled
     if serve_on:   # Serve's replicas import serving/ from the checkout, like the spotfill package itself
-        from spotfill.fillin.local import repo_root
+        from spotfill.fillin.wiring import repo_root
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo_root()])
     if serve_on or scenario.fillin.batch_enabled or scenario.fillin.sweep_enabled:
         from spotfill.fillin.cpu_priority import ENV as CPU_NICE_ENV, IDLE_ENV as CPU_IDLE_ENV
@@ -153,6 +154,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
             manifest = prepare(from_mapping(PrepareConfig, {
                 "source": corpus, "output": data_dir, "seq_len": SEQ_LEN, "suffixes": [".py"]}))
         say(f"{manifest['num_samples']} sequences of 65 tokens in {manifest['seconds']:.1f}s")
+        check_shard_refs(scenario.events, manifest)
         job_cfg = from_mapping(JobConfig, {
             "name": name, "run_dir": out_dir, "storage": storage,
             "data": {"path": data_dir}, "cluster": {"gpu_resource": scenario.cluster.gpu_resource}})
@@ -162,9 +164,11 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         if fillin:
             fillin.ready()
         scale_down = None
+        arbiter = ((fillin and fillin.arbiter) or fillin_arbiter(scenario, name, out_dir, env)) \
+            if scenario.fillin.batch_enabled or scenario.fillin.sweep_enabled else None
         batch = fillin_batch.start(cluster, scenario, run_storage_uri(storage, name), name, out_dir, env, say,
-                                   data_dir, corpus) if scenario.fillin.batch_enabled else None
-        sweep = fillin_sweep.start(cluster, scenario, name, out_dir, env, say, data_dir) \
+                                   data_dir, corpus, arbiter) if scenario.fillin.batch_enabled else None
+        sweep = fillin_sweep.start(cluster, scenario, name, out_dir, env, say, data_dir, arbiter) \
             if scenario.fillin.sweep_enabled else None
         firsts = [f.start for f in (batch, sweep) if f]
         # wait_for_fillin: no timeline event fires before Serve answers and the batch and sweep jobs hold
@@ -235,6 +239,20 @@ class _quiet_logger:
         self.logger.setLevel(self.level)
 
 
+def fillin_arbiter(scenario: Scenario, name: str, out_dir: str, env: dict):
+    """The arbiter with the scenario's reclaim order and state file, started through the product's wiring
+    (fillin/wiring.py) -- it finds out itself whether the cluster autoscales -- and told about the training
+    job before any tenant starts (TrainingJob.fit announces it again, as on a real cluster)."""
+    from spotfill.fillin import wiring
+    from spotfill.fillin.arbiter import IDLE_RECLAIM_S
+    t = scenario.training
+    handle = wiring.arbiter(scenario.cluster.gpu_resource, order=tuple(scenario.fillin.reclaim_order),
+                            state_path=os.path.join(out_dir, "arbiter", "state.json"), runtime_env={"env_vars": env},
+                            launch_nodes=bool(scenario.fillin.serve.get("launch_nodes")), idle_reclaim_s=IDLE_RECLAIM_S)
+    wiring.announce_training(name, t.min_workers, t.max_workers, 1)
+    return handle
+
+
 def run_storage_uri(storage: str, name: str) -> str:
     """The URI of a run's checkpoints (its job's storage joined with the job name) for serving/app.py."""
     from urllib.parse import urlsplit, urlunsplit
@@ -279,20 +297,9 @@ class ServeFillin:
         self.start()
 
     def _prestart_run(self) -> None:
-        import ray
-
-        from spotfill.fillin.arbiter import IDLE_RECLAIM_S, ensure_arbiter
-        from spotfill.fillin.local import start_serve
-        t = self.scenario.training
+        from spotfill.fillin.wiring import start_serve
         try:
-            autoscaler = self.scenario.cluster.autoscaler
-            self.arbiter = ensure_arbiter(self.scenario.cluster.gpu_resource, runtime_env={"env_vars": self.env},
-                                          order=tuple(self.scenario.fillin.reclaim_order),
-                                          state_path=os.path.join(self.out_dir, "arbiter", "state.json"),
-                                          autoscaled=bool(autoscaler),
-                                          launch_nodes=bool(self.scenario.fillin.serve.get("launch_nodes")),
-                                          idle_reclaim_s=IDLE_RECLAIM_S)
-            ray.get(self.arbiter.register_job.remote(self.name, t.min_workers, t.max_workers, 1), timeout=30)
+            self.arbiter = fillin_arbiter(self.scenario, self.name, self.out_dir, self.env)
             start_serve(self.port, self.scenario.cluster.gpu_resource)
         except Exception as exc:  # noqa: BLE001 - reported, and the run is not ok
             self.error = f"serve fill-in did not start: {type(exc).__name__}: {exc}"
@@ -310,7 +317,7 @@ class ServeFillin:
 
     def _start(self) -> None:
         from spotfill.fillin.load import ServeLoad
-        from spotfill.fillin.local import deploy_serve
+        from spotfill.fillin.wiring import deploy_serve
         spec = self.scenario.fillin.serve
         total = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes) + sum(   # + what may be launched
             t.gpus * t.max_workers for t in self.scenario.cluster.node_types())
@@ -318,9 +325,8 @@ class ServeFillin:
         if self.error:
             return
         try:
-            out = deploy_serve(self.uri, port=self.port, dashboard_url=self.cluster.cluster.webui_url,
-                               gpu_resource=self.scenario.cluster.gpu_resource,
-                               max_replicas=spec["max_replicas"] or total, arbiter=self.arbiter, max_tokens=16,
+            out = deploy_serve(self.uri, port=self.port, gpu_resource=self.scenario.cluster.gpu_resource,
+                               max_replicas=spec["max_replicas"] or total, max_tokens=16, fillin="true",
                                replicas=0 if self.scenario.cluster.autoscaler else 1,
                                cpu_nice=self.scenario.fillin.cpu_nice, cpu_idle=self.scenario.fillin.cpu_idle)
             self.serving_since = time.time()
@@ -519,6 +525,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                 s3.outage_for(ev.duration_s)
             elif ev.action == "corrupt_checkpoint":
                 corrupted[ev.index] = corrupt_newest_checkpoint(job, say)
+            elif ev.action == "swap_shards":
+                corrupted[ev.index] = swap_shards(job.config.data.path, ev.shards, say)
             if ev.action in ("drain_node", "kill_node", "remove_node"):
                 world_at[ev.index] = world
                 world = 0          # unknown until the next start/resume (min_world waits for the regrow)
@@ -549,6 +557,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
             entry.update(grow_outcome(events, t))
         elif ev.action == "corrupt_checkpoint":
             entry.update(corrupted.get(ev.index, {}))
+        elif ev.action == "swap_shards":
+            entry.update({**corrupted.get(ev.index, {}), **swap_outcome(events, t)})
         report["events"].append(entry)
     for ev, why in skipped:
         report["events"].append({"index": ev.index, "action": ev.action, "fired": False, "skipped": why})

@@ -1,13 +1,15 @@
 """Scenario files (CONTRACTS): the timeline `spotfill demo --scenario` runs on the embedded cluster (pure).
 
-    cluster:  {gpu_resource: GPU_SLOT, nodes: [{gpus: 2}, {gpus: 2}]}
+    cluster:  {gpu_resource: GPU, nodes: [{gpus: 2}, {gpus: 2}]}
     training: {model: tiny, workers: [1, 4], steps: 200, global_batch: 16, checkpoint_every: 20, ...}
     fillin:   {serve: {enabled: true, load_rps: 2}}          # Serve on the GPUs training leaves spare
               # also batch: {enabled, rows, prompts}, sweep: {enabled, trials, steps} and reclaim_order: [sweep, batch, serve] (sim/fillin_spec.py)
     events:   [{at_step: 30, action: drain_node, node: 1, deadline_s: 20}, ...]
 
-Actions: drain_node, remove_node, kill_node, add_node, storage_outage and corrupt_checkpoint (flip bytes in
-the largest file of the newest committed checkpoint; the next restore must quarantine it and go past it).
+Actions: drain_node, remove_node, kill_node, add_node, storage_outage, corrupt_checkpoint (flip bytes in
+the largest file of the newest committed checkpoint; the next restore must quarantine it and go past it)
+and swap_shards (two data shards exchange their contents in storage; a worker that reads one fails the job
+with one line naming it: sim/data_faults.py).
 A node event's `node` is an index, or (with fill-in on) a pick made when the event fires: `most_training`
 (the node where training holds the most GPUs) or `most_lent` (where fill-in holds the most).
 """
@@ -27,6 +29,7 @@ ACTIONS = {
     "remove_node": ({"node"}, {"deadline_s"}),
     "storage_outage": ({"duration_s"}, set()),
     "corrupt_checkpoint": (set(), set()),   # flip bytes in one file of the newest committed checkpoint
+    "swap_shards": (set(), {"shards"}),     # two data shards exchange their contents in storage
     # autoscaling clusters: close (available: false) or reopen the fake cloud's market for a node type
     "market": ({"node_type", "available"}, {"how"}),
 }
@@ -55,6 +58,7 @@ class Event:
     how: str = "unfulfilled"
     min_world: int | None = None
     picked: str | None = None           # the pick (NODE_PICKS) `node` was resolved from when it fired
+    shards: tuple[int, int] = (0, 1)    # swap_shards: the two shards (indices in the dataset's manifest)
 
     def describe(self) -> str:
         when = f"at step {self.at_step}" if self.at_step is not None else f"at {self.at:g}s"
@@ -69,6 +73,7 @@ class Event:
                 "remove_node": f"remove {node}",
                 "storage_outage": f"storage outage for {self.duration_s:g}s",
                 "corrupt_checkpoint": "corrupt the newest committed checkpoint",
+                "swap_shards": f"swap the contents of data shards {self.shards[0]} and {self.shards[1]}",
                 "market": f"{'open' if self.available else 'close'} the market for {self.node_type}"
                           + ("" if self.available else f" ({self.how})")}[self.action]
         return f"{what} {when}"
@@ -79,7 +84,7 @@ AUTOSCALER_KEYS = {"node_types", "idle_timeout_s", "allocate_timeout_s", "max_wo
 
 @dataclass
 class ClusterSpec:
-    gpu_resource: str = "GPU_SLOT"
+    gpu_resource: str = "GPU"
     nodes: list[dict] = field(default_factory=lambda: [{"gpus": 2}, {"gpus": 2}])
     # Ray's autoscaler (v2, fake multi-node provider) adds nodes of these types on demand:
     # {node_types: {name: {gpus, market, min_workers, max_workers, priority}}, idle_timeout_s, allocate_timeout_s,
@@ -247,6 +252,13 @@ def parse_event(i: int, raw: Any) -> Event:
         if not isinstance(raw["remove"], bool):
             raise ConfigError(f"{path}.remove", raw["remove"], accepted="true or false")
         kwargs["remove"] = raw["remove"]
+    if "shards" in raw:
+        pair = raw["shards"]
+        if not isinstance(pair, list) or len(pair) != 2 or any(isinstance(i, bool) or not isinstance(i, int)
+                                                               or i < 0 for i in pair) or pair[0] == pair[1]:
+            raise ConfigError(f"{path}.shards", pair, accepted="two different shard indices [a, b], integers >= 0 "
+                              "(default [0, 1])")
+        kwargs["shards"] = tuple(pair)
     return Event(**kwargs)
 
 
@@ -328,7 +340,7 @@ def load_scenario(path: str) -> Scenario:
 DEFAULT_SCENARIO = {
     # 5 GPU slots, training at most 4: the 5th (and any training cannot use) is lent to Serve, which
     # generates from the run's own checkpoints under a steady load; training takes it back when it needs it
-    "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}, {"gpus": 1}]},
+    "cluster": {"gpu_resource": "GPU", "nodes": [{"gpus": 2}, {"gpus": 2}, {"gpus": 1}]},
     "training": {"model": "tiny", "workers": [1, 4], "steps": 240, "global_batch": 12,
                  "max_micro_batch": 3, "checkpoint_every": 20, "zero_stage": 2, "warmup_steps": 10},
     # batch (evaluation + generation over the run's checkpoint) and a 2-trial sweep share what Serve leaves
@@ -379,7 +391,7 @@ def chaos_scenario(seed: int, steps: int = 180, n_events: int = 4, nodes: int = 
                 event["deadline_s"] = rng.choice([15, 30])
             events.append(event)
     return {
-        "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": gpus}] * nodes},
+        "cluster": {"gpu_resource": "GPU", "nodes": [{"gpus": gpus}] * nodes},
         "training": {"model": "tiny", "workers": [1, 4], "steps": steps, "global_batch": 12,
                      "max_micro_batch": 3, "checkpoint_every": 20, "seed": seed},
         "events": events,
@@ -415,7 +427,7 @@ AUTOSCALING_SCENARIO = {
     "fillin": {**DEFAULT_SCENARIO["fillin"], "serve": {**DEFAULT_SCENARIO["fillin"]["serve"], "max_replicas": 1},
                "batch": {"enabled": True, "rows": 48, "prompts": 8},
                "sweep": {"enabled": True, "trials": 3, "steps": 16}},
-    "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
+    "cluster": {"gpu_resource": "GPU", "autoscaler": {
         "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
             "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},
             "gpu_ondemand": {"gpus": 3, "market": "on-demand", "max_workers": 1, "priority": 0}}}},

@@ -9,7 +9,8 @@ Each cause carries its GPU-seconds, its share of the lost total, the numbers beh
   checkpoint_stall  the training loop blocked on checkpoint saves (ledger)
   rolled_back       steps run and then lost to a restart from an older checkpoint (ledger)
   recovery          startup and restarts: detect, decide, workers start, state load, first step (ledger)
-  idle_capacity     alive GPUs neither training nor fill-in used (ledger)
+  idle_capacity     GPUs observed free that neither training nor fill-in used (ledger)
+  unaccounted       alive GPUs no event accounts for (ledger): no remedy but to observe them
 
 `recovery_breakdown` splits each restart into phases from the attempt / resume / step events and, when
 present, the controller_state events (Ray Train controller: RUNNING -> RESTARTING|RESIZING -> SCHEDULING).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from spotfill.telemetry.events import step_count, step_totals
 from spotfill.telemetry.ledger import Ledger, lineage_keys
 
 RESTART_STATES = ("RESTARTING", "RESCHEDULING", "RESIZING")
@@ -135,20 +137,22 @@ def _one_recovery(a: int, rec: dict, prev: dict, began_t: float, faults: list[fl
 
 
 def _lineage_step_sums(events: list[dict], gpw: int) -> dict:
+    """GPU-seconds of the final lineage's steps by phase (a step event may stand for many: its span)."""
     keep = lineage_keys(events)
     sums = {"step": 0.0, "data_wait": 0.0, "collective": 0.0, "forward_backward": 0.0, "optimizer": 0.0,
             "steps": 0, "collective_measured": False}
     for e in events:
         if e["kind"] == "step" and (e["attempt"], e["step"]) in keep:
             g = e.get("world_size", 1) * gpw
-            sums["steps"] += 1
-            sums["step"] += e.get("step_s", 0.0) * g
-            sums["data_wait"] += e.get("data_wait_s", 0.0) * g
-            sums["forward_backward"] += (e.get("forward_backward_s") or 0.0) * g
-            sums["optimizer"] += (e.get("optimizer_s") or 0.0) * g
-            if e.get("collective_wait_s") is not None:
+            sums["steps"] += step_count(e)
+            sums["step"] += step_totals(e, "step_s") * g
+            sums["data_wait"] += step_totals(e, "data_wait_s") * g
+            sums["forward_backward"] += step_totals(e, "forward_backward_s") * g
+            sums["optimizer"] += step_totals(e, "optimizer_s") * g
+            collective = step_totals(e, "collective_wait_s", None)
+            if collective is not None:
                 sums["collective_measured"] = True
-                sums["collective"] += e["collective_wait_s"] * g
+                sums["collective"] += collective * g
     return sums
 
 
@@ -227,10 +231,16 @@ def diagnose(events: list[dict], ledger: Ledger, recoveries: list[Recovery] | No
                                     "checkpoint before the deadline) and faster restore")))
     f.append(("idle_capacity", gs["idle"], {"idle_share_of_total": round(gs["idle"] / gs["total"], 4)
                                             if gs["total"] else 0.0, "fillin_gpu_s": round(gs["fillin"], 3)},
+              "GPUs observed free sat unused: enable fill-in (Serve / batch / sweeps) on spare GPUs, raise "
+              "training.workers max to use them, or release nodes that stay idle"))
+    f.append(("unaccounted", gs["unaccounted"],
+              {"unaccounted_share_of_total": round(gs["unaccounted"] / gs["total"], 4) if gs["total"] else 0.0,
+               "nodes_source": ledger.nodes_source},
               "capacity was inferred (no node timeline): these may be GPUs that were already gone; record "
               "node_up/node_down events (or report.json cluster.nodes with gpus) to know" if ledger.nodes_source
-              == "inferred" else "alive GPUs sat unused: enable fill-in (Serve / batch / sweeps) on spare GPUs, "
-              "raise training.workers max to use them, or release nodes that stay idle"))
+              == "inferred" else "no event says what these alive GPUs did (neither training, a tenant, nor an "
+              "observation that they were free): run the fill-in arbiter, whose journal records each node's "
+              "free GPUs, before fill-in is recommended for them"))
     denom = lost if lost > 0 else 1.0
     out = []
     for cause, gpu_s, ev, remedy in f:

@@ -46,8 +46,10 @@ def _no_peak(tr: dict) -> str:
 def _kpis(s: dict) -> str:
     tr = s.get("training") or {}
     items = [("goodput", _pct(s.get("goodput"))),
+             ("time goodput", _pct(s.get("time_goodput"))),
              ("effective training time", _pct(s.get("effective_training_time_ratio"))),
-             ("harvest ratio", _pct(s["harvest_ratio"]) if "harvest_ratio" in s else "no fill-in"),
+             ("harvest ratio", _pct(s["harvest_ratio"]) if "harvest_ratio" in s else
+              "no fill-in" if "harvest_ratio_reserved" not in s else "n/a (busy not measured)"),
              ("steps", f'{_e(tr.get("steps_completed", "?"))}/{_e(tr.get("steps_target", "?"))}'),
              ("final loss", _num(tr.get("final_loss"), 4)),
              ("tokens/s", _num(tr.get("tokens_per_s"))),
@@ -83,7 +85,9 @@ def _gpu_seconds(s: dict, colors: dict) -> str:
     gs = s["gpu_seconds"]
     total = gs["total"] or 1.0
     rows = []
-    for state in ("training", "checkpoint_stall", "recovering", "fillin", "idle"):
+    for state in ("training", "checkpoint_stall", "recovering", "fillin", "idle", "unaccounted"):
+        if state not in gs:
+            continue
         sw = f'<span class="sw" style="background:{colors.get(state, "#fff")}"></span>' if state in colors else ""
         rows.append([f"{sw}{_e(state)}", _num(gs[state]), _pct(gs[state] / total)])
         if state == "fillin":
@@ -91,15 +95,19 @@ def _gpu_seconds(s: dict, colors: dict) -> str:
                 sw = f'<span class="sw" style="background:{colors.get("fillin:" + w, "#fff")}"></span>'
                 rows.append([f"&nbsp;&nbsp;{sw}{_e(w)}", _num(v), _pct(v / total)])
     rows.append(["<b>total</b>", f"<b>{_num(gs['total'])}</b>", "100.0%"])
+    busy = ("not measured (no tenant reported its busy time)" if gs.get("fillin_busy") is None
+            else f"{_num(gs['fillin_busy'])} GPU-s")
+    bubble = "not measured" if gs.get("bubble") is None else f"{_num(gs['bubble'])} GPU-s"
     extra = (f'<p class="muted">of training: {_num(gs.get("training_rolled_back"))} GPU-s rolled back '
-             f'(steps redone after a restart); recovering by cause: '
-             f'{_e(json.dumps({k: round(v, 1) for k, v in gs.get("recovering_by_cause", {}).items()}))}</p>')
+             f'(steps redone after a restart), pipeline bubbles {_e(bubble)}; recovering by cause: '
+             f'{_e(json.dumps({k: round(v, 1) for k, v in gs.get("recovering_by_cause", {}).items()}))}; '
+             f'fill-in held (reserved) {_num(gs.get("fillin_reserved", gs["fillin"]))} GPU-s, busy {_e(busy)}</p>')
     return _table(["state", "GPU-seconds", "share"], rows) + extra
 
 
 def _per_node(s: dict) -> str:
     nodes = s.get("gpu_seconds_per_node") or {}
-    cols = ["training", "checkpoint_stall", "recovering", "idle"]
+    cols = ["training", "checkpoint_stall", "recovering", "idle", "unaccounted", "free_observed"]
     rows = []
     for node, row in nodes.items():
         fill = ", ".join(f"{_e(w)} {v:,.1f}" for w, v in sorted((row.get("fillin") or {}).items())) or "0"

@@ -6,8 +6,11 @@ previous event goes to the state the new event reveals --
   step             step_s on world_size GPUs is training; before a group's first step, the rest of the gap
                    is recovering (startup / restart); between steps the whole gap is training
   checkpoint_save  stall_s is checkpoint_stall, the rest of the gap stays in the current state
-  attempt / start / resume / planned_exit   the gap is recovering (the group stopped stepping), on the
-                   new group's GPUs (the ledger's convention: during a restart the claim is the next size)
+  planned_exit / group_end   the gap is recovering on the group's GPUs (it stopped stepping: teardown)
+  attempt / start / resume   the gap is recovering (the group stopped stepping), on the new group's GPUs
+                   (the ledger's convention between groups: the claim is the next size)
+The live numbers cannot see a node die: a dying group's GPUs on a lost node count until its group_end,
+where the ledger (report) stops them at the node's death.
   finish           the gap since the last step is checkpoint_stall (the final save); then nothing counts
 Fill-in GPU-seconds accrue per workload while `lease` events are open (until reclaim / release).
 Idle needs the node timeline, which the stream may not have: the ledger (report) carries it.
@@ -81,7 +84,8 @@ class LiveMetrics:
             stall = min(dt, e.get("stall_s", 0.0))
             self._add(c, "checkpoint_stall", stall * self.gpus)
             self._add(c, self.mode, (dt - stall) * self.gpus)
-        elif kind in START_KINDS or kind == "planned_exit":
+        elif kind in START_KINDS or kind in ("planned_exit", "group_end"):
+            # group_end: the gap is the dying or exiting group's teardown, on its own GPUs
             self._add(c, "recovering", dt * self.gpus)
             self.mode = "recovering"
         elif kind == "finish":

@@ -130,6 +130,8 @@ class Progress:
             return f"checkpoint {e.get('tag')} quarantined: {e.get('reason')}"
         if kind == "fresh_start":
             return f"fresh start: {e.get('cause')}"
+        if kind == "data_mismatch":
+            return f"data mismatch on rank {e.get('rank')}: {e.get('reason')}"
         if kind == "controller_state" and e.get("state") in NOTABLE_STATES:
             why = f": {e.get('failure')}" if e.get("failure") else ""
             return f"Ray Train controller {e.get('previous')} -> {e.get('state')}{why}"

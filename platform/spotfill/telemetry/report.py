@@ -12,34 +12,46 @@ import os
 
 from spotfill.config.errors import ConfigError
 from spotfill.telemetry.diagnosis import diagnosis_report
-from spotfill.telemetry.ledger import (LEASE_END_KINDS, NodeSpan, compute_ledger, nodes_from_events,
-                                       nodes_from_report, workload_of)
+from spotfill.telemetry.events import StepSampler, log_files
+from spotfill.telemetry.evidence import (LEASE_END_KINDS, NodeSpan, nodes_from_events, nodes_from_report,
+                                         workload_of)
+from spotfill.telemetry.ledger import compute_ledger
 
 PHASES = ("detect_s", "decide_s", "workers_start_s", "state_load_s", "setup_s", "first_step_s", "total_s")
 
 
-def load_events(path: str) -> list[dict]:
-    """Every event of events.jsonl; a torn last line (a crash mid-write) is skipped, any other bad line
-    is a ConfigError naming it."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().splitlines()
-    events = []
-    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            e = json.loads(line)
-            if not isinstance(e, dict) or not isinstance(e.get("kind"), str) or \
-                    not isinstance(e.get("t", 0.0), (int, float)):
-                raise ValueError("not an event")
-        except ValueError:
-            if i == last and events:
-                continue
-            raise ConfigError(path, reason=f"line {i + 1} is not an event", value=line[:60],
-                              accepted='one JSON object per line with "t" (unix seconds) and "kind"') from None
-        events.append(e)
-    return events
+def load_events(path: str, compact: bool = True) -> list[dict]:
+    """Every event of the log at `path` (its rolled segments first, then events.jsonl), read one line at a
+    time; `compact` folds step events as the writer's sampler does (exact totals: a log written without
+    sampling is read in bounded memory). A torn last line of a file (a crash mid-write) is skipped; any
+    other bad line is a ConfigError naming its file and line."""
+    sampler = StepSampler.from_env() if compact else None
+    events: list[dict] = []
+    for p in log_files(path) or [path]:
+        bad = None
+        with open(p, encoding="utf-8", errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if bad is not None:
+                    raise _bad_line(*bad)
+                try:
+                    e = json.loads(line)
+                    if not isinstance(e, dict) or not isinstance(e.get("kind"), str) or \
+                            not isinstance(e.get("t", 0.0), (int, float)):
+                        raise ValueError("not an event")
+                except ValueError:
+                    bad = (p, i, line)
+                    continue
+                events.extend(sampler.feed(e) if sampler else [e])
+        if bad is not None and not events:
+            raise _bad_line(*bad)
+    return events + (sampler.flush() if sampler else [])
+
+
+def _bad_line(path: str, i: int, line: str) -> ConfigError:
+    return ConfigError(path, reason=f"line {i} is not an event", value=line.strip()[:60],
+                       accepted='one JSON object per line with "t" (unix seconds) and "kind"')
 
 
 def load_run(run_dir: str) -> tuple[list[dict], dict]:

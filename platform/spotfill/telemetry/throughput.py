@@ -4,8 +4,9 @@
     MFU       = tokens/s x model FLOPs per token / (GPUs x dense peak FLOP/s per GPU)
     HFU       = the same with hardware FLOPs per token (model FLOPs + activation recompute)
 
-FLOPs per token are the planner's (spotfill.planning.sizing.flops_per_token: PaLM App. B, 6N + 12*L*h*s,
-plus one recomputed forward with full activation checkpointing); the peak is the GPU catalogue's dense
+FLOPs per token are the planner's (spotfill.planning.sizing.flops_per_token: PaLM App. B, 6N + 12*L*h*s
+with N the parameters that enter a matmul -- embedding lookups left out -- plus one recomputed forward with
+full activation checkpointing); the peak is the GPU catalogue's dense
 tensor-core figure (spotfill.planning.hardware) for the detected device and the training precision. On a CPU,
 on a GPU the catalogue does not know, or in fp32 without TF32 tensor cores, the peak is unknown and MFU/HFU
 are None -- never an invented number.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from spotfill.planning.architecture import Arch
+from spotfill.telemetry.events import step_totals
 from spotfill.planning.hardware import lookup
 from spotfill.planning.sizing import flops_per_token as _planner_flops_per_token
 
@@ -63,11 +65,24 @@ def peak_flops_per_gpu(device_name: str | None, precision: str, tf32_allowed: bo
 
 
 def flops_per_token(n_params: int, layers: int, hidden: int, heads: int, seq_len: int,
-                    recompute: str = "none") -> tuple[float, float]:
-    """(model, hardware) FLOPs per trained token of a decoder, by the planner's formula."""
-    arch = Arch(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=0,
-                mlp="gelu", source="model")
+                    recompute: str = "none", vocab: int = 0, positions: int = 0,
+                    tied: bool = False) -> tuple[float, float]:
+    """(model, hardware) FLOPs per trained token of a decoder, by the planner's formula. `n_params`: all
+    its parameters; the lookups of a `vocab` x `hidden` token embedding (unless `tied` to the output
+    layer) and of a learned table of `positions` are left out of N."""
+    arch = Arch(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=vocab,
+                mlp="gelu", source="model", tied=tied, positions=positions)
     return _planner_flops_per_token(n_params, arch, seq_len, recompute=recompute)
+
+
+def recompute_flops_per_token(recompute: str, recomputed_params: int, layers: int, hidden: int,
+                              seq_len: int) -> float:
+    """FLOPs per token of the forward that activation checkpointing runs again in backward: "full" reruns
+    the checkpointed layers (2 FLOPs per recomputed parameter, `recomputed_params`) and their attention
+    core (4*L*h*s, the forward third of the 12*L*h*s attention term); "selective" the attention core only;
+    "none" nothing."""
+    core = 4.0 * layers * hidden * seq_len
+    return {"none": 0.0, "selective": core, "full": 2.0 * recomputed_params + core}[recompute]
 
 
 def tokens_per_s(tokens: float, seconds: float) -> float | None:
@@ -135,9 +150,10 @@ def run_utilization(steps: Iterable[dict], devices: dict, gpus_per_worker: float
         if not (peak and fm and fh and e.get("step_s")):
             return {"mfu": None, "hfu": None}
         n += 1
-        done_m += e["tokens"] * fm
-        done_h += e["tokens"] * fh
-        capacity += e["step_s"] * e["world_size"] * gpus_per_worker * peak
+        tokens = step_totals(e, "tokens")     # an event may stand for many steps (events.step_span)
+        done_m += tokens * fm
+        done_h += tokens * fh
+        capacity += step_totals(e, "step_s") * e["world_size"] * gpus_per_worker * peak
     if not n or capacity <= 0:
         return {"mfu": None, "hfu": None}
     return {"mfu": done_m / capacity, "hfu": done_h / capacity}
@@ -149,6 +165,7 @@ def split_totals(steps: Iterable[dict]) -> dict:
     out: dict[str, Optional[float]] = {k: None for k in keys}
     for e in steps:
         for k in keys:
-            if e.get(k) is not None:
-                out[k] = (out[k] or 0.0) + e[k]
+            v = step_totals(e, k, None)
+            if v is not None:
+                out[k] = (out[k] or 0.0) + v
     return out

@@ -15,6 +15,7 @@ STATE_COLORS = {            # RGB hex; fill-in workloads after training's states
     "checkpoint_stall": "#ff7f0e",
     "recovering": "#d62728",
     "idle": "#c7c7c7",
+    "unaccounted": "#fde68a",
 }
 WORKLOAD_COLORS = {"serve": "#1f77b4", "batch": "#9467bd", "sweep": "#17becf"}
 EXTRA_WORKLOAD_COLORS = ("#8c564b", "#e377c2", "#bcbd22", "#7f7f7f")
@@ -34,7 +35,8 @@ def _bands(ledger: Ledger) -> tuple[list[float], dict[str, list[float]], dict[st
     """Step-function series: x (two points per slice) and GPUs per band."""
     workloads = sorted({w for s in ledger.slices for w in s.fillin})
     wcolors = workload_colors(workloads)
-    names = ["training", "checkpoint_stall", "recovering"] + [f"fillin:{w}" for w in workloads] + ["idle"]
+    names = (["training", "checkpoint_stall", "recovering"] + [f"fillin:{w}" for w in workloads]
+             + ["idle", "unaccounted"])
     xs: list[float] = []
     ys: dict[str, list[float]] = {n: [] for n in names}
     for s in ledger.slices:

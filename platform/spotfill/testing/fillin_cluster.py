@@ -5,7 +5,7 @@ import contextlib
 
 
 @contextlib.contextmanager
-def fillin_cluster(nodes: int, gpus_per_node: int, state_path: str, gpu_resource: str = "GPU_SLOT"):
+def fillin_cluster(nodes: int, gpus_per_node: int, state_path: str, gpu_resource: str = "GPU"):
     """Yields (EmbeddedCluster, arbiter handle): `nodes` worker nodes declaring `gpus_per_node` GPU slots,
     this process connected, the arbiter keeping its state at `state_path`. Serve (if started), the arbiter and
     the cluster are shut down at the end."""
@@ -13,7 +13,7 @@ def fillin_cluster(nodes: int, gpus_per_node: int, state_path: str, gpu_resource
     from ray import serve
 
     from spotfill.fillin.arbiter import ensure_arbiter
-    from spotfill.fillin.local import runtime_env
+    from spotfill.fillin.wiring import runtime_env
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths
 
     cluster = EmbeddedCluster()

@@ -92,3 +92,23 @@ def stream_to_rows(indices: list[int] | range, n_rows: int, seed: int) -> np.nda
         mask = epochs == e
         rows[mask] = _epoch_permutation(n_rows, seed, int(e))[idx[mask] % n_rows]
     return rows
+
+
+@lru_cache(maxsize=4)
+def _inverse_permutation(n_rows: int, seed: int, epoch: int) -> np.ndarray:
+    perm = _epoch_permutation(n_rows, seed, epoch)
+    inverse = np.empty_like(perm)
+    inverse[perm] = np.arange(n_rows, dtype=perm.dtype)
+    return inverse
+
+
+def rows_to_stream(rows: np.ndarray, epochs: np.ndarray, n_rows: int, seed: int) -> np.ndarray:
+    """The stream index at which dataset row `rows[i]` is read in epoch `epochs[i]`: stream_to_rows's
+    inverse. Applied to the ids stored in the rows a worker read, it says which stream positions were fed."""
+    rows = np.asarray(rows, dtype=np.int64)
+    epochs = np.broadcast_to(np.asarray(epochs, dtype=np.int64), rows.shape)
+    out = np.empty_like(rows)
+    for e in np.unique(epochs):
+        mask = epochs == e
+        out[mask] = e * n_rows + _inverse_permutation(n_rows, seed, int(e))[rows[mask]]
+    return out

@@ -148,8 +148,9 @@ class Checkpointer:
     """
 
     def __init__(self, store: CheckpointStore, local_root: str, rank: int, world_size: int, attempt: str,
-                 all_max: Callable[[list[float]], list[float]] | None = None):
+                 all_max: Callable[[list[float]], list[float]] | None = None, meta: dict | None = None):
         self.store, self.rank, self.world_size, self.attempt = store, rank, world_size, attempt
+        self.meta = dict(meta or {})     # more of the manifest's meta (a pipeline's stage count)
         self.disk_root = os.path.join(local_root, f"snap-rank-{rank}")
         # tmpfs twin of disk_root, named after it so the next attempt clears what a dead one left in RAM
         self._name = "spotfill-" + os.path.relpath(os.path.abspath(local_root), "/").replace(os.sep, "-")
@@ -349,7 +350,8 @@ class Checkpointer:
             if self.rank == 0:
                 timeout = None if until is None else max(0.0, until - time.time())
                 manifest = self.store.commit(tag, step, self.world_size, attempt=self.attempt, timeout_s=timeout,
-                                             meta={"attempt": self.attempt, "zero_elastic": self._zero_elastic},
+                                             meta={**self.meta, "attempt": self.attempt,
+                                                   "zero_elastic": self._zero_elastic},
                                              guard=guard)
                 with self._lock:
                     self.committed.append({"tag": tag, "step": step, "save_kind": kind,

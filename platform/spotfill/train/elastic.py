@@ -23,6 +23,7 @@ from spotfill.ray_compat import (ElasticScalingPolicy, available_resources_per_n
                                  kv_get, kv_put, use_spotfill_controller)
 from spotfill.train.capacity import (GrowDecision, GrowGate, NodeCapacity, capacity_state, count_workers,
                                      free_resources, reachable)
+from spotfill.train.pipe_layout import round_to_replicas
 
 log = logging.getLogger(__name__)
 RAYLET_PROBE_S = 0.5   # a live raylet answers a local-network connect in milliseconds
@@ -50,8 +51,9 @@ class GrowCheck:
     At most one grow attempt per capacity state for the whole run: the states already tried are kept in the
     GCS key-value store under the run's name, since every grow restarts the worker processes."""
 
-    def __init__(self, per_worker: dict[str, float], max_workers: int, run_key: str | None = None):
-        self.per_worker, self.max_workers = per_worker, max_workers
+    def __init__(self, per_worker: dict[str, float], max_workers: int, run_key: str | None = None,
+                 multiple: int = 1):
+        self.per_worker, self.max_workers, self.multiple = per_worker, max_workers, multiple
         self._key = f"spotfill:grow-tried:{run_key or _train_run_name()}"
         self.last: GrowDecision | None = None
 
@@ -60,6 +62,7 @@ class GrowCheck:
         this capacity state was already tried)."""
         free = free_resources(schedulable_nodes())
         fitting = min(self.max_workers, world + count_workers(free, self.per_worker, self.max_workers))
+        fitting = round_to_replicas(fitting, self.multiple)      # a pipeline grows by whole replicas
         gate = GrowGate(tried=self._load())
         self.last = gate.decide(world, fitting, capacity_state(free, self.per_worker))
         if self.last.extra:
@@ -101,14 +104,18 @@ class DrainAwareElasticPolicy(ElasticScalingPolicy):
 
     _own_placement_group = None
 
+    def __init__(self, scaling_config, workers_multiple: int = 1):
+        super().__init__(scaling_config)
+        self.workers_multiple = workers_multiple     # pipeline stages: a group of whole replicas only
+
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         self._own_placement_group = worker_group_state.placement_group_handle.placement_group
         return super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
 
     def _count_possible_workers(self, reserved_resources) -> int:
         free = free_resources(schedulable_nodes(RAYLET_PROBE_S), self._own_held(), fillin_reclaimable())
-        return count_workers(free, self.scaling_config._resources_per_worker_not_none,
-                             self.scaling_config.max_workers)
+        return round_to_replicas(count_workers(free, self.scaling_config._resources_per_worker_not_none,
+                                               self.scaling_config.max_workers), self.workers_multiple)
 
     def _own_held(self) -> dict[str, dict[str, float]]:
         """Per node, what this run's current worker group still holds (nothing once it was removed)."""
@@ -132,3 +139,11 @@ class DrainAwareElasticPolicy(ElasticScalingPolicy):
 SpotfillTorchTrainer = use_spotfill_controller(TorchTrainer, lambda sc: DrainAwareElasticPolicy(scaling_config=sc))
 """TorchTrainer whose elastic restarts size the group from free capacity of schedulable nodes, whose
 placement-group cleaner checks liveness through the GCS, and whose restarts are reported with a cause."""
+
+
+def spotfill_trainer(stages: int = 1):
+    """SpotfillTorchTrainer; with pipeline stages, one whose restarts size the group in whole replicas."""
+    if stages <= 1:
+        return SpotfillTorchTrainer
+    return use_spotfill_controller(
+        TorchTrainer, lambda sc: DrainAwareElasticPolicy(scaling_config=sc, workers_multiple=stages))

@@ -8,7 +8,16 @@ It is torch's fused implementation (one kernel over all parameters, CPU and GPU,
 default on a CPU is a Python loop of per-tensor ops, which took 600 ms where FusedAdam takes 330 ms on the
 57M model (one thread) -- 6% of every step, the whole of spotfill's step overhead there.
 JIT ops DeepSpeed still loads (the CPU shared-memory comm op) build in a cache folder of this environment
-and through a lock that cannot outlive its owner (spotfill.train.opcache).
+and through a lock that cannot outlive its owner (spotfill.train.opcache); on a GPU nothing is JIT-built
+(DeepSpeed's CUDA accelerator has no such comm op), so an arch list such as TORCH_CUDA_ARCH_LIST=9.0a, which
+DeepSpeed's op builder cannot parse, never reaches it.
+
+The learning rate: DeepSpeed's WarmupCosineLR gives lr x iteration / warmup, and a fresh one stands at
+iteration -1 ("not started": lr 0) when the first optimizer step runs and at iteration 0 (lr 0 again) for
+the second -- two steps that train nothing. build_engine starts the schedule at iteration 1
+(FIRST_ITERATION): optimizer step k trains at lr x k / warmup_steps during the warm-up, then the cosine.
+DeepSpeed takes at least 2 warm-up steps (a smaller training.warmup_steps acts as 2: the first step trains
+at lr / 2). A restored engine takes the iteration its checkpoint saved.
 """
 from __future__ import annotations
 
@@ -45,10 +54,17 @@ def ds_config(job: JobConfig, micro: int, accum: int, precision: str, universal:
     return cfg
 
 
-def resolve_precision(requested: str, on_gpu: bool) -> str:
-    if requested == "auto":
-        return "bf16" if on_gpu else "fp32"
-    return requested
+def resolve_precision(requested: str, device) -> str:
+    """The precision a worker trains in on `device` (spotfill.devices.choose_precision: auto = bf16 where the
+    GPU has bf16 tensor cores, fp16 with loss scaling on older GPUs, fp32 on the CPU). A precision the device
+    cannot run fails the worker with a one-line ConfigError naming training.precision."""
+    from spotfill.config.errors import ConfigError
+    from spotfill.devices import device_capability, choose_precision
+    try:
+        return choose_precision(requested, str(device), device_capability(device))
+    except ValueError as exc:
+        raise ConfigError("training.precision", requested, reason=str(exc),
+                          accepted="auto, or a precision the workers' device supports") from None
 
 
 def jit_cache_dir(base: str | None = None) -> str:
@@ -96,9 +112,22 @@ def client_optimizer(params, optimizer: dict):
                              **({"fused": True} if fused else {}))
 
 
-def build_engine(model, config: dict):
+FIRST_ITERATION = 1      # the scheduler iteration the first optimizer step trains at (lr x 1 / warmup)
+
+
+def start_lr_schedule(engine) -> None:
+    """Move a fresh DeepSpeed LR scheduler (iteration -1: lr 0) to FIRST_ITERATION, so the first optimizer
+    step trains; a scheduler that has started (or none) is left alone."""
+    sched = getattr(engine, "lr_scheduler", None)
+    if sched is not None and getattr(sched, "last_batch_iteration", None) == -1:
+        sched.step(FIRST_ITERATION)
+
+
+def build_engine(model, config: dict, device=None):
     """deepspeed.initialize over the model's trainable parameters, with torch's AdamW as the client
-    optimizer (no JIT op); returns the engine."""
+    optimizer (no JIT op), on `device` -- the GPU Ray assigned this worker: DeepSpeed would otherwise pick
+    cuda:LOCAL_RANK, another worker's GPU wherever a worker holds more than one or CUDA_VISIBLE_DEVICES lists
+    its neighbours' too -- and the LR schedule started (start_lr_schedule). Returns the engine."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_cache_dir())
     from spotfill.ray_compat import guard_jit_op_builds, skip_deepspeed_muon
     guard_jit_op_builds()
@@ -108,6 +137,16 @@ def build_engine(model, config: dict):
     config = dict(config)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = client_optimizer(params, config.pop("optimizer")) if "optimizer" in config else None
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
-                                           config=config)
+    engine, _, _, _ = deepspeed.initialize(args=deepspeed_args(device), model=model, model_parameters=params,
+                                           optimizer=optimizer, config=config)
+    start_lr_schedule(engine)
     return engine
+
+
+def deepspeed_args(device):
+    """deepspeed.initialize's `args`: `device_rank` = the CUDA device index to run on (DeepSpeed's engine
+    sets it as the current device and its own); None on the CPU, where DeepSpeed's default applies."""
+    import argparse
+    if device is None or getattr(device, "type", str(device)) != "cuda":
+        return None
+    return argparse.Namespace(device_rank=int(device.index or 0))

@@ -19,7 +19,7 @@ import uuid
 from spotfill.config import constants
 from spotfill.config.job import JobConfig
 from spotfill.config.errors import JobFailed
-from spotfill.telemetry.events import read_events
+from spotfill.telemetry.events import log_size, read_events
 from spotfill.storage.base import open_storage
 from spotfill.train.summary import checkpoints_section, training_section
 
@@ -97,9 +97,11 @@ class TrainingJob:
         if cfg.training.model.startswith("hf:"):
             from spotfill.train.presets import check_hf_model
             check_hf_model(cfg.training.model, int(manifest["vocab_size"]), int(manifest["seq_len"]))
-        from spotfill.train.preflight import preflight
+        from spotfill.train.preflight import check_storage_from_worker, preflight
         self._init_ray()
         preflight(cfg, manifest, self.runtime_env)  # env numbers, seq_len, cluster resources (connects to Ray)
+        # storage and data as a worker sees them (its own credentials and environment), not only the driver
+        self.worker_storage_check = check_storage_from_worker(cfg, self._worker_runtime_env())
         self._manifest = manifest
         return manifest
 
@@ -107,7 +109,8 @@ class TrainingJob:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
-        from spotfill.train.elastic import SpotfillTorchTrainer
+        from spotfill.train.backend import DeviceAwareTorchConfig
+        from spotfill.train.elastic import spotfill_trainer
         from spotfill.fillin.training_hook import training_callbacks
         from spotfill.train.sink import RestartCauseCallback
         from spotfill.train.teardown import UnreachableWorkerReaper
@@ -115,6 +118,8 @@ class TrainingJob:
         from spotfill.train.worker_loop import train_loop_per_worker
 
         cfg, t, c = self.config, self.config.training, self.config.cluster
+        # Ray's GPU resource: Ray assigns whole GPUs and sets CUDA_VISIBLE_DEVICES; the backend (NCCL or
+        # gloo) is chosen on the first worker from what it really has (train/backend.py)
         use_gpu = c.gpu_resource == "GPU"
         spotfill = t.elastic_restarts == "spotfill"
         resources = {c.gpu_resource: c.gpus_per_worker, "CPU": c.cpus_per_worker}
@@ -123,23 +128,19 @@ class TrainingJob:
                                 # spotfill grows gracefully itself (checkpoint, then restart): Ray's
                                 # own running-group resize would kill the workers mid-interval.
                                 elastic_resize_monitor_interval_s=10 ** 9 if spotfill else 60.0)
-        trainer_cls = SpotfillTorchTrainer if spotfill else TorchTrainer
+        trainer_cls = spotfill_trainer(t.pipeline_stages) if spotfill else TorchTrainer
         return trainer_cls(
             train_loop_per_worker,
             train_loop_config={"job": _as_dict(cfg), "sink": sink_name, "namespace": namespace},
             scaling_config=scaling,
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            torch_config=DeviceAwareTorchConfig() if use_gpu else TorchConfig(backend="gloo"),
             run_config=RunConfig(
                 name=f"{cfg.name}-{uuid.uuid4().hex[:6]}",
                 storage_path=os.path.join(self.run_dir, "ray_train"),
                 # spotfill keeps its own failure budget (training.max_failures) in the event sink, so
                 # planned exits (announced preemption, graceful grow) are not charged to it.
                 failure_config=FailureConfig(max_failures=-1),
-                worker_runtime_env={"env_vars": worker_env_vars({**constants.storage_endpoint_env(),  # no secrets
-                                                                 **self.runtime_env.get("env_vars", {})},
-                                                                warm_imports=spotfill,
-                                                                job_runtime_env=_job_runtime_env(),
-                                                                cpus_per_worker=c.cpus_per_worker)},
+                worker_runtime_env=self._worker_runtime_env(warm_imports=spotfill),
                 # every controller state change (failures it saw, sizes it chose) into events.jsonl
                 # and, on a cluster with fill-in, claim the GPUs first (a missing arbiter never blocks)
                 # and, on spotfill runs, a teardown that does not wait on workers of a dead node
@@ -148,6 +149,14 @@ class TrainingJob:
                              if spotfill else [])],
             ),
         )
+
+    def _worker_runtime_env(self, warm_imports: bool = False) -> dict:
+        """The training workers' runtime_env: the job's environment plus the S3 endpoint settings (never
+        credentials: workers use their own)."""
+        c = self.config.cluster
+        return {"env_vars": worker_env_vars({**constants.storage_endpoint_env(), **self.runtime_env.get("env_vars", {})},
+                                            warm_imports=warm_imports, job_runtime_env=_job_runtime_env(),
+                                            cpus_per_worker=c.cpus_per_worker)}
 
     def _first_attempt(self) -> int:
         """Attempt numbers continue past those in the checkpoint store (a second fit() over it)."""
@@ -165,7 +174,7 @@ class TrainingJob:
         os.makedirs(self.run_dir, exist_ok=True)
         self._init_ray()
         namespace = "spotfill"
-        offset = os.path.getsize(self.events_path) if os.path.exists(self.events_path) else 0   # this run's events
+        offset = log_size(self.events_path)      # where this run's events begin (rolled segments included)
         sink_name = f"spotfill-sink-{self.config.name}-{uuid.uuid4().hex[:6]}"
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         sink = EventSink.options(
@@ -189,6 +198,13 @@ class TrainingJob:
         view, follower = self._live_view(offset)
         # fill-in leases, reclaims and the GPU nodes the arbiter sees, into this run's events (no arbiter: none)
         from spotfill.fillin.forward import LeaseForwarder
+        from spotfill.fillin.wiring import announce_training, withdraw_training
+        t = self.config.training
+        # fill-in never lends the GPUs this job may grow into (an arbiter started later reads the record too)
+        announce_training(self.config.name, t.min_workers, t.max_workers, int(self.config.cluster.gpus_per_worker))
+        check = getattr(self, "worker_storage_check", None) or {}
+        ray.get(sink.event.remote("storage_check", **({"node": check["node"][:12], "seconds": check.get("seconds")}
+                                                        if check.get("ok") else {"skipped": check.get("skipped")})))
         forwarder = LeaseForwarder(sink).start()
         try:
             with constants.scoped_env(**knobs):
@@ -197,6 +213,7 @@ class TrainingJob:
                 except Exception as exc:  # Ray Train raised: the job ran and failed
                     error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         finally:
+            withdraw_training(self.config.name)
             forwarder.stop()
             if follower is not None:
                 follower.stop()

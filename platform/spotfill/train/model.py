@@ -14,23 +14,37 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from spotfill.config.errors import ConfigError
-from spotfill.train.presets import PRESETS, GPTConfig, preset  # noqa: F401 - re-exported
+from spotfill.train.presets import PRESETS, RECOMPUTE, GPTConfig, preset  # noqa: F401 - re-exported
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(QK^T / sqrt(d)) V, causal: what selective activation checkpointing recomputes."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _recomputing(module: nn.Module) -> bool:
+    return module.training and torch.is_grad_enabled()
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, recompute: str = "none"):
         super().__init__()
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.selective = recompute == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.selective and _recomputing(self):
+            y = checkpoint(attention_core, q, k, v, use_reentrant=False)
+        else:
+            y = attention_core(q, k, v)
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
     def decode(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], pos: torch.Tensor,
@@ -51,10 +65,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, recompute: str = "none"):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, recompute)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
                                  nn.Linear(4 * cfg.n_embd, cfg.n_embd))
@@ -69,14 +83,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A nanoGPT-style decoder; `forward(idx) -> logits`."""
+    """A nanoGPT-style decoder; `forward(idx) -> logits`. `recompute` (training.activation_checkpointing):
+    "full" keeps only each block's input and runs the block's forward again in backward; "selective" does
+    that for the attention core alone (Korthikanti et al. 2022); "none" keeps every activation."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, recompute: str = "none"):
         super().__init__()
         self.cfg = cfg
+        self.recompute = recompute
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, recompute) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.apply(self._init)
@@ -94,8 +111,9 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
+        full = self.recompute == "full" and _recomputing(self)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if full else block(x)
         return self.head(self.ln_f(x))
 
     def decode(self, idx: torch.Tensor, pos: torch.Tensor, kv: list, keys: int,
@@ -110,11 +128,15 @@ class GPT(nn.Module):
             x = block.decode(x, cache, pos, mask[:, None])
         return self.head(self.ln_f(x))
 
+    def recomputed_params(self) -> int:
+        """Parameters whose forward "full" recomputation runs again: the blocks' (not embeddings or head)."""
+        return count_params(self.blocks) if self.recompute == "full" else 0
+
 
 class HFCausalLM(nn.Module):
     """Adapter so a Hugging Face causal LM looks like GPT: `forward(idx) -> logits`."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, recompute: str = "none"):
         super().__init__()
         try:
             from transformers import AutoModelForCausalLM
@@ -130,31 +152,61 @@ class HFCausalLM(nn.Module):
                              seq_len=getattr(conf, "max_position_embeddings", 2048),
                              n_layer=conf.num_hidden_layers, n_head=conf.num_attention_heads,
                              n_embd=conf.hidden_size)
+        self.recompute = recompute
+        if recompute == "full":      # its decoder layers' forward runs again in backward
+            self.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.inner(input_ids=idx).logits
 
+    def recomputed_params(self) -> int:
+        if self.recompute != "full":
+            return 0
+        ends = {id(p) for m in (self.inner.get_input_embeddings(), self.inner.get_output_embeddings())
+                if m is not None for p in m.parameters()}
+        return sum(p.numel() for p in self.inner.parameters() if id(p) not in ends)
 
-def build_model(name: str, seq_len: int | None = None, vocab_size: int | None = None) -> nn.Module:
-    """Build a model from a preset name or `hf:/local/path`."""
+
+def build_model(name: str, seq_len: int | None = None, vocab_size: int | None = None,
+                recompute: str = "none") -> nn.Module:
+    """Build a model from a preset name or `hf:/local/path`; `recompute`: activation checkpointing."""
     if name.startswith("hf:"):
-        return HFCausalLM(name[3:])
-    return GPT(preset(name, seq_len=seq_len, vocab_size=vocab_size))
+        return HFCausalLM(name[3:], recompute)
+    return GPT(preset(name, seq_len=seq_len, vocab_size=vocab_size), recompute)
 
 
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def flops_info(model: nn.Module, seq_len: int) -> dict:
+    """What a step event's throughput needs: parameters, model FLOPs per token (the planner's 6N + 12Lhs)
+    and hardware FLOPs per token (model FLOPs + the forward the model's activation checkpointing runs
+    again: telemetry.throughput.recompute_flops_per_token)."""
+    from spotfill.telemetry.throughput import recompute_flops_per_token
+
+    params = count_params(model)
+    recompute = getattr(model, "recompute", "none")
+    fm = model_flops(model.cfg, params, seq_len)[0]
+    extra = recompute_flops_per_token(recompute, model.recomputed_params(), model.cfg.n_layer, model.cfg.n_embd,
+                                      seq_len)
+    return {"params": params, "flops_per_token": fm, "hardware_flops_per_token": fm + extra,
+            "recompute": recompute}
+
+
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int | None = None,
                     recompute: str = "none") -> float:
-    """Training FLOPs per token of a preset, by the planner's formula (PaLM: 6N + 12*L*h*s)."""
+    """Training FLOPs per token of a preset, by the planner's formula (PaLM: 6N + 12*L*h*s, N without the
+    embedding lookups)."""
     return model_flops(cfg, n_params, seq_len, recompute)[0]
 
 
 def model_flops(cfg: GPTConfig, n_params: int, seq_len: int | None = None,
                 recompute: str = "none") -> tuple[float, float]:
-    """(model, hardware) FLOPs per trained token (telemetry.throughput: the planner's formula)."""
+    """(model, hardware) FLOPs per trained token (telemetry.throughput: the planner's formula). `n_params`:
+    all of GPT's parameters; its lookups -- the token embedding wte (vocab x n_embd; the output layer is a
+    matrix of its own) and the position table wpe (cfg.seq_len x n_embd) -- are left out of N."""
     from spotfill.telemetry.throughput import flops_per_token as per_token
 
-    return per_token(n_params, cfg.n_layer, cfg.n_embd, cfg.n_head, seq_len or cfg.seq_len, recompute)
+    return per_token(n_params, cfg.n_layer, cfg.n_embd, cfg.n_head, seq_len or cfg.seq_len, recompute,
+                     vocab=cfg.vocab_size, positions=cfg.seq_len)

@@ -32,10 +32,12 @@ _HIDDEN_PREFIXES = ("node:", "accelerator_type:")   # per-node marker resources,
 
 @dataclass(frozen=True)
 class NodeType:
-    """A node type an autoscaler may launch: its resources (empty: not stated) and how many at most."""
+    """A node type an autoscaler may launch: its resources (empty: not stated), how many at most and at
+    least (min_workers: kept up whatever the demand)."""
     name: str
     resources: dict = field(default_factory=dict)
     max_count: int = 0
+    min_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,8 @@ def node_types_from_config(config: dict) -> list[NodeType]:
         count = int(spec.get("max_workers", cap or 0) or 0)
         if cap is not None:
             count = min(count, int(cap))
-        types.append(NodeType(name, {k: float(v) for k, v in (spec.get("resources") or {}).items()}, count))
+        types.append(NodeType(name, {k: float(v) for k, v in (spec.get("resources") or {}).items()}, count,
+                              min(count, int(spec.get("min_workers", 0) or 0))))
     return types
 
 
@@ -172,3 +175,56 @@ def preflight(config, manifest: dict, runtime_env: dict | None = None) -> None:
                                c.gpu_resource, t.min_workers, alive_node_resources(), autoscaler_node_types())
     if problem:
         raise problem.error()
+
+
+def storage_check_node(nodes: list[dict], gpu_resource: str) -> str | None:
+    """The node a worker-side storage check runs on: an alive node that has the accelerator resource
+    (training's workers run there), the first by node id; None when no such node is up yet (an autoscaled
+    cluster before its first GPU node)."""
+    ids = sorted(n["NodeID"] for n in nodes if n.get("Alive") and (n.get("Resources") or {}).get(gpu_resource, 0) > 0)
+    return ids[0] if ids else None
+
+
+def _check_storage_here(uris: list[tuple[str, str, bool]]) -> dict:
+    """Runs on a worker node: each (field, uri, write) checked as training's workers will use it."""
+    import socket
+    import time as _time
+
+    from spotfill.storage.base import open_storage
+    t0 = _time.perf_counter()
+    for name, uri, write in uris:
+        try:
+            open_storage(uri).check(write=write)
+        except ConfigError as exc:
+            return {"ok": False, "field": name, "uri": uri, "error": exc.reason or str(exc),
+                    "host": socket.gethostname()}
+    return {"ok": True, "host": socket.gethostname(), "seconds": round(_time.perf_counter() - t0, 3)}
+
+
+def check_storage_from_worker(config, runtime_env: dict | None = None, timeout_s: float = 120.0) -> dict:
+    """Check the job's storage (write) and data (read) from a node training's workers run on, with the
+    workers' environment: on a cluster whose workers get credentials of their own (an instance profile),
+    a driver-side check alone passes while every worker fails. Runs with no GPU (a task on that node:
+    fill-in may hold its GPUs). Raises ConfigError naming the field and the node; returns {"ok", "node",
+    ...} or {"skipped": why} when no worker node is up yet."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = storage_check_node(ray.nodes(), config.cluster.gpu_resource)
+    if node is None:
+        return {"skipped": f"no alive node with {config.cluster.gpu_resource} yet: the workers check storage "
+                           f"as they start"}
+    task = ray.remote(_check_storage_here).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        runtime_env=runtime_env or None)
+    uris = [("storage", config.storage, True), ("data.path", config.data.path, False)]
+    try:
+        out = ray.get(task.remote(uris), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        return {"skipped": f"the check on node {node[:12]} did not finish in {timeout_s:g}s"}
+    if not out["ok"]:
+        raise ConfigError(out["field"], out["uri"], reason=f"reachable from the driver but not from worker node "
+                          f"{node[:12]} ({out['host']}): {out['error']}",
+                          accepted="storage the workers can reach with their own credentials (cluster.yaml: "
+                                   "an instance profile for every worker type)")
+    return {"ok": True, "node": node, **out}

@@ -19,6 +19,9 @@ class GPTConfig:
     dropout: float = 0.0
 
 
+# training.activation_checkpointing: which activations the model recomputes in backward (train/model.py)
+RECOMPUTE = ("none", "selective", "full")
+
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(seq_len=64, n_layer=2, n_head=2, n_embd=64),
     "50m": GPTConfig(seq_len=256, n_layer=8, n_head=12, n_embd=768),

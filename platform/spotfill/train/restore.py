@@ -38,6 +38,7 @@ class RestorePlan:
     load_tag: str = ""
     universal: bool = False
     elastic: bool = False        # a ZeRO-1/2 checkpoint in DeepSpeed's elastic layout: loads at any size as is
+    stages: int = 0              # the pipeline stages it was saved with (0: no pipeline)
     timings: dict = field(default_factory=dict)
     quarantined: list = field(default_factory=list)     # [(tag, reason)] found damaged by this restore
     fresh_start_cause: str | None = None                 # set when on_no_intact_checkpoint=restart fired
@@ -149,13 +150,14 @@ def _node_universal(store: CheckpointStore, manifest: dict, node_dir: str, ds_ro
 
 
 def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, leader: bool, node_dir: str,
-                       zero_stage: int) -> tuple[RestorePlan | None, str | None, list]:
+                       zero_stage: int, stages: int = 1) -> tuple[RestorePlan | None, str | None, list]:
     """Collective: every leader brings `choice` to its node. (plan, None, per-rank info) when every node
     has it, (None, reason, ...) when some leader found it damaged."""
     manifest = choice["manifest"]
     tag, saved_world = manifest["tag"], int(manifest["world_size"])
     elastic = zero_stage in (1, 2) and bool((manifest.get("meta") or {}).get("zero_elastic"))
-    universal = saved_world != world and zero_stage > 0 and not elastic
+    saved_stages = check_pipeline_shape(manifest, stages, zero_stage)
+    universal = (saved_world != world or max(1, saved_stages) != stages) and zero_stage > 0 and not elastic
     load_tag = f"{tag}-universal" if universal else tag
     ds_root = os.path.join(node_dir, "ds")
     # phase 1: the raw checkpoint, where needed -- every node, or only rank 0's converter
@@ -194,8 +196,31 @@ def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, leader
             return None, error, []
     infos = _gather(comms, info, world)
     plan = RestorePlan(tag=tag, step=int(manifest["step"]), world_size=saved_world, load_dir=ds_root,
-                       load_tag=load_tag, universal=universal, elastic=elastic)
+                       load_tag=load_tag, universal=universal, elastic=elastic, stages=saved_stages)
     return plan, None, infos
+
+
+def check_pipeline_shape(manifest: dict, stages: int, zero_stage: int) -> int:
+    """The pipeline stage count `manifest`'s checkpoint was saved with (0: no pipeline; a pipeline's manifest
+    records its count, 1 included). A pipeline checkpoint holds weights per layer: with pipeline_stages 1 it
+    resumes as a one-stage pipeline (worker_loop); an unpipelined one does not load into a pipeline, and
+    only ZeRO-1 optimizer state reshards across stage counts (through a universal checkpoint): both raise a
+    one-line error on every rank."""
+    meta = manifest.get("meta") or {}
+    saved = int(meta.get("pipeline_stages") or 0)
+    if stages > 1 and not saved:
+        raise PipelineShapeError(f"checkpoint {manifest['tag']} was saved without pipeline stages: its weights "
+                                 f"do not load into pipeline_stages={stages} (per-layer weights); resume it "
+                                 "with pipeline_stages: 1, or start a new run")
+    if max(1, saved) != stages and zero_stage == 0:
+        raise PipelineShapeError(f"checkpoint {manifest['tag']} was saved with {saved} pipeline stages and "
+                                 f"ZeRO-0: its optimizer state reshards to {stages} stages only from ZeRO-1 "
+                                 f"(universal checkpoint); resume it with pipeline_stages={saved}")
+    return saved
+
+
+class PipelineShapeError(RuntimeError):
+    """A checkpoint cannot be resumed with this job's pipeline shape (raised on every rank alike)."""
 
 
 def _convert_and_share(store, manifest: dict, node_dir: str, ds_root: str, load_tag: str,
@@ -244,7 +269,7 @@ def _timings(manifest_bytes, infos: list, t0: float) -> dict:
 
 
 def restore_on_workers(store: CheckpointStore, comms, rank: int, world: int, node_id: str, node_dir: str,
-                       zero_stage: int, *, on_no_intact: str = "fail", emit=None) -> RestorePlan:
+                       zero_stage: int, *, on_no_intact: str = "fail", emit=None, stages: int = 1) -> RestorePlan:
     """Collective: every rank of a starting worker group calls it; returns the same plan on every rank.
 
     Rank 0 chooses the newest intact checkpoint of the live lineage (checked against its listing), the
@@ -269,7 +294,8 @@ def restore_on_workers(store: CheckpointStore, comms, rank: int, world: int, nod
         choice = comms.bcast(choice)
         if choice is None:
             break
-        plan, reason, infos = _prepare_candidate(store, comms, choice, rank, world, leader, node_dir, zero_stage)
+        plan, reason, infos = _prepare_candidate(store, comms, choice, rank, world, leader, node_dir, zero_stage,
+                                                 stages)
         if plan is not None:
             plan.timings = _timings(choice["manifest"].get("bytes"), infos, t0)
             plan.quarantined = comms.bcast(found)

@@ -1,7 +1,8 @@
 """The exactly-once ledger: how many times the model was fed each stream position (pure: numpy only).
 
-Every rank records the stream positions of the rows it actually fed to the model -- the identities the
-data loader returned with the rows (data.StepBatch.positions), not a recomputation from the step number.
+Every rank records the stream positions of the rows it actually fed to the model -- the positions the
+dataset row ids stored in the rows read say they are (feed.py, data.StepBatch.fed), not a recomputation
+from the step number.
 At each checkpoint the ranks' records since the previous checkpoint are combined (one collective, at
 checkpoint time only) into the ledger, and the ledger travels in the checkpoint's client_state: a resume
 restores exactly the ledger of the model state it loads. So the final checkpoint's ledger describes the

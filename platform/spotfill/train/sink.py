@@ -1,9 +1,10 @@
 """The run's event sink: one Ray actor on the driver's node that owns RUN_DIR/events.jsonl.
 
 Workers on any node send events to it; it also hands out attempt numbers (one per worker-group start),
-keeps the failure budget (planned exits -- announced preemption, graceful grow -- are free), records why
-each attempt started (RestartCauseCallback reports what Ray Train's controller saw), and holds the stop
-verdict that `TrainingJob.fit()` reads when Ray Train returns.
+keeps the failure budget (planned exits -- announced preemption, graceful grow -- are free; a data
+mismatch ends the job at the next start), records why each attempt started (RestartCauseCallback reports
+what Ray Train's controller saw), and holds the stop verdict that `TrainingJob.fit()` reads when Ray Train
+returns.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class EventSink:
         self._planned_exit: str | None = None
         self._failure: Failure | None = None
         self._verdict: dict | None = None
+        self._fatal: str | None = None      # a fault no restart fixes (data_mismatch): the next attempt gives up
+        self._group = 0          # worker groups Ray Train placed (group_start); each attempt names its group
 
     def _observe(self, event: dict) -> None:
         """Every written event: the spotfill_* series (this node's metrics endpoint) and, at most every
@@ -81,10 +84,18 @@ class EventSink:
         self._attempt += 1
         cause = attempt_cause(first, self._planned_exit, self._failure, earlier_attempts=self._first_attempt)
         self._planned_exit, self._failure = None, None
-        give_up = self._max_failures >= 0 and self._unplanned > self._max_failures
-        self._log.write("attempt", attempt=self._attempt, world_size=world_size,
+        give_up = self._fatal is not None or (self._max_failures >= 0 and self._unplanned > self._max_failures)
+        self._log.write("attempt", attempt=self._attempt, world_size=world_size, group=self._group or None,
                         unplanned_failures=self._unplanned, **cause)
-        return {"attempt": self._attempt, "give_up": give_up, "unplanned_failures": self._unplanned}
+        return {"attempt": self._attempt, "give_up": give_up, "unplanned_failures": self._unplanned,
+                **({"reason": self._fatal} if self._fatal else {})}
+
+    def data_mismatch(self, reason: str, **fields) -> None:
+        """A worker read data that is not the data named (feed.py, data.py): logged, and the job ends with
+        the first such line when the group restarts -- a restart would read the same data."""
+        if self._fatal is None:
+            self._fatal = reason
+        self._log.write("data_mismatch", reason=reason, **fields)
 
     def planned_exit(self, reason: str, **fields) -> None:
         self._planned_exit = reason
@@ -98,6 +109,14 @@ class EventSink:
         extra = {"failure": failure.kind, "error": failure.detail} if failure else {}
         self._log.write("controller_state", t=t, state=state, previous=previous, attempt=self._attempt,
                         **extra, **fields)
+
+    def group(self, kind: str, t: float, **fields) -> int:
+        """A worker group placed (`group_start`, numbered here) or torn down (`group_end`, the current
+        number): the GPU-seconds ledger's evidence of when training held the group's GPUs."""
+        if kind == "group_start":
+            self._group += 1
+        self._log.write(kind, t=t, group=self._group, **fields)
+        return self._group
 
     def log(self, events: list[dict]) -> int:
         self._log.write_many(events)
@@ -125,7 +144,8 @@ class EventSink:
 
 class RestartCauseCallback(ControllerCallback, WorkerGroupCallback):
     """Runs inside Ray Train's controller: sends each controller state change (with the failure Ray Train
-    saw, the preemption it was told of, the size it decided) to the run's event sink, fire-and-forget.
+    saw, the preemption it was told of, the size it decided) to the run's event sink, fire-and-forget, and
+    each worker group's placement and teardown (`group_start` / `group_end`).
     A running group's failure that finds its placement group already removed (the controller alive) is a
     placement-group cleaner teardown. Public DeveloperAPI callbacks only (RunConfig(callbacks=[...]))."""
 
@@ -136,6 +156,25 @@ class RestartCauseCallback(ControllerCallback, WorkerGroupCallback):
 
     def after_worker_group_start(self, worker_group) -> None:
         self._placement_group = worker_group.get_worker_group_state().placement_group_handle.placement_group
+        try:
+            workers = len(worker_group.get_workers())
+        except Exception:  # noqa: BLE001 -- the count is a detail; the event is what matters
+            workers = None
+        # waited for (briefly): rank 0's `attempt` event, which names this group, must come after it
+        self._tell("group_start", wait_s=5.0, workers=workers)
+
+    def after_worker_group_shutdown(self, worker_group_context) -> None:
+        self._tell("group_end")
+
+    def _tell(self, kind: str, wait_s: float = 0.0, **fields) -> None:
+        try:
+            if self._sink is None:
+                self._sink = ray.get_actor(self.sink_name, namespace=self.namespace)
+            ref = self._sink.group.remote(kind, time.time(), **fields)
+            if wait_s:
+                ray.get(ref, timeout=wait_s)
+        except Exception as exc:  # the sink is gone (run over) or slow: the ledger falls back on other events
+            log.warning("cannot report %s to the event sink: %s", kind, exc)
 
     def _placement_group_removed(self) -> bool:
         if self._placement_group is None:

@@ -7,30 +7,30 @@ from __future__ import annotations
 
 from statistics import mean
 
+from spotfill.telemetry.claims import lineage_keys
+from spotfill.telemetry.events import step_totals
+from spotfill.train.pipeline_summary import pipeline_section
 from spotfill.telemetry.throughput import run_utilization, split_totals
 
 
 def training_section(events: list[dict], steps_target: int, global_batch: int,
                      gpus_per_worker: float | None = None) -> dict:
     steps = [e for e in events if e["kind"] == "step"]
-    # The lineage: for each step number, the newest attempt that ran it.
-    newest: dict[int, dict] = {}
-    for e in steps:
-        if e["step"] not in newest or e["attempt"] >= newest[e["step"]]["attempt"]:
-            newest[e["step"]] = e
-    lineage = [newest[s] for s in sorted(newest)]
+    # The lineage: the step events whose steps no newer attempt ran again (an event may stand for many
+    # steps: telemetry.events, step sampling)
+    keep = lineage_keys(events)
+    lineage = sorted((e for e in steps if (e["attempt"], e["step"]) in keep), key=lambda e: e["step"])
     history = attempt_history(events)
-    completed = max(newest) if newest else 0
+    completed = lineage[-1]["step"] if lineage else 0
     samples = samples_section(events, completed, global_batch)
     timeline: list[list[float]] = []
     for e in sorted(steps, key=lambda e: e["t"]):
         if not timeline or timeline[-1][1] != e["world_size"]:
             timeline.append([round(e["t"], 3), e["world_size"]])
-    lineage_keys = {(e["attempt"], e["step"]) for e in lineage}
-    stall = sum(e["stall_s"] for e in events if e["kind"] == "checkpoint_save"
-                and (e["attempt"], e["step"]) in lineage_keys)
-    compute = sum(e["step_s"] for e in lineage) + stall
-    tokens = sum(e["tokens"] for e in lineage)
+    # a save follows the step it saved; that step ends a step event (spans end before any other event)
+    stall = sum(e["stall_s"] for e in events if e["kind"] == "checkpoint_save" and (e["attempt"], e["step"]) in keep)
+    compute = sum(step_totals(e, "step_s") for e in lineage) + stall
+    tokens = sum(step_totals(e, "tokens") for e in lineage)
     tokens_per_s = tokens / compute if compute > 0 else None
     js = next((e for e in events if e["kind"] == "job_start"), {})
     gpw = float(gpus_per_worker or js.get("gpus_per_worker") or 1.0)
@@ -47,7 +47,7 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
         "world_size_timeline": timeline,
         "tokens_per_s": round(tokens_per_s, 2) if tokens_per_s else None,
         "mfu": _round(util["mfu"], 5),
-        "hfu": _round(util["hfu"], 5),     # counts activation recompute (none in the presets: == mfu)
+        "hfu": _round(util["hfu"], 5),     # counts activation recompute (training.activation_checkpointing)
         "devices": sorted({str(d.get("device")) for d in used if d.get("device")}),
         "peak_flops_per_gpu": _one([d.get("peak_flops_per_gpu") for d in used]),
         "flops_per_token": _one([d.get("flops_per_token") for d in used]),
@@ -61,6 +61,7 @@ def training_section(events: list[dict], steps_target: int, global_batch: int,
             "data_wait": split["data_wait_s"], "forward_backward": split["forward_backward_s"],
             "optimizer": split["optimizer_s"], "collective_wait": split["collective_wait_s"],
             "compute": split["compute_s"], "checkpoint_stall": stall}.items() if v is not None},
+        **({"pipeline": pipe} if (pipe := pipeline_section(lineage)) else {}),
     }
 
 

@@ -7,9 +7,10 @@ the step's one collective, so every rank sees every rank's facts; it asks the pu
 planned exit (Ray Train restarts the group at the size the cluster now holds), or the final save.
 
 Every optimizer step consumes the stream positions [step*G, (step+1)*G) whatever the world size; each rank
-takes its slice as micro-batches (batching.py). Every rank records the positions it actually fed (the
-identities the loader returned with the rows); at each checkpoint the ranks' records are combined into the
-exactly-once ledger (sample_ledger.py), which travels in the checkpoint with the model state.
+takes its slice as micro-batches (batching.py). Every rank records the positions it actually fed, as the
+row ids stored in the shards say (feed.py: a read that is not what the schedule owes fails the job with one
+line); at each checkpoint the ranks' records are combined into the exactly-once ledger (sample_ledger.py),
+which travels in the checkpoint with the model state and the identity of the data it counts.
 """
 from __future__ import annotations
 
@@ -18,23 +19,23 @@ import os
 import time
 
 from spotfill.config import constants
-from spotfill.config.errors import NoIntactCheckpoint
+from spotfill.config.errors import DataMismatch, NoIntactCheckpoint
 from spotfill.config.job import JobConfig, from_mapping
 from spotfill.ray_compat import local_preemption_info
 from spotfill.storage.base import open_storage
 from spotfill.storage.checkpoint_store import CheckpointStore
-from spotfill.train.batching import BatchShape, batch_shape, rank_positions
+from spotfill.train.batching import BatchShape, batch_shape
 from spotfill.train.checkpointing import Checkpointer
-from spotfill.train.data import Prefetcher, ShardReader, read_step
+from spotfill.train.data import Prefetcher, ShardReader
 from spotfill.train.engine import build_engine, ds_config, load_checkpoint, resolve_precision
 from spotfill.train.restore import restore_on_workers
+from spotfill.train.feed import DATA_KEY, LEDGER_KEY, StepFeed, data_identity, resume_point
 from spotfill.train.sample_ledger import FeedRecorder, SampleLedger
 from spotfill.train.step_policy import CONTINUE, FINISH, StepDecision, StepFacts, StepPolicy
 from spotfill.telemetry.throughput import split_step, step_metrics
 
 log = logging.getLogger(__name__)
 
-LEDGER_KEY = "sample_ledger"    # in every checkpoint's client_state
 # Rank 0 sends step events at most this often (and before every save or exit, so a step is on record
 # before any checkpoint containing it): one actor call per step was the loop's largest fixed cost on a
 # small model. A hard loss can leave up to this much of the newest steps off the record.
@@ -102,10 +103,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     info = comms.bcast(ray.get(sink.begin_attempt.remote(world)) if rank == 0 else None)
     if info["give_up"]:
-        return _finish(sink, rank, {"ok": False, "reason": f"{info['unplanned_failures']} unplanned "
-                                    f"failures exceed training.max_failures={t.max_failures}"})
+        return _finish(sink, rank, {"ok": False, "reason": info.get("reason") or f"{info['unplanned_failures']} "
+                                    f"unplanned failures exceed training.max_failures={t.max_failures}"})
     attempt = info["attempt"]
-    shape = batch_shape(t.global_batch, world, t.max_micro_batch)
     store = CheckpointStore(open_storage(job.storage).child(job.name), keep_last=t.keep_checkpoints)
     local_root = node_local_root(job.name, node_id)
     node_dir = os.path.join(local_root, "restore")
@@ -113,36 +113,71 @@ def train_loop_per_worker(loop_config: dict) -> None:
     t0 = time.perf_counter()
     try:
         plan = restore_on_workers(store, comms, rank, world, node_id, node_dir, t.zero_stage,
+                                  stages=t.pipeline_stages,
                                   on_no_intact=t.on_no_intact_checkpoint,
                                   emit=lambda kind, **f: sink.event.remote(kind, attempt=attempt, **f))
     except NoIntactCheckpoint as exc:
         return _finish(sink, rank, {"ok": False, "reason": str(exc)})
     prep_s = time.perf_counter() - t0
+    pipe = _pipeline(job, world, rank, plan.stages, node_id)    # None without pipeline stages
+    shape = pipe.shape if pipe else batch_shape(t.global_batch, world, t.max_micro_batch)
 
-    precision = resolve_precision(t.precision, torch.cuda.is_available() and job.cluster.gpu_resource == "GPU")
+    # the device Ray Train assigned this worker (Ray's GPU resource -> CUDA_VISIBLE_DEVICES; the CPU where
+    # CUDA sees none, or on a logical resource), and the precision that device supports (spotfill.devices)
+    device = _assigned_device(job.cluster.gpu_resource)
+    precision = resolve_precision(t.precision, device)
     torch.manual_seed(t.seed)
-    reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
-    t_restored = time.time()
-    warm.join()
-    t_imported = time.time()
-    engine, vocab, flops = _engine(job, reader, shape, precision, plan.universal)
-    t_engine = time.time()
-    device = _device_info(engine, precision) if rank == 0 else {}
-    start_step, ledger, load_s = 0, SampleLedger(), 0.0
-    if plan.tag:
-        t1 = time.perf_counter()
-        client_state = load_checkpoint(engine, plan.load_dir, plan.load_tag, plan.elastic)
-        start_step, ledger = int(client_state["step"]), SampleLedger.from_state(client_state.get(LEDGER_KEY))
-        load_s = time.perf_counter() - t1
+    try:
+        reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(local_root, "data"))
+        t_restored = time.time()
+        warm.join()
+        t_imported = time.time()
+        engine, vocab, flops = (pipe.build_engine(job, reader.seq_len, reader.manifest["vocab_size"], precision,
+                                                  plan.universal, device) if pipe else
+                                _engine(job, reader, shape, precision, plan.universal, device))
+        t_engine = time.time()
+        device = _device_info(engine, precision) if rank == 0 else {}
+        client_state, load_s = None, 0.0
+        if plan.tag:
+            t1 = time.perf_counter()
+            client_state = load_checkpoint(engine, plan.load_dir, plan.load_tag, plan.elastic)
+            load_s = time.perf_counter() - t1
+        start_event = {} if rank else dict(
+            attempt=attempt, world_size=world, micro_batch=shape.micro_batch, accum=shape.accum,
+            from_world_size=plan.world_size or None, universal=plan.universal, zero_elastic=plan.elastic,
+            restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
+            startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision, **flops, **device,
+            **(pipe.start_fields() if pipe else {}), **_start_marks(t_start, t_restored, t_imported, t_engine))
+        ckpt = Checkpointer(store, local_root, rank, world, attempt=f"{attempt}",
+                            meta=pipe.checkpoint_meta() if pipe else None)
+        try:
+            verdict = run_attempt(job, sink, comms, engine, reader, ckpt, rank=rank, world=world, attempt=attempt,
+                                  shape=shape, vocab=vocab, flops=flops, device=device, client_state=client_state,
+                                  start_event=start_event, pipe=pipe)
+        finally:
+            if pipe:
+                pipe.close()
+    except DataMismatch as exc:
+        # A restart would read the same data: the sink ends the job with this line at the next attempt
+        ray.get(sink.data_mismatch.remote(str(exc), rank=rank, attempt=attempt))
+        raise
+    _finish(sink, rank, verdict)
+
+
+def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, *, rank: int, world: int,
+                attempt: int, shape: BatchShape, vocab: int, flops: dict, device: dict, client_state: dict | None,
+                start_event: dict, pipe=None) -> dict:
+    """One attempt's steps, from the state its checkpoint gave (`client_state`; None: a fresh start) to the
+    last step or a planned exit (PlannedExit): the data path (feed.py: rows read, checked against the
+    schedule, their positions recorded in the ledger) and the executor; `pipe` (train/pipeline.py) runs the
+    step through DeepSpeed's pipeline engine and owes the replica's positions. Needs no Ray: tests drive it with a
+    stand-in engine, sink and checkpointer on real shards (tests/unit/test_worker_steps.py)."""
+    t = job.training
+    identity = data_identity(reader, job.data.seed)
+    start_step, ledger, data_check = resume_point(client_state, identity)
     if rank == 0:
-        sink.event.remote("resume" if plan.tag else "start", attempt=attempt, step=start_step,
-                          world_size=world, micro_batch=shape.micro_batch, accum=shape.accum,
-                          from_world_size=plan.world_size or None, universal=plan.universal,
-                          zero_elastic=plan.elastic,
-                          restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
-                          startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision,
-                          **flops, **device,
-                          **_start_marks(t_start, t_restored, t_imported, t_engine))
+        sink.event.remote("resume" if client_state is not None else "start", step=start_step,
+                          data_check=data_check, **start_event)
 
     # Spares for the next group, after this group's first step (which ends a start or a recovery: the
     # spares' imports must not share the CPUs with it). They warm up in SCHED_IDLE (train.spares), on CPU
@@ -150,12 +185,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     spares = t.elastic_restarts == "spotfill" and constants.WARM_SPARES > 0
     spare_step = start_step + 1
 
-    def make(step: int):
-        return read_step(reader, step, rank_positions(step, shape, rank), shape.accum, job.data.seed)
-
-    run = _Executor(job, sink, comms, engine, rank, world, attempt, ledger,
-                    Checkpointer(store, local_root, rank, world, attempt=f"{attempt}"))
-    prefetch = Prefetcher(make, start_step, t.steps, depth=job.data.prefetch)
+    run = _Executor(job, sink, comms, engine, rank, world, attempt, ledger, ckpt, data=identity)
+    prefetch = Prefetcher(StepFeed(reader, shape, rank, job.data.seed, positions=pipe.positions if pipe else None),
+                          start_step, t.steps,
+                          depth=job.data.prefetch)
     tokens_per_step = t.global_batch * reader.seq_len
     gpus = world * job.cluster.gpus_per_worker
     timer = run.timer        # rank 0 only (None elsewhere): phases of the step
@@ -164,18 +197,22 @@ def train_loop_per_worker(loop_config: dict) -> None:
             ts = time.perf_counter()
             batch = prefetch.get(step)
             td = time.perf_counter()
-            loss_sum = _train_step(engine, batch.micro_batches, vocab, timer)
-            run.recorder.record(batch.positions)        # what the model was fed, as the loader returned it
-            facts, loss = run.gather(step + 1, loss_sum / shape.accum)
+            if pipe:
+                loss_mean = pipe.train_step(engine, batch.micro_batches)
+            else:
+                loss_mean = _train_step(engine, batch.micro_batches, vocab, timer) / shape.accum
+            if pipe is None or pipe.records_feeds:
+                run.recorder.record(batch.fed)      # the positions the rows fed are, by the ids stored in them
+            facts, loss = run.gather(step + 1, loss_mean, pipe.step_values() if pipe else ())
             tc = time.perf_counter()
             if rank == 0:
-                split = split_step(tc - ts, td - ts, *timer.read())
+                split = split_step(tc - ts, td - ts, *(pipe.split() if pipe else timer.read()))
                 run.step_event({"t": time.time(), "kind": "step", "step": step + 1, "attempt": attempt,
                                 "loss": loss / world, "world_size": world, "tokens": tokens_per_step,
                                 "lr": engine.get_lr()[0], **split.as_event(),
                                 **step_metrics(tokens_per_step, split, gpus, flops["flops_per_token"],
                                                flops["hardware_flops_per_token"], device["peak_flops_per_gpu"]),
-                                **run.gpu_sample()})
+                                **run.gpu_sample(), **(pipe.step_fields(run.rows) if pipe else {})})
             if spares and step + 1 == spare_step:
                 _prestart_spares(constants.WARM_SPARES)
             decision = run.policy.decide(facts)
@@ -185,7 +222,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     finally:
         prefetch.close()
         run.close()
-    _finish(sink, rank, {"ok": True, "steps_completed": t.steps, "attempt": attempt})
+    return {"ok": True, "steps_completed": t.steps, "attempt": attempt}
 
 
 def node_local_root(job_name: str, node_id: str) -> str:
@@ -271,21 +308,41 @@ def _finish(sink, rank: int, verdict: dict) -> None:
         ray.get(sink.finish.remote(verdict))
 
 
-def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: str, universal: bool):
+def _pipeline(job: JobConfig, world: int, rank: int, saved_stages: int, node_id: str):
+    """The pipeline path (train/pipeline.py) with training.pipeline_stages; with 1 stage too when the run's
+    checkpoint was saved by a pipeline (its weights are per layer); None otherwise."""
+    if job.training.pipeline_stages <= 1 and not saved_stages:
+        return None
+    from spotfill.train.pipeline import PipelineRun
+    return PipelineRun(job, world, rank, node_id)
+
+
+def _assigned_device(gpu_resource: str):
+    """The device Ray Train assigned this worker (devices.choose_train_device)."""
+    import torch
+
+    from spotfill.devices import choose_train_device
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ray_device = None
+    if gpu_resource == "GPU" and cuda:
+        import ray.train.torch
+        ray_device = str(ray.train.torch.get_device())
+    return torch.device(choose_train_device(gpu_resource, cuda, ray_device))
+
+
+def _engine(job: JobConfig, reader: ShardReader, shape: BatchShape, precision: str, universal: bool, device):
     from spotfill.train.model import build_model
 
     t = job.training
     model = build_model(t.model, seq_len=reader.seq_len, vocab_size=None if t.model.startswith("hf:")
-                        else reader.manifest["vocab_size"])
+                        else reader.manifest["vocab_size"], recompute=t.activation_checkpointing)
     config = ds_config(job, shape.micro_batch, shape.accum, precision, universal)
-    from spotfill.train.model import count_params, model_flops
+    from spotfill.train.model import flops_info
 
-    # The planner's FLOPs per token at the trained sequence length; the presets recompute no activations,
-    # so hardware FLOPs equal model FLOPs (a recompute mode would add its forward here).
-    params = count_params(model)
-    fm, fh = model_flops(model.cfg, params, reader.seq_len, recompute="none")
-    flops = {"params": params, "flops_per_token": fm, "hardware_flops_per_token": fh, "recompute": "none"}
-    return build_engine(model, config), model.cfg.vocab_size, flops
+    # FLOPs per token at the trained sequence length: model FLOPs, and hardware FLOPs with the forward that
+    # activation checkpointing runs again (HFU)
+    flops = flops_info(model, reader.seq_len)
+    return build_engine(model, config, device), model.cfg.vocab_size, flops
 
 
 def _device_info(engine, precision: str) -> dict:
@@ -323,19 +380,22 @@ class _Executor:
     """Gathers a step's facts and applies the policy's decisions for one rank of one attempt."""
 
     def __init__(self, job: JobConfig, sink, comms: _Comms, engine, rank: int, world: int, attempt: int,
-                 ledger: SampleLedger, ckpt: Checkpointer):
+                 ledger: SampleLedger, ckpt: Checkpointer, data: dict | None = None):
         t = job.training
+        self.data = data         # what the ledger's positions refer to (feed.data_identity), saved with it
         self.sink, self.comms, self.engine, self.ckpt = sink, comms, engine, ckpt
         self.rank, self.world, self.attempt, self.global_batch = rank, world, attempt, t.global_batch
         # one margin before a notice's deadline: the checkpointer's (its budget and the policy's agree)
         self.policy = StepPolicy(t.steps, t.checkpoint_every, margin_s=constants.EMERGENCY_MARGIN_S)
         self.ledger, self.recorder = ledger, FeedRecorder()
         self.flags = comms.torch.zeros(4, dtype=comms.torch.float64, device=engine.device)
+        self.rows: list[list[float]] = []     # the last step's gathered rows (every rank's flags and values)
         self._grow = None
         if rank == 0 and t.elastic_restarts == "spotfill" and world < t.max_workers:
             from spotfill.train.elastic import GrowCheck
             self._grow = GrowCheck({job.cluster.gpu_resource: job.cluster.gpus_per_worker,
-                                    "CPU": job.cluster.cpus_per_worker}, t.max_workers)
+                                    "CPU": job.cluster.cpus_per_worker}, t.max_workers,
+                                   multiple=t.pipeline_stages)
         self._grow_every, self._last_grow = t.resize_check_s, time.monotonic()
         self._steps: list[dict] = []
         self._steps_sent = time.monotonic()
@@ -367,16 +427,22 @@ class _Executor:
             self._steps = []
         self._steps_sent = time.monotonic()
 
-    def gather(self, done: int, loss) -> tuple[StepFacts, float]:
-        """The step's one collective: every rank's loss, preemption notice (deadline) and grow count."""
+    def gather(self, done: int, loss, values=()) -> tuple[StepFacts, float]:
+        """The step's one collective: every rank's loss, preemption notice (deadline) and grow count, and
+        `values` (e.g. a pipeline stage's bubble seconds) after them in `self.rows`."""
         notice = local_preemption_info()
         deadline_ms = getattr(notice, "deadline_ms", None) if notice is not None else None
+        if len(self.flags) != _F_GROW + 1 + len(values):
+            self.flags = self.comms.torch.zeros(_F_GROW + 1 + len(values), dtype=self.flags.dtype,
+                                                device=self.flags.device)
         f = self.flags
+        for i, v in enumerate(values):
+            f[_F_GROW + 1 + i] = v
         f[_F_LOSS] = loss
         f[_F_PREEMPT] = 1.0 if notice is not None else 0.0
         f[_F_DEADLINE] = deadline_ms / 1000.0 if deadline_ms else 0.0
         f[_F_GROW] = self._grow_workers()
-        rows = self.comms.gather_flags(f)
+        rows = self.rows = self.comms.gather_flags(f)
         deadlines = [r[_F_DEADLINE] for r in rows if r[_F_PREEMPT] and r[_F_DEADLINE] > 0]
         return StepFacts(done=done, now=time.time(), preempt_votes=int(sum(r[_F_PREEMPT] for r in rows)),
                          deadline_unix_s=min(deadlines) if deadlines else None,
@@ -408,8 +474,9 @@ class _Executor:
         """Fold every rank's feeds since the last checkpoint into the ledger (one collective), then save
         the ledger with the model state."""
         self.ledger = self.ledger.with_fed(*self.comms.gather_objects(self.recorder.take()))
-        out = self.ckpt.save(self.engine, done, {"attempt": self.attempt, LEDGER_KEY: self.ledger.to_state()},
-                             kind=d.save_kind, deadline_unix_s=d.notice_deadline_unix_s)
+        state = {"attempt": self.attempt, LEDGER_KEY: self.ledger.to_state(),
+                 **({DATA_KEY: self.data} if self.data is not None else {})}
+        out = self.ckpt.save(self.engine, done, state, kind=d.save_kind, deadline_unix_s=d.notice_deadline_unix_s)
         if self.rank == 0:  # sent now: a hard loss during the upload must find it on record
             summary = self.ledger.summary(owed=done * self.global_batch)
             self.sink.log.remote([{

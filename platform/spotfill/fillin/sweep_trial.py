@@ -1,0 +1,155 @@
+"""One sweep trial (fillin/sweep.py runs them with Ray Tune): a small GPT trained `steps` steps on the
+prepared shards with the trial's configuration, as a `tune.Trainable`.
+
+It computes on the device Ray assigned it (spotfill.devices: cuda:0 when its placement group's `GPU` bundle
+gave it a GPU and CUDA sees one, else the CPU -- a logical resource such as GPU_SLOT, or the embedded
+cluster's GPU resource on a CPU machine), with the precision that device supports: fp32 weights and AdamW
+state, the forward under autocast in bf16 (fp16 with a gradient scaler on a pre-Ampere GPU); fp32 on the
+CPU. Every result says where it ran (`device`, `dtype`, `gpu_ids`).
+
+`save_checkpoint` writes the model, optimizer, step and the list of steps applied to these weights
+(`history`), so a pause checkpoint is exact and the history proves that a resumed trial continued rather
+than restarted, and that no step was applied twice. A checkpoint loads on whatever device the resumed
+trial was given.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+import uuid
+
+METRIC, MODE = "eval_loss", "min"
+
+
+def lr_at(step: int, lr: float, warmup_steps: int, total: int, min_ratio: float = 0.1) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `min_ratio * lr` at `total` (step counts from 0)."""
+    if warmup_steps and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, total - warmup_steps)
+    frac = min(1.0, (step - warmup_steps) / span)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def trainable_class():
+    from ray import tune
+
+    class SweepTrainable(tune.Trainable):
+        """One trial: the tiny GPT trained `steps` steps on the prepared shards with this trial's config."""
+
+        def setup(self, config: dict, job: dict | None = None):
+            import numpy as np
+            import torch
+
+            from spotfill.devices import assigned_device, compute_dtype, ray_gpu_ids
+            from spotfill.fillin.cpu_priority import lower_cpu_priority
+            from spotfill.storage.base import open_storage
+            from spotfill.train.data import ShardReader
+            from spotfill.train.model import GPT
+            from spotfill.train.presets import preset
+
+            lower_cpu_priority()     # fill-in: lowest CPU priority ($SPOTFILL_FILLIN_CPU_NICE, default 19)
+            torch.set_num_threads(1)
+            self.job = dict(job or {})
+            self.cfg = dict(config)
+            self.device = assigned_device()
+            self.dtype = compute_dtype(self.device)
+            self.where = {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+                          "gpu_ids": [str(g) for g in ray_gpu_ids()]}
+            on_gpu = self.device.type == "cuda"
+            self.reader = ShardReader(open_storage(self.job["data"]),
+                                      os.path.join(tempfile.gettempdir(), "spotfill-sweep-data"))
+            model_cfg = preset(self.job["model"], seq_len=self.reader.seq_len,
+                               vocab_size=self.reader.manifest.get("vocab_size"))
+            torch.manual_seed(int(self.job["seed"]))
+            self.model = GPT(model_cfg).to(self.device)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=float(self.cfg["lr"]),
+                                         weight_decay=float(self.cfg.get("weight_decay", 0.0)),
+                                         **({"fused": True} if on_gpu else {}))
+            self.scaler = torch.amp.GradScaler("cuda") if self.dtype == torch.float16 else None
+            self.step_n, self.history, self.restored_from = 0, [], None
+            self.incarnation = uuid.uuid4().hex[:8]
+            n = self.reader.num_samples
+            self.eval_rows = np.arange(max(0, n - int(self.job["eval_rows"])), n)
+            self.train_rows = max(1, n - len(self.eval_rows))
+            self.first_step = None
+            if self.job.get("setup_sleep_s"):
+                time.sleep(float(self.job["setup_sleep_s"]))     # tests: a setup as slow as a CPU-starved one
+
+        def _batch(self, step: int):
+            import numpy as np
+            import torch
+            rng = np.random.default_rng([int(self.job["seed"]), step])
+            rows = rng.integers(0, self.train_rows, int(self.cfg.get("batch", self.job["batch"])))
+            t = torch.from_numpy(self.reader.rows(np.sort(rows)).astype("int64")).to(self.device)
+            return t[:, :-1], t[:, 1:]
+
+        def _loss(self, x, y):
+            import torch
+            import torch.nn.functional as F
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+                logits = self.model(x)
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+        def step(self):
+            import torch
+            total = int(self.job["steps"])
+            if self.first_step is None:
+                self.first_step = self.step_n + 1
+            losses = []
+            for _ in range(int(self.job["steps_per_report"])):
+                if self.step_n >= total:
+                    break
+                for g in self.opt.param_groups:
+                    g["lr"] = lr_at(self.step_n, float(self.cfg["lr"]), int(self.cfg.get("warmup_steps", 0)), total)
+                x, y = self._batch(self.step_n)
+                loss = self._loss(x, y)
+                self.opt.zero_grad(set_to_none=True)
+                if self.scaler is None:
+                    loss.backward()
+                    self.opt.step()
+                else:
+                    self.scaler.scale(loss).backward()
+                    self.scaler.step(self.opt)
+                    self.scaler.update()
+                self.step_n += 1
+                self.history.append(self.step_n)
+                losses.append(float(loss))
+            if self.job.get("step_sleep_s"):
+                time.sleep(float(self.job["step_sleep_s"]))      # tests: a trial long enough to reclaim
+            out = {"step": self.step_n, "loss": sum(losses) / max(1, len(losses)),
+                   "restored_from": self.restored_from, "first_step": self.first_step,
+                   "incarnation": self.incarnation, "pid": os.getpid(), **self.where}
+            if self.step_n >= total:
+                with torch.no_grad():
+                    rows = self.reader.rows(self.eval_rows)
+                    t = torch.from_numpy(rows.astype("int64")).to(self.device)
+                    out[METRIC] = float(self._loss(t[:, :-1], t[:, 1:]))
+                out["history_len"] = len(self.history)
+                out["history_unique"] = len(set(self.history))
+                out["history_ok"] = self.history == list(range(1, total + 1))
+                out["done"] = True
+            return out
+
+        def save_checkpoint(self, checkpoint_dir: str):
+            import torch
+            torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step_n,
+                        "history": list(self.history), "incarnation": self.incarnation,
+                        **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})},
+                       os.path.join(checkpoint_dir, "state.pt"))
+            return None
+
+        def load_checkpoint(self, checkpoint_dir: str):
+            import torch
+            state = torch.load(os.path.join(checkpoint_dir, "state.pt"), map_location=self.device,
+                               weights_only=False)
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["opt"])
+            if self.scaler is not None and "scaler" in state:
+                self.scaler.load_state_dict(state["scaler"])
+            self.step_n, self.history = int(state["step"]), list(state["history"])
+            self.restored_from = self.step_n
+            self.first_step = None
+
+    return SweepTrainable
