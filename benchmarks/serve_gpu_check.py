@@ -67,6 +67,24 @@ def check(preset, device, dtype_name, new_tokens, drafts):
     return out
 
 
+def run(preset: str, device: str, new_tokens: int, say=lambda m: None) -> dict:
+    """Greedy identity with self drafts (the model's first third of its layers, all but one) in fp32, and in
+    bf16 on a GPU."""
+    import torch
+
+    from spotfill.train.presets import preset as get_preset
+    result = {"torch": torch.__version__,
+              "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"}
+    n = get_preset(preset).n_layer
+    drafts = [(f"self:{max(1, n // 3)}", 4), (f"self:{n - 1}", 4), (f"self:{n - 1}", 1)]
+    for dtype in ("fp32", "bf16"):
+        if dtype == "bf16" and not device.startswith("cuda"):
+            continue
+        result[dtype] = check(preset, device, dtype, new_tokens, drafts)
+        say(f"{dtype} {json.dumps(result[dtype])}")
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="125m")
@@ -74,16 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    import torch
-    result = {"torch": torch.__version__, "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-    from spotfill.train.presets import preset as get_preset
-    n = get_preset(a.preset).n_layer
-    drafts = [(f"self:{max(1, n // 3)}", 4), (f"self:{n - 1}", 4), (f"self:{n - 1}", 1)]
-    for dtype in ("fp32", "bf16"):
-        if dtype == "bf16" and not a.device.startswith("cuda"):
-            continue
-        result[dtype] = check(a.preset, a.device, dtype, a.new_tokens, drafts)
-        print(dtype, json.dumps(result[dtype]), flush=True)
+    result = run(a.preset, a.device, a.new_tokens, say=lambda m: print(m, flush=True))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)
