@@ -97,12 +97,10 @@ def both_running(env) -> bool:
         return False
 
 
-def test_handback_is_bounded_idle_and_busy(env):
-    """<= 1 s with no request in flight; <= 5 s with long requests in flight (they are stopped at the
-    3 s grace at the latest)."""
+def test_idle_handback_within_1s(env):
+    """No request in flight: training's claim -> the GPU free in <= 1 s. The arbiter's decisions after the
+    claim are printed (and named on failure): when the scale call was made, when the lease ended."""
     import ray
-
-    from spotfill.fillin.load import ServeLoad
     wait_for(lambda: both_running(env), 180, "2 Generator replicas on the lent slots")
     time.sleep(1.0)
     t_claim = time.time()
@@ -113,7 +111,15 @@ def test_handback_is_bounded_idle_and_busy(env):
     metric("handback_idle_s", idle["waited_s"])
     metric("handback_idle_steps", steps)
     assert idle["ok"] and idle["waited_s"] <= 1.0, (idle, steps)
-    wait_for(lambda: both_running(env), 180, "2 Generator replicas again")
+
+
+def test_busy_handback_within_5s(env):
+    """Long requests in flight on both replicas: the claim of both GPUs is answered in <= 5 s (the replicas
+    are stopped at the 3 s grace at the latest; their requests wait for a replica and are then lost)."""
+    import ray
+
+    from spotfill.fillin.load import ServeLoad
+    wait_for(lambda: both_running(env), 180, "2 Generator replicas on the lent slots")
     load = ServeLoad(env["url"], rps=4, max_tokens=LONG["max_tokens"], timeout_s=60, max_in_flight=8,
                      extra_body={"ignore_eos": True}).start()
     time.sleep(2.0)
