@@ -39,7 +39,7 @@ def batch_wave(root: str, max_tokens: int = 8) -> dict:
 
     from spotfill.config.job import from_mapping
     from spotfill.fillin import batch, batch_plan as bp
-    from spotfill.fillin.batch_config import BatchConfig
+    from spotfill.config.batch import BatchConfig
     from spotfill.fillin.grant import FixedGrant
     from spotfill.storage.base import open_storage
     from spotfill.train.model import build_model

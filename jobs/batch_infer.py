@@ -2,7 +2,7 @@
 
     ray job submit --working-dir . -- python jobs/batch_infer.py --config examples/batch-tiny.yaml
 
-Config file: spotfill.fillin.batch_config.BatchConfig as YAML (unknown keys are rejected):
+Config file: spotfill.config.batch.BatchConfig as YAML (unknown keys are rejected):
     name: eval-tiny
     checkpoint: /tmp/spotfill/checkpoints/tiny-cpu/tiny-cpu   # storage/name of the run; newest commit pinned
     output: s3://bucket/batch/eval-tiny         # parquet: eval/part-*.parquet, generate/part-*.parquet
@@ -27,7 +27,7 @@ except ImportError as exc:  # neither shipped with the working dir nor installed
 
 
 def main(args) -> dict:
-    from spotfill.fillin.batch_config import load_batch_config
+    from spotfill.config.batch import load_batch_config
 
     flags = {"output": args.output, "checkpoint": args.checkpoint, "name": args.name, "grant.units": args.units}
     cfg = load_batch_config(args.config, {k: v for k, v in flags.items() if v is not None})
@@ -44,7 +44,7 @@ def main(args) -> dict:
 
 def build_parser():
     ap = jobkit.parser("batch_infer.py", "Batch evaluation and generation on lent GPUs (Ray Data).")
-    ap.add_argument("--config", required=True, metavar="FILE", help="batch YAML (spotfill.fillin.batch_config)")
+    ap.add_argument("--config", required=True, metavar="FILE", help="batch YAML (spotfill.config.batch)")
     ap.add_argument("--output", metavar="URI", help="override output (parquet + commit markers)")
     ap.add_argument("--checkpoint", metavar="URI", help="override checkpoint (a run's storage)")
     ap.add_argument("--name", help="override name")

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from spotfill import ray_compat     # light: each private hook loads when first used
 from spotfill.config.serve_app import ServeArgs, check_deployable  # noqa: F401 - ServeArgs re-exported
 from spotfill.generation import protocol
 from spotfill.generation.relay import GenerationFailed, Lost, NotAdmitted, Relay
@@ -86,7 +87,11 @@ class Generator:
 
         self.args = args
         self.device, self.dtype = replica_device()             # what Ray assigned: cuda:0, or the CPU
-        self.replica = serve.get_replica_context().replica_id.unique_id
+        ctx = serve.get_replica_context()
+        self.replica = ctx.replica_id.unique_id
+        # busy time for the fill-in ledger: each engine step is the lent GPU computing (fillin/busy.py)
+        from spotfill.fillin.busy import serve_reporter
+        self.busy_meter = serve_reporter(ctx.app_name, GENERATOR, gpu_resource=args.gpu_resource)
         self.store = CheckpointStore(open_storage(args.checkpoint))
         self.work = tempfile.mkdtemp(prefix="spotfill-serve-")
         self.loaded, self.engine, self.draft_loaded = None, None, None
@@ -121,7 +126,7 @@ class Generator:
                                                 device=self.device, dtype=self.dtype)
                 draft_model = self.draft_loaded.model
             engine = build_engine(new.model, spec, draft_model, self.args.num_draft_tokens,
-                                  self.args.max_batch).start()
+                                  self.args.max_batch, meter=self.busy_meter).start()
         except Exception as exc:  # noqa: BLE001 - keep serving the model we have
             log.warning("checkpoint reload failed, keeping %s: %s", self.loaded and self.loaded.tag, exc)
             if self.loaded is None and type(exc).__name__ == "ConfigError":
@@ -139,11 +144,18 @@ class Generator:
     def _watch(self) -> None:
         while True:
             time.sleep(self.args.reload_s)
+            self.busy_meter.flush()     # what an engine measured before it went idle (no-op when nothing)
             self._reload()
             with self.lock:
                 for eng in [e for e in self.draining if not e.busy]:
                     eng.stop()
                     self.draining.remove(eng)
+
+    def __del__(self):
+        """Serve stops this replica (its GPU reclaimed, or scaled down): the busy time not sent yet goes now."""
+        busy = getattr(self, "busy_meter", None)
+        if busy is not None:
+            busy.flush()
 
     def info(self) -> dict:
         m = self.loaded
@@ -209,7 +221,8 @@ class Ingress:
         from spotfill.fillin.cpu_priority import lower_cpu_priority
         lower_cpu_priority(args.cpu_nice, idle=args.cpu_idle)
         self.generator, self.args, self.app_name = generator, args, app_name
-        self.running: list[str] = []
+        self.n_running = 0                   # running Generator replicas
+        self.running: list[str] | None = []  # their ids (None: the watch polls serve.status(), which names none)
         self.ever_ran = False
         self.relays: set = set()
         self.loop = None
@@ -230,36 +243,39 @@ class Ingress:
 
     @property
     def live(self) -> int:
-        return len(self.running)
+        return self.n_running
 
     # -- which replicas run ---------------------------------------------------------------------------
-    def _set_running(self, ids: list[str]) -> None:
-        self.running = list(ids)
-        self.ever_ran = self.ever_ran or bool(ids)
+    def _set_running(self, n: int, ids: list[str] | None) -> None:
+        self.n_running, self.running = n, None if ids is None else list(ids)
+        self.ever_ran = self.ever_ran or n > 0
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._migrate_off_stopped)
 
     def _migrate_off_stopped(self) -> None:
         """Requests on a replica that left the running set (told to stop: its GPU was reclaimed, or lost)
         continue on another now -- when another runs; else they keep their replica for its grace."""
-        if not self.running:
+        if not self.n_running or self.running is None:
             return
         for relay in list(self.relays):
             if relay.replica is not None and relay.replica not in self.running and relay.migrate():
                 self.continued.inc(tags={"why": "replica_stopped"})
 
     def _watch_replicas(self) -> None:
-        """Keep `running` current from the Serve controller's push of the running set -- the long poll Serve's
-        own routers use: an update as soon as a replica runs or is told to stop, and no call at all while
-        nothing changes. A watch that ended (a new controller) is started again."""
-        from spotfill import ray_compat      # here: imported at this replica's lowered CPU priority
+        """Keep `live` and `running` (the running Generator replicas and their ids) current from the Serve
+        controller's push of the running set -- the long poll Serve's own routers use: an update as soon as a
+        replica runs or is told to stop, and no call at all while nothing changes (serve.status() every 0.1 s
+        cost this replica and the controller about 10% of a core on a 2-core node, beside training). A watch
+        that ended (a new controller) is started again; the last set is kept meanwhile. Where Ray lacks the
+        push, the watch polls serve.status() (ray_compat.ray_serve, after one warning), which counts the
+        running replicas but names none: requests then stay on a stopped replica for its grace and continue
+        on another only once it is lost."""
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, daemon=True, name="replica-watch-loop").start()
         watch = None
         while True:
             if watch is None or not watch.is_running:
                 try:
-                    ray_compat.check_serve_hooks()
                     watch = ray_compat.watch_running_replicas(self.app_name, GENERATOR, self._set_running, loop)
                 except Exception as exc:  # noqa: BLE001 - the controller may be restarting; keep the last set
                     log.warning("replica watch not started (retrying): %s", exc)
@@ -489,7 +505,7 @@ def keep_external_target(ctx):
 def build(args: ServeArgs):
     """The application graph for these arguments."""
     from spotfill.ray_compat import check_serve_hooks
-    check_serve_hooks()                  # the Ingress's replica watch: fail at deploy if Ray moved a hook
+    check_serve_hooks()                  # the Ingress's replica watch: said once at deploy if it must poll
     env = dict(QUIET_METRICS)
     if args.replicas == 0:
         env.update(NO_HANDLE_METRICS)

@@ -238,7 +238,7 @@ def test_a_wave_whose_actor_waits_for_a_gpu_no_one_lent_ends_when_its_grant_fall
     import ray
 
     from spotfill.fillin.batch import run_batch
-    from spotfill.fillin.batch_config import load_batch_config
+    from spotfill.config.batch import load_batch_config
     from spotfill.fillin.grant import FixedGrant
 
     @ray.remote(num_cpus=0, num_gpus=1)

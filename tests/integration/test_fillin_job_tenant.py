@@ -136,9 +136,11 @@ def test_a_job_tenant_that_does_not_yield_is_stopped_after_its_grace(env):
         assert answer["ok"], answer
         assert 1.0 <= answer["waited_s"] < 15.0, answer      # grace 1 s, then forced
         assert proc.wait(timeout=30) != 0, "the driver was stopped"
-        forced = [d for d in arbiter_status(env)["decisions"]
-                  if d["tenant"] == "sweep:stubborn" and d["reason"].startswith("forced")]
-        assert forced and "killed driver pid" in forced[-1]["reason"], forced
+        # the stop is made off the arbiter's lock and recorded when it is done
+        forced = wait_for(lambda: [d for d in arbiter_status(env)["decisions"]
+                                   if d["tenant"] == "sweep:stubborn" and d["reason"].startswith("forced")],
+                          20, "the forced stop to be recorded")
+        assert "killed driver pid" in forced[-1]["reason"], forced
     finally:
         if proc.poll() is None:
             proc.kill()

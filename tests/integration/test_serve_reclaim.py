@@ -2,7 +2,7 @@
 the Serve app): greedy output with the replica SIGKILLed mid-stream equals the output without, on one
 uninterrupted stream; a request whose replicas are all reclaimed and killed under it is counted as lost
 (admitted, then failed) by the load generator, not as refused; the hand-back bound holds (idle <= 1 s,
-busy <= 5 s). Measured numbers are printed as `SERVE-METRIC name value` (run with -s)."""
+busy <= 5 s); the replica that generated reports its busy time on its lease. Measured numbers are printed as `SERVE-METRIC name value` (run with -s)."""
 from __future__ import annotations
 
 import json
@@ -131,10 +131,26 @@ def test_busy_handback_within_5s(env):
     assert busy["ok"] and busy["waited_s"] <= 5.0, busy
 
 
+def busy_reports(env, after: int, leases: set) -> list[dict]:
+    """The Generator replicas' busy-time events (fillin/busy.py) the arbiter journaled after `after`, for
+    the leases `leases`."""
+    import ray
+    events = ray.get(env["arbiter"].journal_since.remote(after), timeout=30)["events"] or []
+    return [e for e in events if e["kind"] == "fillin_busy" and e["tenant"] == "serve:spotfill-serve/Generator"
+            and e["lease_id"] in leases and e["busy_s"] > 0]
+
+
 def test_greedy_output_survives_a_replica_killed_mid_stream(env):
+    """...and the replica that generated reports its generation steps as busy time on its lease."""
+    import ray
     wait_for(lambda: both_running(env), 180, "2 Generator replicas on the lent slots")
+    opening = ray.get(env["arbiter"].journal_since.remote(None), timeout=30)
+    leases = {e["lease_id"] for e in opening["events"] if e["kind"] == "lease"}
     code, whole = post(env["url"] + "/v1/completions", LONG)
     assert code == 200 and whole["usage"]["completion_tokens"] == LONG["max_tokens"], whole
+    # sent when 2 s were measured, or by the replica's checkpoint watch (reload_s: 30 s) at the latest
+    wait_for(lambda: busy_reports(env, opening["seq"], leases), 45, "the replica's busy time on its lease")
+    metric("busy_reported_s", sum(e["busy_s"] for e in busy_reports(env, opening["seq"], leases)))
     pids, killed = replica_pids(env), []
 
     def kill_after_some_tokens(chunks):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from spotfill.config.errors import ConfigError
-from spotfill.fillin.batch_config import load_batch_config
+from spotfill.config.batch import load_batch_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -51,3 +51,38 @@ def test_a_process_its_threads_and_its_children_are_all_pinned():
         proc.stdin.write("\n")
         proc.stdin.close()
         proc.wait(10)
+
+
+def test_training_apart_gives_the_training_worker_the_first_core_and_the_rest_the_others():
+    from spotfill.sim.cpu_layout import as_dict, training_apart
+    layout = training_apart(3, cores=[0, 1])
+    assert layout == {"head": [1], "nodes": [[1], [1], [1]], "training": [0]}
+    assert training_apart(3, cores=[5]) is None
+    d = as_dict(layout, pinned=1)
+    assert (d["kind"], d["training"], d["others"], d["training_workers_pinned"]) == ("training_apart", [0], [1], 1)
+    assert "training worker on core(s) [0]" in d["detail"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_training_worker_process_is_moved_to_its_core_and_nothing_else_is():
+    """A child whose process title is a Ray Train worker's goes to the training core (every thread); another
+    child stays where it was."""
+    from spotfill.sim.cpu_layout import TRAINING_WORKER, pin_training_workers
+    core = min(os.sched_getaffinity(0))
+    code = ("import sys, threading, time; "
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); "
+            "print(1, flush=True); time.sleep(60)")
+    worker = subprocess.Popen(["bash", "-c", f"exec -a '{TRAINING_WORKER}' {sys.executable} -c '{code}'"],
+                              stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        worker.stdout.readline()
+        other.stdout.readline()
+        done: set[int] = set()
+        assert pin_training_workers(os.getpid(), [core], done) == 1 and done == {worker.pid}
+        assert {frozenset(c) for c in thread_affinities(worker.pid).values()} == {frozenset({core})}
+        assert all(len(c) > 1 for c in thread_affinities(other.pid).values())
+        assert pin_training_workers(os.getpid(), [core], done) == 0          # once is enough
+    finally:
+        worker.kill()
+        other.kill()

@@ -41,33 +41,41 @@ def test_a_unit_taken_since_the_last_tick_is_reclaimable_at_once(tmp_path):
         arb._stop.set()
 
 
-def _lease(node: str, lease_id: str):
-    from spotfill.fillin.policy import Lease
-    return Lease(lease_id, "sweep:s", "sweep", node, 1)
+def test_a_host_whose_view_lags_after_a_lease_ended_is_not_reclaimed_as_idle():
+    """Autoscaled cluster, one training job (fillin/hosts.py, a fake clock). On n1 training was last seen at
+    t=100 (then its group restarted there); sweep leases on n1 ended at t=101 and t=105, so n1's training
+    count is not trusted until t=113. The idle rule (10 s) must not make n1 a non-host at t=111 from the
+    stale sighting; after the lag, n1 is judged by what it shows again. A node that was not a host when its
+    lease ended does not become one."""
+    from spotfill.fillin.hosts import RESOURCE_VIEW_LAG_S, HostTracker
+    from spotfill.fillin.policy import Snapshot
+
+    hosts = HostTracker(idle_s=10.0)
+    training = Snapshot(nodes=(Node("n1", 3, 2), Node("n2", 3, 3)))          # 1 GPU in use on n1, no lease
+
+    def update(snap, ended, now):
+        return hosts.update(snap, ended, jobs=True, between=False, now=now)
+    assert update(training, [], 100.0) == {"n1"}
+    assert update(training, ["n1", "n2"], 101.0) == {"n1"}                   # n2 had no training: no host
+    assert update(training, ["n1"], 105.0) == {"n1"}
+    assert update(training, [], 111.0) == {"n1"}                             # stale sighting, view lags
+    assert 105.0 + RESOURCE_VIEW_LAG_S < 114.0
+    assert update(training, [], 114.0) == {"n1"}                             # trusted again: training there
+    idle = Snapshot(nodes=(Node("n1", 3, 3), Node("n2", 3, 3)))              # the job runs elsewhere
+    assert update(idle, [], 124.5) == set()                                  # training left n1 > 10 s ago
 
 
-def test_a_host_whose_view_lags_after_a_lease_ended_is_not_reclaimed_as_idle(tmp_path):
-    """Autoscaled cluster, one training job. On n1 training was last seen at t=100 (then its group restarted
-    there); sweep leases on n1 ended at t=101 and t=105, so n1's training count is not trusted until t=113.
-    The idle rule (10 s) must not make n1 a non-host at t=111 from the stale sighting; after the lag, n1 is
-    judged by what it shows again. A node that was not a host when its lease ended does not become one."""
-    from spotfill.fillin.arbiter import RESOURCE_VIEW_LAG_S
-    from spotfill.fillin.policy import Snapshot, TrainingJob
+def test_a_job_between_groups_keeps_its_hosts_for_the_restart_grace():
+    """A registered job whose group is down (a restart): its nodes stay hosts -- their leases wait for its
+    claim -- for up to RESTART_GRACE_S without training anywhere, then the idle rule applies."""
+    from spotfill.fillin.hosts import RESTART_GRACE_S, HostTracker
+    from spotfill.fillin.policy import Snapshot
 
-    arb = Arbiter("GPU_SLOT", state_path=str(tmp_path / "state.json"), interval_s=3600, autoscaled=True)
-    try:
-        arb.jobs["train"] = TrainingJob("train", 1, 4, 4)
-        arb.training_gpus = 1
-        training = Snapshot(nodes=(Node("n1", 3, 2), Node("n2", 3, 3)))          # 1 GPU in use on n1, no lease
-        assert arb._hosts(training, {}, 100.0) == {"n1"}
-        ended = {"l1": _lease("n1", "l1"), "l2": _lease("n2", "l2")}
-        assert arb._hosts(training, ended, 101.0) == {"n1"}                     # n2 had no training: no host
-        assert arb._hosts(training, {"l3": _lease("n1", "l3")}, 105.0) == {"n1"}
-        assert arb._hosts(training, {}, 111.0) == {"n1"}                        # stale sighting, view lags
-        assert 105.0 + RESOURCE_VIEW_LAG_S < 114.0
-        assert arb._hosts(training, {}, 114.0) == {"n1"}                        # trusted again: training there
-        idle = Snapshot(nodes=(Node("n1", 3, 3), Node("n2", 3, 3)))
-        arb.training_gpus = 1                                                  # the job runs elsewhere
-        assert arb._hosts(idle, {}, 124.5) == set()                              # training left n1 > 10 s ago
-    finally:
-        arb._stop.set()
+    hosts, t0 = HostTracker(idle_s=10.0), 1000.0
+    assert hosts.update(Snapshot(nodes=(Node("n1", 2, 1),)), [], jobs=True, between=False, now=t0) == {"n1"}
+    down = Snapshot(nodes=(Node("n1", 2, 2),))
+    assert hosts.update(down, [], jobs=True, between=True, now=t0 + 60.0) == {"n1"}
+    assert hosts.update(down, [], jobs=True, between=False, now=t0 + 71.0) == set()     # back: idle rule
+    hosts.update(Snapshot(nodes=(Node("n1", 2, 1),)), [], jobs=True, between=False, now=t0 + 80.0)
+    assert hosts.update(down, [], jobs=True, between=True, now=t0 + 80.0 + RESTART_GRACE_S - 1) == {"n1"}
+    assert hosts.update(down, [], jobs=True, between=True, now=t0 + 80.0 + RESTART_GRACE_S + 11) == set()

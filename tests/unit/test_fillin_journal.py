@@ -2,6 +2,8 @@
 report's fillin.leases / handback_seconds, from lease decisions played on a fake clock."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
 from spotfill.fillin.policy import Decision, Lease, Node
 from spotfill.telemetry.ledger import compute_ledger
@@ -33,10 +35,14 @@ def test_a_lease_ends_as_reclaim_release_or_lease_end_with_its_cause():
     order = ReclaimOrder("serve:app/Gen", "r1", 29.0, "node_draining", "drain")
     events, left = lease_ended([drop("r1", A, 31.0, "node lost: the lease died with it")], known, [order], now=31.0)
     assert [e["kind"] for e in events] == ["lease_end"] and left == []
-    # an order nothing ended for expires instead of claiming a later, unrelated release
-    old = ReclaimOrder("serve:app/Gen", "r1", 0.0, "training_claim", "old")
+    # an order nothing ended for expires instead of claiming a later, unrelated release -- and is reported
+    # as a hand-back that never completed, not forgotten
+    old = ReclaimOrder("serve:app/Gen", "r1", 0.0, "training_claim", "old", job="j")
     events, left = lease_ended([drop("r3", B, 500.0)], known, [old], now=500.0)
-    assert [e["kind"] for e in events] == ["reclaim_expired", "release"] and left == []
+    assert [e["kind"] for e in events] == ["handback_incomplete", "release"] and left == []
+    assert {k: events[0][k] for k in ("tenant", "lease_id", "requested_at", "waited_s", "cause", "job")} == {
+        "tenant": "serve:app/Gen", "lease_id": "r1", "requested_at": 0.0, "waited_s": 500.0,
+        "cause": "training_claim", "job": "j"}
     # a drop dated back (let_go: the GPU showed free at t=40, confirmed at 41) ends at that date, and a
     # lease that ended before an order was placed is not that order's hand-back
     order = ReclaimOrder("serve:app/Gen", "r2", 40.5, "training_claim", "job j claims 1", job="j")
@@ -121,16 +127,59 @@ def test_no_lease_events_no_fillin_section():
 
 
 def test_a_hand_back_that_never_completes_is_reported_not_forgotten():
-    """A reclaim order no lease ends for (the tenant refused or hung) expires as a reclaim_expired event, and
-    the run's report lists it under fillin.handbacks_unfinished."""
+    """A reclaim order no lease ends for (the tenant refused or hung) expires as a handback_incomplete event,
+    and the run's report lists it under fillin.handbacks_incomplete."""
     order = ReclaimOrder("serve:app/Gen", "r1", 10.0, "training_claim", "job j claims 1", job="j")
     events, left = lease_ended([], {}, [order], now=60.0)
     assert events == [] and left == [order]                       # still waiting: nothing to say yet
     events, left = lease_ended([], {}, [order], now=10.0 + 121.0)
-    assert left == [] and [e["kind"] for e in events] == ["reclaim_expired"]
+    assert left == [] and [e["kind"] for e in events] == ["handback_incomplete"]
     assert events[0]["waited_s"] == 121.0 and events[0]["job"] == "j" and events[0]["lease_id"] == "r1"
     run = [lease_event(lease("r1", A, 5.0), 5.0)] + events
     section = fillin_section(run, (0.0, 200.0))
-    assert section["handbacks_unfinished"] == [{"tenant": "serve:app/Gen", "lease_id": "r1", "requested_at": 10.0,
+    assert section["handbacks_incomplete"] == [{"tenant": "serve:app/Gen", "lease_id": "r1", "requested_at": 10.0,
                                                 "waited_s": 121.0, "cause": "training_claim", "job": "j"}]
     assert section["leases"][0]["end"] is None                      # the lease never ended
+
+
+def test_busy_time_the_tenant_measured_gives_busy_gpu_seconds_and_lend_to_busy():
+    """Leases r1 (lent at 8, held 10..60.5) and r2 (held 20..80, adopted); the tenant's meter (fillin/busy.py,
+    a fake clock) measured r1 computing from 14 on, 30 s in all, and r2 never: the ledger books 30 busy
+    GPU-seconds of the 110.5 held, the harvest ratio is on them, and the report says r1 computed 6 s after
+    its lend while r2 never did."""
+    from spotfill.fillin.busy import BusyMeter, check_busy
+
+    clock = [0.0]
+    meter = BusyMeter("serve:app/Gen", "serve", node=B, lease_id="r1", clock=lambda: clock[0])
+    busy = []
+    for start in range(14, 44, 2):                    # 15 spans of 2 s: 14..44, flushed every 10 s
+        clock[0] = float(start)
+        with meter.measure():
+            clock[0] = start + 2.0
+        if meter.due(clock[0], every_s=10.0):
+            busy.append(meter.take())
+    busy.append(meter.take())
+    busy = check_busy([e for e in busy if e], now=100.0)
+    assert sum(e["busy_s"] for e in busy) == 30.0 and busy[0]["t0"] == 14.0
+    ev = [e for e in run_events() if e["kind"] != "lease" or e["lease_id"] != "r1"]
+    ev.append({**lease_event(replace(lease("r1", B, 10.0), lent_at=8.0), 10.0)})
+    ev += busy
+    ledger = compute_ledger(sorted(ev, key=lambda e: e["t"]))
+    assert round(ledger.gpu_seconds["fillin_busy"], 3) == 30.0
+    assert round(ledger.harvest_ratio, 4) == round(30.0 / 200, 4)
+    section = fillin_section(sorted(ev, key=lambda e: e["t"]), (0.0, 100.0))
+    by_id = {le["lease_id"]: le for le in section["leases"]}
+    assert (by_id["r1"]["lent_at"], by_id["r1"]["first_busy"], by_id["r1"]["lend_to_busy_s"]) == (8.0, 14.0, 6.0)
+    assert by_id["r1"]["busy_s"] == 30.0 and by_id["r2"]["busy_s"] == 0.0 and by_id["r2"]["first_busy"] is None
+    assert section["lend_to_busy_s"] == {"serve": {"leases": 2, "busy_leases": 1, "never_busy": 1,
+                                                   "median": 6.0, "max": 6.0}}
+
+
+def test_overlapping_spans_count_once():
+    from spotfill.fillin.busy import BusyMeter
+    meter = BusyMeter("serve:a/G", "serve")
+    meter.add(10.0, 12.0)
+    meter.add(11.0, 13.0)            # a second request in the same generation step: 1 s more, not 2
+    meter.add(12.5, 12.8)            # inside what is counted: nothing
+    event = meter.take()
+    assert (event["t0"], event["t1"], event["busy_s"]) == (10.0, 13.0, 3.0) and meter.take() is None

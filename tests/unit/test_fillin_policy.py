@@ -2,9 +2,9 @@
 drains, rebuild after an arbiter restart. Time is a fake clock (plain floats)."""
 import pytest
 
-from spotfill.fillin.policy import (Holding, Lease, Node, Snapshot, TrainingJob, decide_claim, decide_lend, extra_replicas,
-                                    feasible_workers,
-                                    lendable, ownership, rebuild_leases, reclaim_off_hosts, reconcile,
+from spotfill.fillin.policy import (ClaimPlan, Holding, Lease, Node, Snapshot, TrainingJob, claim_finished,
+                                    decide_claim, decide_lend, extra_replicas, feasible_workers, lendable,
+                                    mark_reclaiming, ownership, rebuild_leases, reclaim_off_hosts, reconcile,
                                     training_hosts)
 
 T0 = 1000.0
@@ -136,18 +136,44 @@ def test_arbiter_restart_rebuilds_leases_from_what_tenants_hold():
         [("reclaim", "r1", "a", 1, T0 + 3.0)]
 
 
-def test_a_new_lease_starts_when_its_holder_began_holding_not_when_first_seen():
-    # the harvest ledger counts a lent GPU from the lend (T0 - 3), a replica deployed before the arbiter
-    # knew its tenant from its start (T0 - 8); a holder's start is never taken as later than now
-    holdings = [Holding("serve:x", "serve", "a", 1, key="lent", since=T0 - 3.0, lent=True),
+def test_a_new_lease_starts_when_its_holder_began_holding_never_at_the_lend():
+    # lent at T0 - 30, the replica's actor seen holding its GPU first now (Ray gives no start for an actor
+    # still starting): the lease starts now -- the 30 s the worker was being placed and started were nobody's
+    # GPU-seconds -- and keeps the lend's time beside it (lend-to-busy). A holder whose start Ray gives
+    # (T0 - 2, after its lend) starts then; one deployed before the arbiter knew its tenant (T0 - 8) is
+    # adopted from its start; a start in the future is taken as now.
+    holdings = [Holding("serve:x", "serve", "a", 1, key="lent", lent_at=T0 - 30.0),
+                Holding("serve:x", "serve", "e", 1, key="started", since=T0 - 2.0, lent_at=T0 - 30.0),
                 Holding("serve:x", "serve", "b", 1, key="early", since=T0 - 8.0),
                 Holding("serve:x", "serve", "c", 1, key="clock", since=T0 + 5.0),
                 Holding("serve:x", "serve", "d", 1, key="unknown")]
     leases, decisions = rebuild_leases(holdings, [], T0)
-    assert {le.lease_id: le.granted_at for le in leases} == {"lent": T0 - 3.0, "early": T0 - 8.0, "clock": T0,
-                                                             "unknown": T0}
+    assert {le.lease_id: le.granted_at for le in leases} == {"lent": T0, "started": T0 - 2.0, "early": T0 - 8.0,
+                                                             "clock": T0, "unknown": T0}
+    assert {le.lease_id: le.lent_at for le in leases} == {"lent": T0 - 30.0, "started": T0 - 30.0, "early": None,
+                                                          "clock": None, "unknown": None}
     # the lend was logged when it was made; a holding nobody lent is adopted (and said so)
     assert sorted(d.lease_id for d in decisions if d.action == "adopt") == ["clock", "early", "unknown"]
+
+
+def test_a_tenant_whose_holdings_could_not_be_read_keeps_its_leases():
+    # the read failed (State API error, or no answer in time): not "holds nothing" -- no drop, no hand-back
+    known = [lease("r1", "serve", "a", at=5.0, reclaiming=7.0), lease("b1", "batch", "b", at=6.0)]
+    leases, decisions = rebuild_leases([Holding("batch:t", "batch", "b", 1, key="b1")], known, T0,
+                                       unknown={"serve:t"})
+    assert {le.lease_id: le.reclaiming_since for le in leases} == {"r1": 7.0, "b1": None}
+    assert decisions == ()
+    _, dropped = rebuild_leases([Holding("batch:t", "batch", "b", 1, key="b1")], known, T0)   # read: empty
+    assert [(d.action, d.lease_id) for d in dropped] == [("drop", "r1")]
+
+
+def test_leases_beyond_a_tenants_target_are_marked_going_on_the_given_clock():
+    mine = (lease("a", "serve", "n1", at=1.0), lease("b", "serve", "n2", at=2.0), lease("c", "serve", "n3", at=3.0))
+    other = (lease("x", "batch", "n3", at=4.0),)
+    got = mark_reclaiming(mine + other, {"serve:t": 1, "batch:t": None}, {"a": 50.0}, now=T0)
+    since = {le.lease_id: le.reclaiming_since for le in got}
+    # the one the arbiter chose (a, since 50) and then the newest (c, from now); batch's target is not set
+    assert since == {"a": 50.0, "c": T0, "b": None, "x": None}
 
 
 def test_training_waiting_below_min_lends_then_claims_back_when_capacity_returns():
@@ -210,3 +236,30 @@ def test_extra_replicas_are_those_beyond_the_target_and_the_ones_stopping(held, 
     other = [lease("x", "batch", "n3", at=4.0)]     # another tenant's lease never counts
     got = extra_replicas(mine[:held] + other, "serve:t", target, stopping)
     assert [le.lease_id for le in got] == expected
+
+
+def test_a_unit_asking_for_cpus_is_lent_only_where_they_are_free():
+    # node a: 2 GPUs free but training's workers took its CPUs (0.5 left); node b: 1 GPU and 4 CPUs free.
+    # A Tune trial asks {CPU: 1, GPU: 1}: lent on a, it would wait for CPUs (demand an autoscaler acts on)
+    nodes = (Node("a", 4, 2, free_cpus=0.5), Node("b", 2, 1, free_cpus=4.0))
+    snap = Snapshot(nodes, (TrainingJob("j", 1, 2, current_workers=2),))
+    assert lendable(snap) == {"a": 2, "b": 1}                       # a unit that asks for no CPU: both
+    assert lendable(snap, 1, 1.0) == {"b": 1}
+    (lent,) = decide_lend(snap, "sweep:s", "sweep", 2, T0, cpus_per_unit=1.0)
+    assert (lent.node_id, lent.gpus) == ("b", 1)
+    (refused,) = decide_lend(Snapshot(nodes[:1]), "sweep:s", "sweep", 1, T0, cpus_per_unit=1.0)
+    assert refused.action == "refuse" and "1 free CPU(s) a unit asks for" in refused.reason
+
+
+def test_a_claim_answers_when_freed_or_at_its_deadline_or_once_the_view_had_time_to_catch_up():
+    short = ClaimPlan("j", wanted=2, free_now=1, short_by=1)
+    met = ClaimPlan("j", wanted=2, free_now=2)
+    assert claim_finished(met, 0.1, 10.0, True, True, None, 8.0) == (True, None)
+    assert claim_finished(short, 10.5, 10.0, True, True, None, 8.0) == (True, None)          # deadline
+    assert claim_finished(short, 0.3, 10.0, True, True, None, 8.0) == (False, None)          # still going
+    assert claim_finished(short, 0.3, 10.0, False, False, None, 8.0) == (True, 0.3)          # nothing to do
+    # it reclaimed GPUs and nothing is left going: Ray's view gets lag_s to show them free
+    done, settled = claim_finished(short, 2.0, 20.0, False, True, None, 8.0)
+    assert (done, settled) == (False, 2.0)
+    assert claim_finished(short, 9.0, 20.0, False, True, settled, 8.0) == (False, 2.0)
+    assert claim_finished(short, 10.1, 20.0, False, True, settled, 8.0) == (True, 2.0)

@@ -190,3 +190,41 @@ def test_the_engine_thread_serves_requests_submitted_from_elsewhere(model):
         assert ids(got) == naive_greedy(model, list(b"thread"), 6)
     finally:
         eng.stop()
+
+
+def test_the_engine_thread_measures_its_steps_as_busy_time_not_its_waits(model):
+    """With a busy meter (fillin/busy.py, as the Serve replica passes its reporter), every step the engine
+    thread runs is measured and the time it waits for requests is not: two requests with a 1 s pause between
+    them give at least the decoder's own forward time (timed here, around each call) as busy, and not the
+    pause."""
+    import threading
+    import time
+
+    from spotfill.fillin.busy import BusyMeter
+
+    forwards: list[float] = []
+
+    class TimedDecoder(GPTDecoder):
+        def forward(self, *args, **kwargs):
+            t0 = time.time()
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                forwards.append(time.time() - t0)
+
+    meter = BusyMeter("serve:app/Generator", "serve")
+    eng = Engine(TimedDecoder(model), ByteTokenizer(), max_batch=2, meter=meter).start()
+    try:
+        for rid in ("a", "b"):
+            done = threading.Event()
+            eng.submit(req(rid, "busy", max_tokens=6, ignore_eos=True),
+                       lambda u, done=done: u.finish_reason and done.set())
+            assert done.wait(30)
+            if rid == "a":
+                time.sleep(1.0)                     # the engine thread waits: not busy
+    finally:
+        eng.stop()
+    event = meter.take()
+    assert event is not None and len(forwards) == 12            # per request: the prefill and 5 decode steps
+    assert event["busy_s"] >= sum(forwards) - 0.01, (event, forwards)
+    assert event["busy_s"] <= event["t1"] - event["t0"] - 0.95, (event, forwards)

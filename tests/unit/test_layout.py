@@ -18,7 +18,8 @@ PURE = [
     "spotfill.telemetry.nvml", "spotfill.train.summary", "spotfill.cli.status",
     "spotfill.storage.lineage", "spotfill.train.preflight", "spotfill.train.step_policy",
     "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.train.opcache",
-    "spotfill.fillin.policy", "spotfill.fillin.journal", "spotfill.fillin.batch_plan", "spotfill.sim.fillin_spec", "spotfill.sim.nodes", "spotfill.sim.autoscaler_config",
+    "spotfill.fillin.policy", "spotfill.fillin.journal", "spotfill.fillin.lending", "spotfill.fillin.hosts",
+    "spotfill.fillin.let_go", "spotfill.fillin.busy", "spotfill.config.batch", "spotfill.fillin.batch_plan", "spotfill.sim.fillin_spec", "spotfill.sim.nodes", "spotfill.sim.autoscaler_config",
     "spotfill.fillin.sweep_policy", "spotfill.config.sweep", "spotfill.fillin.cpu_priority",
     "spotfill.devices", "spotfill.fillin.cluster_kind",
     "spotfill.train.pipe_layout", "spotfill.train.bubble", "spotfill.train.pipeline_summary",
@@ -31,15 +32,35 @@ HEAVY = {"ray", "torch", "deepspeed", "boto3"}
 def test_pure_module_loads_nothing_heavy(module):
     code = (f"import sys, json, {module}; "
             f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(HEAVY)!r}))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    import os
+    here = str(pathlib.Path(spotfill.__file__).parent.parent)       # this checkout's spotfill, not another
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert json.loads(out) == [], f"{module} pulls in {out.strip()}"
 
 
 def test_one_subpackage_per_capability():
     root = pathlib.Path(spotfill.__file__).parent
-    flat = sorted(p.name for p in root.glob("*.py") if p.name not in {"__init__.py", "__main__.py", "ray_compat.py",
-                                                                           "devices.py"})
+    flat = sorted(p.name for p in root.glob("*.py") if p.name not in {"__init__.py", "__main__.py", "devices.py"})
     assert flat == [], f"modules outside a capability subpackage: {flat}"
+
+
+def test_the_product_never_imports_the_cli_or_the_simulator():
+    """Imports point one way: the CLI and the simulator (and tests) use the product, never the reverse; and
+    ray_compat, which every fill-in module may import, imports no fill-in module."""
+    import ast
+    root = pathlib.Path(spotfill.__file__).parent
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.split("/")[0] in ("cli", "sim", "testing") or rel in ("__main__.py", "__init__.py"):
+            continue
+        banned = ("spotfill.cli", "spotfill.sim") + (("spotfill.fillin",) if rel.startswith("ray_compat/") else ())
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            wrong += [f"{rel} imports {n}" for n in names if n.startswith(banned)]
+    assert wrong == [], wrong
 
 
 def test_public_sdk_names_resolve():

@@ -78,6 +78,7 @@ def ingress(replicas, running=("a",), states=None, wait_s=2.0, ever_ran=True):
     ing = object.__new__(Ingress.func_or_class)
     ing.args = ServeArgs.parse({"checkpoint": "file:///x", "max_queue_wait_s": wait_s})
     ing.app_name, ing.running, ing.ever_ran, ing.relays, ing.loop = "app", list(running), ever_ran, set(), None
+    ing.n_running = len(running)
     ing._states = (0.0, {})
     ing.admit_timeout_s = wait_s + 1
     ing.requests, ing.continued = Counter(), Counter()
@@ -154,7 +155,7 @@ def test_a_request_waits_for_a_starting_replica_instead_of_503(model):
     async def run():
         async def replica_up():
             await asyncio.sleep(0.5)
-            ing._set_running(["a"])
+            ing._set_running(1, ["a"])
         asyncio.ensure_future(replica_up())
         t0 = time.monotonic()
         out = await ing.completions(Req({"prompt": "x", "max_tokens": 3}))
@@ -193,7 +194,7 @@ def test_a_request_lost_with_no_replica_left_is_counted_lost_not_refused(model):
 
         def open_then_lose(job):
             stream = orig(job)
-            ing.running = []                     # the watch saw it go
+            ing._set_running(0, [])              # the watch saw it go
             return stream
         replica.open = open_then_lose
         return await ing.completions(Req({"prompt": "x", "max_tokens": 30, "ignore_eos": True, "temperature": 0}))
@@ -214,9 +215,34 @@ def test_requests_on_a_replica_told_to_stop_move_to_another(model):
         async for piece in resp.body_iterator:
             events.append(piece)
             if len(events) == 2:
-                ing._set_running(["b"])           # replica a was told to stop (its GPU reclaimed)
+                ing._set_running(1, ["b"])        # replica a was told to stop (its GPU reclaimed)
         return events
     events = asyncio.run(run())
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
     assert text == whole["choices"][0]["text"]
     assert ing.continued.seen[(("why", "replica_stopped"),)] == 1
+
+
+def test_without_replica_ids_the_count_still_serves_and_nothing_moves(model):
+    """The replica watch's fallback (serve.status(): counts, no ids): a request stays on its replica when the
+    count changes -- moving it needs the ids of the replicas still running -- and the count alone says
+    whether a replica runs."""
+    body = {"prompt": "abc", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stream": True}
+    whole = asyncio.run(ingress([Replica(model, "z")]).completions(Req({**body, "stream": False})))
+    ing = ingress([Replica(model, "a"), Replica(model, "b")], running=("a", "b"))
+
+    async def run():
+        ing.loop = asyncio.get_running_loop()
+        resp = await ing.completions(Req(body))
+        events = []
+        async for piece in resp.body_iterator:
+            events.append(piece)
+            if len(events) == 2:
+                ing._set_running(1, None)         # one replica fewer, which one unknown
+                await asyncio.sleep(0.05)         # the migration callback had its turn
+        return events, await ing.state()
+    events, state = asyncio.run(run())
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    assert text == whole["choices"][0]["text"] and state == "ready" and ing.live == 1
+    replicas = {json.loads(e[6:]).get("replica") for e in events[:-1]} - {None}
+    assert replicas == {"a"} and not ing.continued.seen, (replicas, ing.continued.seen)

@@ -87,10 +87,8 @@ def runtime_env(env_vars: dict[str, str] | None = None) -> dict:
 
 def init_ray(env: dict) -> None:
     """Connect to the job's cluster (RAY_ADDRESS inside a Ray job) or start a local one."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(runtime_env=env or None, log_to_driver=True)
+    from spotfill.fillin.wiring import connect_ray
+    connect_ray(env)
 
 
 def absolute(name: str, value: str) -> str:

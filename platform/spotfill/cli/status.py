@@ -73,8 +73,10 @@ def live_jobs(keys_values: dict[str, bytes | None], alive) -> list[dict]:
 def _read_live(gpu_resource: str | None) -> tuple[list[dict], list[dict]]:
     import ray
 
-    from spotfill.ray_compat import kv_get, kv_list
+    from spotfill.ray_compat import kv_get, kv_list, require
     from spotfill.train.sink import LIVE_KEY_PREFIX
+
+    require("gcs_kv")
 
     def alive(name: str) -> bool:
         try:

@@ -102,20 +102,20 @@ def load_yaml(path: str, field: str = "--config") -> dict:
     return data
 
 
-def _join(path: str, name: str) -> str:
+def join_path(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _positive(path: str, name: str, value: float | int | None, allow_zero: bool = False) -> None:
+def check_positive(path: str, name: str, value: float | int | None, allow_zero: bool = False) -> None:
     if value is None:
         return
     if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(_join(path, name), value, accepted=">= 0" if allow_zero else "> 0")
+        raise ConfigError(join_path(path, name), value, accepted=">= 0" if allow_zero else "> 0")
 
 
-def _choice(path: str, name: str, value: Any, choices: list[Any]) -> None:
+def check_choice(path: str, name: str, value: Any, choices: list[Any]) -> None:
     if value not in choices:
-        raise ConfigError(_join(path, name), value, accepted=choices)
+        raise ConfigError(join_path(path, name), value, accepted=choices)
 
 
 @dataclass
@@ -130,12 +130,12 @@ class ClusterConfig:
 
     def validate(self, path: str) -> None:
         if self.gpus_per_worker != 1:
-            raise ConfigError(_join(path, "gpus_per_worker"), self.gpus_per_worker,
+            raise ConfigError(join_path(path, "gpus_per_worker"), self.gpus_per_worker,
                               reason="each worker is one DeepSpeed rank on one whole GPU",
                               accepted="1 (scale with training.workers)")
-        _positive(path, "cpus_per_worker", self.cpus_per_worker, allow_zero=True)
+        check_positive(path, "cpus_per_worker", self.cpus_per_worker, allow_zero=True)
         if not self.gpu_resource or not self.gpu_resource.replace("_", "").isalnum():
-            raise ConfigError(_join(path, "gpu_resource"), self.gpu_resource, accepted="a Ray resource name")
+            raise ConfigError(join_path(path, "gpu_resource"), self.gpu_resource, accepted="a Ray resource name")
 
 
 @dataclass
@@ -191,51 +191,51 @@ class TrainingConfig:
         from spotfill.train.presets import PRESETS
 
         if len(self.workers) not in (1, 2) or any(w < 1 for w in self.workers):
-            raise ConfigError(_join(path, "workers"), self.workers, accepted="[n] or [min, max] with 1 <= min")
+            raise ConfigError(join_path(path, "workers"), self.workers, accepted="[n] or [min, max] with 1 <= min")
         if self.min_workers > self.max_workers:
-            raise ConfigError(_join(path, "workers"), self.workers, reason="min > max",
+            raise ConfigError(join_path(path, "workers"), self.workers, reason="min > max",
                               accepted="[min, max] with min <= max")
         if not self.model.startswith("hf:") and self.model not in PRESETS:
-            raise ConfigError(_join(path, "model"), self.model, accepted=[*PRESETS, "hf:/local/path"])
+            raise ConfigError(join_path(path, "model"), self.model, accepted=[*PRESETS, "hf:/local/path"])
         for name in ("steps", "global_batch", "max_micro_batch", "checkpoint_every", "keep_checkpoints", "lr"):
-            _positive(path, name, getattr(self, name))
-        _positive(path, "resize_check_s", self.resize_check_s)
+            check_positive(path, name, getattr(self, name))
+        check_positive(path, "resize_check_s", self.resize_check_s)
         for name in ("warmup_steps", "weight_decay", "grad_clip", "min_lr", "max_failures"):
-            _positive(path, name, getattr(self, name), allow_zero=True)
-        _positive(path, "seq_len", self.seq_len)
-        _choice(path, "zero_stage", self.zero_stage, [0, 1, 2, 3])
-        _choice(path, "elastic_restarts", self.elastic_restarts, ["spotfill", "stock", "stock-tuned"])
-        _choice(path, "on_no_intact_checkpoint", self.on_no_intact_checkpoint, ["fail", "restart"])
-        _choice(path, "precision", self.precision, ["auto", "bf16", "fp16", "fp32"])
+            check_positive(path, name, getattr(self, name), allow_zero=True)
+        check_positive(path, "seq_len", self.seq_len)
+        check_choice(path, "zero_stage", self.zero_stage, [0, 1, 2, 3])
+        check_choice(path, "elastic_restarts", self.elastic_restarts, ["spotfill", "stock", "stock-tuned"])
+        check_choice(path, "on_no_intact_checkpoint", self.on_no_intact_checkpoint, ["fail", "restart"])
+        check_choice(path, "precision", self.precision, ["auto", "bf16", "fp16", "fp32"])
         from spotfill.train.presets import RECOMPUTE
-        _choice(path, "activation_checkpointing", self.activation_checkpointing, list(RECOMPUTE))
+        check_choice(path, "activation_checkpointing", self.activation_checkpointing, list(RECOMPUTE))
         if self.model.startswith("hf:") and self.activation_checkpointing == "selective":
-            raise ConfigError(_join(path, "activation_checkpointing"), "selective",
+            raise ConfigError(join_path(path, "activation_checkpointing"), "selective",
                               reason="a Hugging Face model recomputes whole layers",
                               accepted="none or full with an hf: model")
-        _positive(path, "pipeline_stages", self.pipeline_stages)
-        _positive(path, "micro_batches", self.micro_batches, allow_zero=True)
+        check_positive(path, "pipeline_stages", self.pipeline_stages)
+        check_positive(path, "micro_batches", self.micro_batches, allow_zero=True)
         if self.pipeline_stages == 1:
             if self.bubble_fill:
-                raise ConfigError(_join(path, "bubble_fill"), self.bubble_fill,
+                raise ConfigError(join_path(path, "bubble_fill"), self.bubble_fill,
                                   reason="bubbles come with pipeline stages", accepted="training.pipeline_stages > 1")
             check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
             return
         from spotfill.train.pipe_layout import check_pipeline_range
         if self.activation_checkpointing != "none":
-            raise ConfigError(_join(path, "activation_checkpointing"), self.activation_checkpointing,
+            raise ConfigError(join_path(path, "activation_checkpointing"), self.activation_checkpointing,
                               reason="pipeline stages run their layers without recomputation",
                               accepted="none with training.pipeline_stages > 1")
         if self.zero_stage > 1:
-            raise ConfigError(_join(path, "zero_stage"), self.zero_stage,
+            raise ConfigError(join_path(path, "zero_stage"), self.zero_stage,
                               reason="DeepSpeed's pipeline engine does not run ZeRO-2/3",
                               accepted="0 or 1 with training.pipeline_stages > 1")
         if self.model.startswith("hf:"):
-            raise ConfigError(_join(path, "model"), self.model, reason="pipeline stages cut the GPT presets only",
+            raise ConfigError(join_path(path, "model"), self.model, reason="pipeline stages cut the GPT presets only",
                               accepted=[*PRESETS])
         layers = PRESETS[self.model].n_layer + 2      # embeddings, the blocks, the head
         if self.pipeline_stages > layers:
-            raise ConfigError(_join(path, "pipeline_stages"), self.pipeline_stages,
+            raise ConfigError(join_path(path, "pipeline_stages"), self.pipeline_stages,
                               reason=f"more stages than the {layers} layers of {self.model}",
                               accepted=f"1..{layers}")
         check_pipeline_range(self.global_batch, self.pipeline_stages, self.min_workers, self.max_workers,
@@ -250,8 +250,8 @@ class DataConfig:
 
     def validate(self, path: str) -> None:
         if not self.path:
-            raise ConfigError(_join(path, "path"), self.path, accepted="a local path or s3:// URI of prepared shards")
-        _positive(path, "prefetch", self.prefetch)
+            raise ConfigError(join_path(path, "path"), self.path, accepted="a local path or s3:// URI of prepared shards")
+        check_positive(path, "prefetch", self.prefetch)
 
 
 @dataclass
@@ -288,12 +288,12 @@ class PrepareConfig:
 
     def validate(self, path: str) -> None:
         if not self.source:
-            raise ConfigError(_join(path, "source"), self.source, accepted="a local path or s3:// URI")
+            raise ConfigError(join_path(path, "source"), self.source, accepted="a local path or s3:// URI")
         if not self.output:
-            raise ConfigError(_join(path, "output"), self.output, accepted="a local path or s3:// URI")
-        _choice(path, "format", self.format, ["auto", "text", "jsonl", "parquet"])
-        _positive(path, "seq_len", self.seq_len)
-        _positive(path, "rows_per_shard", self.rows_per_shard)
+            raise ConfigError(join_path(path, "output"), self.output, accepted="a local path or s3:// URI")
+        check_choice(path, "format", self.format, ["auto", "text", "jsonl", "parquet"])
+        check_positive(path, "seq_len", self.seq_len)
+        check_positive(path, "rows_per_shard", self.rows_per_shard)
 
 
 STDLIB_SCHEME = "stdlib:"

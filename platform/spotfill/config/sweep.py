@@ -27,7 +27,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from spotfill.config.errors import ConfigError
-from spotfill.config.job import _choice, _join, _positive, apply_overrides, from_mapping, load_yaml
+from spotfill.config.job import apply_overrides, check_choice, check_positive, from_mapping, join_path, load_yaml
 
 SEARCH_KEYS = ("lr", "warmup_steps", "weight_decay", "batch")
 
@@ -38,7 +38,7 @@ class SweepDataConfig:
 
     def validate(self, path: str) -> None:
         if not self.path:
-            raise ConfigError(_join(path, "path"), self.path, accepted="a local path or s3:// URI of prepared shards")
+            raise ConfigError(join_path(path, "path"), self.path, accepted="a local path or s3:// URI of prepared shards")
 
 
 @dataclass
@@ -57,16 +57,16 @@ class SweepSpec:
     def validate(self, path: str) -> None:
         from spotfill.train.presets import PRESETS
 
-        _choice(path, "model", self.model, list(PRESETS))
+        check_choice(path, "model", self.model, list(PRESETS))
         for name in ("steps", "batch", "steps_per_report", "checkpoint_every", "eval_rows"):
-            _positive(path, name, getattr(self, name))
+            check_positive(path, name, getattr(self, name))
         for name in ("trials", "max_failures"):
-            _positive(path, name, getattr(self, name), allow_zero=True)
+            check_positive(path, name, getattr(self, name), allow_zero=True)
         if not self.search:
-            raise ConfigError(_join(path, "search"), self.search, accepted=f"a mapping of {', '.join(SEARCH_KEYS)} "
+            raise ConfigError(join_path(path, "search"), self.search, accepted=f"a mapping of {', '.join(SEARCH_KEYS)} "
                               "to lists of values")
         for key, values in self.search.items():
-            where = _join(_join(path, "search"), str(key))
+            where = join_path(join_path(path, "search"), str(key))
             if key not in SEARCH_KEYS:
                 raise ConfigError(where, values, reason="unknown key", accepted=SEARCH_KEYS)
             if not isinstance(values, list) or not values:
@@ -91,9 +91,9 @@ class SweepFillin:
     grace_s: float = 5.0
 
     def validate(self, path: str) -> None:
-        _choice(path, "grant", self.grant, ["arbiter", "fixed"])
-        _positive(path, "max_units", self.max_units)
-        _positive(path, "grace_s", self.grace_s)
+        check_choice(path, "grant", self.grant, ["arbiter", "fixed"])
+        check_positive(path, "max_units", self.max_units)
+        check_positive(path, "grace_s", self.grace_s)
 
 
 @dataclass
@@ -102,9 +102,9 @@ class SweepCluster:
     cpus_per_trial: float = 1.0
 
     def validate(self, path: str) -> None:
-        _positive(path, "cpus_per_trial", self.cpus_per_trial, allow_zero=True)
+        check_positive(path, "cpus_per_trial", self.cpus_per_trial, allow_zero=True)
         if not self.gpu_resource or not self.gpu_resource.replace("_", "").isalnum():
-            raise ConfigError(_join(path, "gpu_resource"), self.gpu_resource, accepted="a Ray resource name")
+            raise ConfigError(join_path(path, "gpu_resource"), self.gpu_resource, accepted="a Ray resource name")
 
 
 @dataclass

@@ -161,11 +161,15 @@ def committed(out, units: list[bp.Unit]) -> set[str]:
 class UnitWorker:
     """Runs units: evaluation (per-row token loss) or generation; writes each unit's part, then commits it."""
 
-    def __init__(self, output: str, plan: dict, eval_batch: int, prompts: list[str] | None):
+    def __init__(self, output: str, plan: dict, eval_batch: int, prompts: list[str] | None,
+                 tenant: str = "batch", gpu_resource: str = "GPU"):
         import torch
 
+        from spotfill.fillin.busy import BusyReporter
         from spotfill.fillin.cpu_priority import lower_cpu_priority
         lower_cpu_priority()         # fill-in: lowest CPU priority ($SPOTFILL_FILLIN_CPU_NICE, default 19)
+        # its compute time, measured here and sent to the arbiter (gpu_seconds.fillin_busy: fillin/busy.py)
+        self.busy = BusyReporter(tenant, "batch", 1, gpu_resource)
 
         from spotfill.devices import assigned_device, compute_dtype, ray_gpu_ids
         from spotfill.storage.base import open_storage
@@ -188,8 +192,10 @@ class UnitWorker:
         done, rows = [], []
         for raw in batch["unit"]:
             unit = bp.Unit(**{k: v for k, v in json.loads(raw).items() if k in ("kind", "index", "start", "stop")})
-            table = self._eval(unit) if unit.kind == "eval" else self._generate(unit)
+            with self.busy.meter.measure():         # the unit's compute; its commit is storage, not GPU work
+                table = self._eval(unit) if unit.kind == "eval" else self._generate(unit)
             self._commit(unit, table)
+            self.busy.flush()                       # each unit's: a wave can be stopped at any unit
             done.append(unit.unit_id)
             rows.append(unit.rows)
         return {"unit_id": done, "rows": rows}
@@ -333,7 +339,8 @@ class BatchJob:
         ds = ds.map_batches(UnitWorker, batch_size=1, compute=ActorPoolStrategy(size=n), num_cpus=0,
                             max_restarts=0, fn_constructor_kwargs={
                                 "output": self.cfg.output, "plan": plan, "eval_batch": self.cfg.eval.batch_size,
-                                "prompts": prompts}, **gpu)
+                                "prompts": prompts, "tenant": f"batch:{self.cfg.name}", "gpu_resource": res},
+                            **gpu)
         wave = {"actors": n, "units": len(units), "started": time.time(), "done": 0, "stopped": None}
         self.waves.append(wave)
         stop, errors = threading.Event(), []
@@ -405,8 +412,8 @@ class BatchJob:
         killed = []
         for a in actors:
             try:
-                kill_actor_id(a.actor_id)
-                killed.append(a.actor_id)
+                if kill_actor_id(a.actor_id):
+                    killed.append(a.actor_id)
             except Exception as exc:  # noqa: BLE001 - gone meanwhile
                 log.debug("kill %s: %s", a.actor_id, exc)
         log.warning("batch %s: wave %d did not stop %.0fs after its grant fell (%d of %d unit(s) done; "
@@ -438,12 +445,12 @@ class BatchJob:
 def run_batch(cfg, runtime_env: dict | None = None, wait_timeout_s: float | None = None, grant=None) -> dict:
     """jobs/batch_infer.py: plan (exit 2 on bad input before Ray starts), connect, take the grant (the
     arbiter's, or a fixed one with `grant.units`), run, and add the arbiter's reclaims of this tenant."""
-    from spotfill.cli.jobkit import init_ray
     from spotfill.fillin.grant import ArbiterGrant, FixedGrant
+    from spotfill.fillin.wiring import connect_ray
 
     job = BatchJob(cfg, None, runtime_env)
     job.prepare()
-    init_ray(runtime_env or {})
+    connect_ray(runtime_env or {})
     own = grant is None
     if grant is None:
         grant = (FixedGrant(cfg.grant.units, cfg.cluster.grace_s) if cfg.grant.units else

@@ -56,7 +56,8 @@ class ArbiterGrant:
     """A job tenant of the fill-in arbiter (started detached if absent)."""
 
     def __init__(self, kind: str, name: str, *, max_units: int, gpus_per_unit: int = 1, grace_s: float = 5.0,
-                 gpu_resource: str = "GPU", poll_s: float = 0.25, arbiter=None, runtime_env: dict | None = None):
+                 gpu_resource: str = "GPU", poll_s: float = 0.25, arbiter=None, runtime_env: dict | None = None,
+                 cpus_per_unit: float = 0.0):
         import ray
 
         from spotfill.fillin import wiring
@@ -64,7 +65,7 @@ class ArbiterGrant:
         self.grace_s, self.poll_s = float(grace_s), float(poll_s)
         self.spec = {"name": name, "kind": kind, "job_id": ray.get_runtime_context().get_job_id(),
                      "max_replicas": int(max_units), "gpus_per_replica": int(gpus_per_unit),
-                     "grace_s": self.grace_s, "gpu_resource": gpu_resource}
+                     "cpus_per_replica": float(cpus_per_unit), "grace_s": self.grace_s, "gpu_resource": gpu_resource}
         self.tenant = f"{kind}:{name}"
         self._target, self._heard_at, self._demand = 0, time.monotonic(), None
         self._changed = threading.Condition()

@@ -31,6 +31,8 @@ class JobTenantSpec:
     job_id: str                        # the driver's Ray job id (hex), whose actors / groups it holds
     max_replicas: int = 4              # units it may ever hold
     gpus_per_replica: int = 1          # GPUs one unit (an actor, a trial) holds
+    cpus_per_replica: float = 0.0      # CPUs one unit asks for beside its GPUs (a Tune trial's bundle): lent
+                                       # only where the node has them free too
     grace_s: float = 5.0               # how long it has to let go of a reclaimed unit
     gpu_resource: str = "GPU"
     demand: int | None = None          # units it could use now (None: max_replicas)
@@ -56,10 +58,16 @@ class JobTenant:
     def __init__(self, spec: JobTenantSpec):
         self.spec = spec
         self.target: int | None = None      # units the driver may hold now (None: not decided yet)
+        self.pending_groups: frozenset[str] = frozenset()   # its placement groups waiting (last read)
 
     @property
     def tenant(self) -> str:
         return self.spec.tenant
+
+    def shape(self) -> dict[str, float]:
+        """One unit's resource request, as the autoscaler reports it when it waits."""
+        return {self.spec.gpu_resource: float(self.spec.gpus_per_replica),
+                **({"CPU": float(self.spec.cpus_per_replica)} if self.spec.cpus_per_replica else {})}
 
     @property
     def wanted_units(self) -> int:
@@ -73,6 +81,7 @@ class JobTenant:
         out: list[Holding] = []
         groups = list_placement_groups(filters=[("creator_job_id", "=", self.spec.job_id)], detail=True,
                                        limit=1000, raise_on_missing_output=False)
+        self.pending_groups = frozenset(pg.placement_group_id for pg in groups if pg.state == "PENDING")
         for pg in groups:
             if pg.state != "CREATED":
                 continue

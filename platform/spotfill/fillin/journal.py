@@ -10,17 +10,21 @@ copies the journal into its own events.jsonl (train/job.py, LeaseForwarder).
     gpu_free   {node, free}                            the node's GPUs held by nobody (Ray's available
                                                        resources), at first sight and at every change: the
                                                        ledger's evidence that GPUs were idle
-    lease      {lease_id, tenant, workload, node, gpus, start}
+    lease      {lease_id, tenant, workload, node, gpus, start, lent_at}
+               start: when the holder began holding the GPUs; lent_at: the lend decision it took (null:
+               adopted, nobody lent it)
     reclaim    {lease_id, ..., start, end, requested_at, reclaim_s, cause, reason, job}
                the lease ended because spotfill took the GPUs back: `cause` training_claim (a training job's
                claim; `reclaim_s` = that claim -> this GPU free, the hand-back), node_draining, node_idle
                (autoscaled cluster: training left the node, which is given back to scale down), or
                not_lent (a replica Serve started by itself, its cold start, outside any claim)
-    reclaim_expired {tenant, lease_id, requested_at, waited_s, cause, reason, job}
-               a reclaim order no lease of the tenant ended for within ORDER_TTL_S: a hand-back that never
-               completed (the tenant refused or hung) -- reported, not forgotten
     release    {lease_id, ..., end}                    the tenant let the GPUs go by itself
     lease_end  {lease_id, ..., end, reason}            the lease's node died with it
+    handback_incomplete {tenant, lease_id, requested_at, waited_s, cause, reason, job}
+               a reclaim asked for ORDER_TTL_S ago whose GPUs were never seen given back (the tenant did
+               not let go, or its scale call never got through): reported, not forgotten
+    fillin_busy {tenant, workload, node, lease_id, gpus, busy_s, t0, t1}
+               a tenant's own measurement of its compute (fillin/busy.py), journaled as it came
 
 Serve stops replicas of its own choosing, so a reclaim order is matched to the first lease of that tenant
 that ends after it (oldest order first), not to the lease id the arbiter picked.
@@ -32,7 +36,7 @@ from typing import Iterable
 
 from spotfill.fillin.policy import Decision, Lease, Node
 
-ORDER_TTL_S = 120.0         # a reclaim order no lease ended for (the tenant refused) is forgotten after this
+ORDER_TTL_S = 120.0         # a reclaim order no lease ended for within this is reported as incomplete
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,8 @@ class ReclaimOrder:
     tenant: str
     lease_id: str                     # the lease the arbiter chose (Serve may stop another of the tenant's)
     requested_at: float               # training's claim began (or the drain was seen)
-    cause: str                        # "training_claim" | "node_draining" | "node_idle" | "not_lent"
+    cause: str                        # "training_claim" | "node_draining" | "node_idle" | "not_lent" |
+                                      # "fair_share"
     reason: str
     job: str | None = None
 
@@ -50,7 +55,8 @@ class ReclaimOrder:
 
 def _lease_fields(le: Lease) -> dict:
     return {"lease_id": le.lease_id, "tenant": le.tenant, "workload": le.kind, "node": le.node_id,
-            "gpus": le.gpus, "start": round(le.granted_at, 3)}
+            "gpus": le.gpus, "start": round(le.granted_at, 3),
+            "lent_at": None if le.lent_at is None else round(le.lent_at, 3)}
 
 
 def lease_event(le: Lease, t: float) -> dict:
@@ -61,11 +67,13 @@ def lease_ended(decisions: Iterable[Decision], known: dict[str, Lease], orders: 
                 now: float) -> tuple[list[dict], list[ReclaimOrder]]:
     """Events for the leases `decisions` drop (known: lease id -> the lease as it was). A lease lost with
     its node -> lease_end; one the tenant let go while a reclaim order for that tenant is open -> reclaim
-    (the oldest order is used up); else release. Returns the events and the orders still open."""
+    (the oldest order is used up); else release. An order no lease ended for within ORDER_TTL_S ends as a
+    handback_incomplete event. Returns the events and the orders still open."""
     left = [o for o in orders if now - o.requested_at < ORDER_TTL_S]
-    events = [{"t": now, "kind": "reclaim_expired", "tenant": o.tenant, "lease_id": o.lease_id,
+    events = [{"t": now, "kind": "handback_incomplete", "tenant": o.tenant, "lease_id": o.lease_id,
                "requested_at": round(o.requested_at, 3), "waited_s": round(now - o.requested_at, 3),
-               "cause": o.cause, "reason": o.reason, "job": o.job} for o in orders if o not in left]
+               "cause": o.cause, "reason": o.reason, "job": o.job}
+              for o in orders if now - o.requested_at >= ORDER_TTL_S]
     for d in decisions:
         if d.action != "drop" or d.lease_id not in known:
             continue

@@ -42,12 +42,16 @@ def freed_in_view(nodes: Iterable[Node], leases: Iterable[Lease]) -> tuple[Lease
 class LetGo:
     seen_free: dict[str, float] = field(default_factory=dict)   # lease id -> first snapshot its GPUs showed free
     gone: dict[str, float] = field(default_factory=dict)        # holder key -> when it was let go this way
+    tenant_of: dict[str, str] = field(default_factory=dict)     # holder key -> its tenant
 
-    def listed(self, keys: Iterable[str], now: float) -> set[str]:
+    def listed(self, keys: Iterable[str], now: float, unknown: Iterable[str] = ()) -> set[str]:
         """Of the holder keys the state API lists now, those let go already (to be ignored). A key no
-        longer listed, or listed past FORGET_S, is forgotten."""
-        keys = set(keys)
-        self.gone = {k: t for k, t in self.gone.items() if k in keys and now - t <= FORGET_S}
+        longer listed, or listed past FORGET_S, is forgotten -- unless its tenant is `unknown` (what it holds
+        could not be read this time: absent from the listing is not "no longer listed")."""
+        keys, unknown = set(keys), set(unknown)
+        self.gone = {k: t for k, t in self.gone.items()
+                     if (k in keys or self.tenant_of.get(k) in unknown) and now - t <= FORGET_S}
+        self.tenant_of = {k: v for k, v in self.tenant_of.items() if k in self.gone}
         return set(self.gone)
 
     def settle(self, nodes: Iterable[Node], leases: tuple[Lease, ...], now: float
@@ -59,6 +63,7 @@ class LetGo:
         done = [(le, self.seen_free.pop(le.lease_id)) for le in free
                 if now - self.seen_free[le.lease_id] >= CONFIRM_S]
         self.gone.update((le.lease_id, now) for le, _ in done)
+        self.tenant_of.update((le.lease_id, le.tenant) for le, _ in done)
         # dated when the GPUs first showed free: the hand-back ended then (journal.lease_ended)
         drops = tuple(Decision("drop", le.tenant, le.gpus, at=since, node_id=le.node_id, lease_id=le.lease_id,
                                reason=f"tenant let go (reclaimed): its GPU(s) show free in Ray's resource view "

@@ -27,6 +27,7 @@ class Node:
     free_gpus: int                  # not held by anyone (Ray's available resources, whole GPUs)
     alive: bool = True
     draining: bool = False
+    free_cpus: float | None = None  # Ray's available CPUs (None: not known -- not counted)
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,9 @@ class Lease:
     gpus: int
     reclaim_method: str = "serve_scale"
     grace_s: float = 3.0
-    granted_at: float = 0.0
+    granted_at: float = 0.0         # when its holder began holding the GPUs (not the lend decision)
     reclaiming_since: float | None = None
+    lent_at: float | None = None    # the lend decision it took (None: adopted, nobody lent it)
 
 
 @dataclass(frozen=True)
@@ -154,11 +156,20 @@ def reserved_for_training(snap: Snapshot) -> tuple[dict[str, int], list[str]]:
     return reserved, why
 
 
-def lendable(snap: Snapshot) -> dict[str, int]:
-    """Free GPUs per node that training cannot use now (on the snapshot's hosts only)."""
+def lendable(snap: Snapshot, gpus_per_unit: int = 1, cpus_per_unit: float = 0.0) -> dict[str, int]:
+    """Free GPUs per node that training cannot use now (on the snapshot's hosts only). With `cpus_per_unit`
+    (a unit of the tenant asks for CPUs beside its GPUs, e.g. a Tune trial's bundle): no more GPUs on a node
+    than whole units its free CPUs can also hold -- a GPU lent where the unit's CPUs are taken (by training)
+    leaves the unit pending, demand an autoscaler would launch a node for."""
     reserved, _ = reserved_for_training(snap)
-    return {n.node_id: n.free_gpus - reserved.get(n.node_id, 0) for n in _usable_nodes(snap)
-            if n.free_gpus - reserved.get(n.node_id, 0) > 0 and (snap.hosts is None or n.node_id in snap.hosts)}
+    out = {}
+    for n in _usable_nodes(snap):
+        spare = n.free_gpus - reserved.get(n.node_id, 0)
+        if cpus_per_unit > 0 and n.free_cpus is not None:
+            spare = min(spare, int(n.free_cpus / cpus_per_unit + 1e-9) * max(1, gpus_per_unit))
+        if spare > 0 and (snap.hosts is None or n.node_id in snap.hosts):
+            out[n.node_id] = spare
+    return out
 
 
 def training_hosts(training_seen: dict[str, float], now: float, idle_s: float) -> frozenset[str]:
@@ -198,22 +209,44 @@ def ownership(snap: Snapshot) -> dict[str, dict[str, int]]:
 
 # -- decisions ---------------------------------------------------------------------------------------------
 def minus_free(snap: Snapshot, taken) -> Snapshot:
-    """`snap` with the (node, GPUs) in `taken` no longer free."""
-    less: dict[str, int] = {}
-    for node_id, gpus in taken:
-        less[node_id] = less.get(node_id, 0) + gpus
+    """`snap` with the (node, GPUs) or (node, GPUs, CPUs) in `taken` no longer free."""
+    less: dict[str, list[float]] = {}
+    for item in taken:
+        row = less.setdefault(item[0], [0, 0.0])
+        row[0] += item[1]
+        row[1] += item[2] if len(item) > 2 else 0.0
     if not less:
         return snap
-    return replace(snap, nodes=tuple(replace(n, free_gpus=max(0, n.free_gpus - less.get(n.node_id, 0)))
-                                     for n in snap.nodes))
+
+    def minus(n: Node) -> Node:
+        gpus, cpus = less.get(n.node_id, (0, 0.0))
+        return replace(n, free_gpus=max(0, n.free_gpus - gpus),
+                       free_cpus=None if n.free_cpus is None else max(0.0, n.free_cpus - cpus))
+    return replace(snap, nodes=tuple(minus(n) for n in snap.nodes))
+
+
+def minus_anywhere(snap: Snapshot, gpus: int) -> Snapshot:
+    """`snap` with `gpus` lendable GPUs no longer free, wherever they are (smallest lendable amount first, as
+    decide_lend takes them): units a tenant was given and has not taken yet, on a node not known -- a
+    finished Tune trial's successor asks for its group wherever one fits."""
+    spare = lendable(snap)
+    taken = []
+    for node_id in sorted(spare, key=lambda k: (spare[k], k)):
+        if gpus <= 0:
+            break
+        take = min(gpus, spare[node_id])
+        taken.append((node_id, take))
+        gpus -= take
+    return minus_free(snap, taken)
 
 
 def decide_lend(snap: Snapshot, tenant: str, kind: str, wanted: int, now: float, *,
-                method: str = "serve_scale", grace_s: float = 3.0) -> tuple[Decision, ...]:
+                method: str = "serve_scale", grace_s: float = 3.0, gpus_per_unit: int = 1,
+                cpus_per_unit: float = 0.0) -> tuple[Decision, ...]:
     """Lend up to `wanted` whole GPUs to `tenant`: fragments first (smallest lendable amount per node),
     one decision per node; a `refuse` decision (with the reason) when nothing can be lent."""
     wanted = int(wanted)
-    spare = lendable(snap)
+    spare = lendable(snap, gpus_per_unit, cpus_per_unit)
     decisions: list[Decision] = []
     for node_id in sorted(spare, key=lambda k: (spare[k], k)):
         if wanted <= 0:
@@ -225,6 +258,8 @@ def decide_lend(snap: Snapshot, tenant: str, kind: str, wanted: int, now: float,
                                          f"use now; {method} reclaim, grace {grace_s:g}s"))
     if not decisions:
         _, why = reserved_for_training(snap)
+        if cpus_per_unit > 0 and lendable(snap):
+            why.append(f"the nodes with lendable GPUs lack the {cpus_per_unit:g} free CPU(s) a unit asks for")
         if snap.hosts is not None:
             off = sum(n.free_gpus for n in _usable_nodes(snap) if n.node_id not in snap.hosts)
             if off:
@@ -286,6 +321,22 @@ def decide_claim(snap: Snapshot, job: str, wanted: int, gpus_per_worker: int, no
     return ClaimPlan(job, wanted, free_now, decisions, short)
 
 
+def claim_finished(plan: ClaimPlan, waited_s: float, deadline_s: float, pending: bool, reclaimed: bool,
+                   settled_s: float | None, lag_s: float) -> tuple[bool, float | None]:
+    """Is a claim answered now? (done, settled_s). Yes when enough GPUs are free or the deadline passed; or
+    when nothing is left to reclaim (`pending`: no lease is still being reclaimed) and it is still short --
+    at once when it reclaimed nothing, else once the GPUs it reclaimed had `lag_s` to show as available in
+    Ray's resource view (a stopped replica is gone before its GPU shows free). `settled_s`: when (seconds
+    into the claim) nothing was left to reclaim, carried from one call to the next."""
+    if plan.free_now >= plan.wanted or waited_s > deadline_s:
+        return True, settled_s
+    if plan.short_by and not pending:
+        settled_s = waited_s if settled_s is None else settled_s
+        if not reclaimed or waited_s - settled_s > lag_s:
+            return True, settled_s
+    return False, settled_s
+
+
 def _helps(snap: Snapshot, gpw: int, coming: dict[str, int], lease: Lease) -> bool:
     """Does reclaiming `lease` add usable GPUs, given everything else coming back?"""
     without = dict(coming)
@@ -329,39 +380,64 @@ class Holding:
     key: str                        # stable id of the holder (replica actor id, placement group id)
     reclaim_method: str = "serve_scale"
     grace_s: float = 3.0
-    since: float | None = None      # since when it holds them, where known (the lend it took, or its start)
-    lent: bool = False              # it took a GPU the arbiter lent (else: it held one the arbiter had not)
+    since: float | None = None      # since when its holder holds them, where Ray says (an actor's start)
+    lent_at: float | None = None    # the lend it took (None: the arbiter lent it nothing)
 
 
-def rebuild_leases(holdings: Iterable[Holding], known: Iterable[Lease], now: float
-                   ) -> tuple[tuple[Lease, ...], tuple[Decision, ...]]:
+def rebuild_leases(holdings: Iterable[Holding], known: Iterable[Lease], now: float,
+                   unknown: Iterable[str] = ()) -> tuple[tuple[Lease, ...], tuple[Decision, ...]]:
     """Leases from what tenants are seen holding: a known lease keeps its history (grant time,
     reclaiming); a holding with no lease record (the arbiter restarted) is adopted; a known lease with no
     holding left is dropped (its tenant let go). The lease id is the holder's key. A new lease starts when
-    its holder started holding (`since`, never later than now): the GPU-seconds ledger counts a lent GPU as
-    fill-in's from the lend on, not from the tick that first saw its replica."""
+    its holder began holding (`since`, never later than now; else now, when it is first seen) -- never at
+    the lend decision it took (`lent_at`, kept beside it): between the two the tenant's worker was still
+    being placed and started, and the GPU was nobody's. The leases of `unknown` tenants (what they hold
+    could not be read this time) stay as they were: a failed read is not "holds nothing"."""
+    unknown = set(unknown)
+    known = tuple(known)
     by_id = {le.lease_id: le for le in known}
     leases, decisions = [], []
     seen = set()
     for h in holdings:
+        if h.tenant in unknown:
+            continue
         seen.add(h.key)
         old = by_id.get(h.key)
         if old is not None:
             leases.append(replace(old, node_id=h.node_id, gpus=h.gpus))
             continue
         leases.append(Lease(h.key, h.tenant, h.kind, h.node_id, h.gpus, h.reclaim_method, h.grace_s,
-                            granted_at=min(now, h.since) if h.since else now))
-        if h.lent:
+                            granted_at=min(now, h.since) if h.since else now, lent_at=h.lent_at))
+        if h.lent_at is not None:
             continue                # the lend taking effect: decided (and logged) when it was made
         decisions.append(Decision("adopt", h.tenant, h.gpus, at=now, node_id=h.node_id, lease_id=h.key,
                                   reason="tenant holds GPUs with no lease record (deployed before it registered, "
                                          "replaced a lost replica, or the arbiter restarted): adopted"))
     for le in known:
-        if le.lease_id not in seen:
+        if le.tenant in unknown:
+            leases.append(le)
+        elif le.lease_id not in seen:
             decisions.append(Decision("drop", le.tenant, le.gpus, at=now, node_id=le.node_id,
                                       lease_id=le.lease_id, reason="tenant no longer holds it "
                                       + ("(reclaimed)" if le.reclaiming_since is not None else "(released)")))
     return tuple(leases), tuple(decisions)
+
+
+def mark_reclaiming(leases: Iterable[Lease], targets: dict[str, int | None], reclaiming: dict[str, float],
+                    now: float) -> tuple[Lease, ...]:
+    """Per tenant (`targets`: tenant -> the count it was set to, None: not decided yet), as many of its
+    leases as it holds beyond its target are going away -- Serve stops replicas of its own choosing: those
+    the arbiter chose (`reclaiming`: lease id -> since) while still held, else the newest, marked from `now`.
+    Leases of tenants not in `targets` (unregistered) are left as they are."""
+    leases = tuple(leases)
+    out = []
+    for name, target in targets.items():
+        mine = sorted((le for le in leases if le.tenant == name),
+                      key=lambda le: (le.lease_id not in reclaiming, -le.granted_at, le.lease_id))
+        going = max(0, len(mine) - target) if target is not None else 0
+        out += [replace(le, reclaiming_since=reclaiming.get(le.lease_id, now) if i < going else None)
+                for i, le in enumerate(mine)]
+    return tuple(out) + tuple(le for le in leases if le.tenant not in targets)
 
 
 @dataclass

@@ -135,7 +135,8 @@ def _check_same_sweep(check, c: SweepControl) -> int:
 
 
 def _searcher_class():
-    from spotfill import ray_compat  # noqa: F401 - checks the Tune extension points used here
+    from spotfill import ray_compat
+    ray_compat.require_sweep()       # the Tune extension points used here (one line where Ray moved one)
     from ray.tune.search import Searcher
 
     class GrantSearcher(Searcher):
@@ -369,6 +370,8 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     and continued rather than started over (`restored`, `carried_over`, `restored_trials` say so); then
     Tune keeps that experiment's run config, so `callbacks` are the ones it was created with."""
     global _LIVE_CONTROL
+    from spotfill import ray_compat
+    ray_compat.require_sweep()       # Tune's extension points and state-file names (one line where Ray moved one)
     os.environ.setdefault("TUNE_FORCE_TRIAL_CLEANUP_S", CLEANUP_S)
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", RESTORE_STATE_S)
     os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
@@ -380,7 +383,8 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     control = SweepControl(grant, configs, clock=clock, emit=emit)
     job = {"data": cfg.data.path, "model": s.model, "steps": s.steps, "batch": s.batch,
            "steps_per_report": s.steps_per_report, "eval_rows": s.eval_rows, "seed": s.seed,
-           "step_sleep_s": step_sleep_s, "setup_sleep_s": setup_sleep_s}
+           "step_sleep_s": step_sleep_s, "setup_sleep_s": setup_sleep_s,
+           "tenant": f"sweep:{cfg.name}", "gpu_resource": cfg.cluster.gpu_resource}
     control.job, control.experiment = dict(job), experiment_path(cfg.storage, cfg.name)
     resources = tune.PlacementGroupFactory([{"CPU": float(cfg.cluster.cpus_per_trial),
                                              cfg.cluster.gpu_resource: 1.0}])

@@ -40,8 +40,10 @@ def make_grant(cfg, runtime_env: dict | None = None):
     f = cfg.fillin
     if f.grant == "fixed":
         return FixedGrant(f.max_units, grace_s=f.grace_s)
+    # a trial asks for {CPU: cpus_per_trial, GPU: 1}: the arbiter lends its GPU only where the CPUs are free too
     return ArbiterGrant("sweep", cfg.name, max_units=f.max_units, gpus_per_unit=1, grace_s=f.grace_s,
-                        gpu_resource=cfg.cluster.gpu_resource, runtime_env=runtime_env)
+                        gpu_resource=cfg.cluster.gpu_resource, runtime_env=runtime_env,
+                        cpus_per_unit=cfg.cluster.cpus_per_trial)
 
 
 def sweep_handbacks(tenant: str, since: float) -> list[float]:
@@ -62,12 +64,12 @@ def sweep_handbacks(tenant: str, since: float) -> list[float]:
 
 
 def run_sweep_job(cfg, *, runtime_env: dict | None = None, step_sleep_s: float = 0.0, grant=None) -> dict:
-    from spotfill.cli import jobkit
     from spotfill.fillin.sweep import run_sweep
+    from spotfill.fillin.wiring import connect_ray
     from spotfill.telemetry.events import EventLog
 
     check_inputs(cfg)
-    jobkit.init_ray(runtime_env or {})
+    connect_ray(runtime_env or {})
     os.makedirs(cfg.run_dir, exist_ok=True)
     events = EventLog(os.path.join(cfg.run_dir, "events.jsonl"))
     t0 = time.time()

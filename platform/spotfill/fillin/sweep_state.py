@@ -29,8 +29,10 @@ import json
 import pickletools
 from dataclasses import dataclass, field
 
-EXPERIMENT_STATE = ("experiment_state-", ".json")    # TuneController.CKPT_FILE_TMPL
-SEARCHER_STATE = ("searcher-state-", ".pkl")         # Searcher.CKPT_FILE_TMPL (GrantSearcher writes JSON)
+# TuneController.CKPT_FILE_TMPL and Searcher.CKPT_FILE_TMPL (GrantSearcher writes JSON), checked against the
+# installed Tune by ray_compat's hook tune_fillin_sweep when a sweep is built
+from spotfill.ray_compat.catalog import TUNE_EXPERIMENT_STATE as EXPERIMENT_STATE  # noqa: E402
+from spotfill.ray_compat.catalog import TUNE_SEARCHER_STATE as SEARCHER_STATE  # noqa: E402
 TUNER_FILE = "tuner.pkl"                             # written once, when the experiment is created
 DAMAGED_SUFFIX = ".damaged"
 BACKUP_SUFFIX = ".last"

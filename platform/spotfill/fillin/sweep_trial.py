@@ -43,6 +43,7 @@ def trainable_class():
             import torch
 
             from spotfill.devices import assigned_device, compute_dtype, ray_gpu_ids
+            from spotfill.fillin.busy import BusyReporter
             from spotfill.fillin.cpu_priority import lower_cpu_priority
             from spotfill.storage.base import open_storage
             from spotfill.train.data import ShardReader
@@ -53,6 +54,9 @@ def trainable_class():
             torch.set_num_threads(1)
             self.job = dict(job or {})
             self.cfg = dict(config)
+            # its compute time (the optimizer steps and the final evaluation), sent to the arbiter
+            # (gpu_seconds.fillin_busy: fillin/busy.py)
+            self.busy = BusyReporter(self.job.get("tenant", "sweep"), "sweep", 1, self.job.get("gpu_resource", "GPU"))
             self.device = assigned_device()
             self.dtype = compute_dtype(self.device)
             self.where = {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
@@ -103,26 +107,17 @@ def trainable_class():
                     break
                 for g in self.opt.param_groups:
                     g["lr"] = lr_at(self.step_n, float(self.cfg["lr"]), int(self.cfg.get("warmup_steps", 0)), total)
-                x, y = self._batch(self.step_n)
-                loss = self._loss(x, y)
-                self.opt.zero_grad(set_to_none=True)
-                if self.scaler is None:
-                    loss.backward()
-                    self.opt.step()
-                else:
-                    self.scaler.scale(loss).backward()
-                    self.scaler.step(self.opt)
-                    self.scaler.update()
+                with self.busy.measure():
+                    losses.append(self._train_step())
                 self.step_n += 1
                 self.history.append(self.step_n)
-                losses.append(float(loss))
             if self.job.get("step_sleep_s"):
                 time.sleep(float(self.job["step_sleep_s"]))      # tests: a trial long enough to reclaim
             out = {"step": self.step_n, "loss": sum(losses) / max(1, len(losses)),
                    "restored_from": self.restored_from, "first_step": self.first_step,
                    "incarnation": self.incarnation, "pid": os.getpid(), **self.where}
             if self.step_n >= total:
-                with torch.no_grad():
+                with torch.no_grad(), self.busy.measure():
                     rows = self.reader.rows(self.eval_rows)
                     t = torch.from_numpy(rows.astype("int64")).to(self.device)
                     out[METRIC] = float(self._loss(t[:, :-1], t[:, 1:]))
@@ -132,8 +127,25 @@ def trainable_class():
                 out["done"] = True
             return out
 
+        def _train_step(self) -> float:
+            x, y = self._batch(self.step_n)
+            loss = self._loss(x, y)
+            self.opt.zero_grad(set_to_none=True)
+            if self.scaler is None:
+                loss.backward()
+                self.opt.step()
+            else:
+                self.scaler.scale(loss).backward()
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            return float(loss)
+
+        def cleanup(self):
+            self.busy.flush()          # stopped (done, paused, reclaimed): what it measured last
+
         def save_checkpoint(self, checkpoint_dir: str):
             import torch
+            self.busy.flush()
             torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step_n,
                         "history": list(self.history), "incarnation": self.incarnation,
                         **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})},

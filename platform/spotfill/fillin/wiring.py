@@ -56,6 +56,14 @@ def runtime_env() -> dict:
     return {"env_vars": env}
 
 
+def connect_ray(runtime_env: dict | None = None) -> None:
+    """Connect a driver to its job's cluster (RAY_ADDRESS inside a Ray job) or start a local one."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(runtime_env=runtime_env or None, log_to_driver=True)
+
+
 # -- the arbiter ------------------------------------------------------------------------------------------
 def arbiter(gpu_resource: str = "GPU", *, order: tuple[str, ...] = DEFAULT_ORDER, state_path: str | None = None,
             runtime_env: dict | None = None, autoscaled: bool | None = None, launch_nodes: bool = False,

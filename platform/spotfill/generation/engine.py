@@ -13,6 +13,9 @@ last (the next step's input).
 
 Threads: `submit` and `cancel` may be called from any thread; `step` runs on one (`start()` runs it in a
 daemon thread until `stop()`). Updates go to each request's `sink(update)` on the engine's thread.
+
+Busy time: given a `meter` (fillin/busy.py's reporter, or anything with `measure()`), the engine thread
+measures each step it runs -- the time the device computes -- and nothing while it waits for requests.
 """
 from __future__ import annotations
 
@@ -72,14 +75,14 @@ class _Row:
 
 class Engine:
     def __init__(self, target, tokenizer, max_batch: int = 8, draft=None, num_draft_tokens: int = 4,
-                 policy: SpecPolicy | None = None, clock=time.perf_counter):
+                 policy: SpecPolicy | None = None, clock=time.perf_counter, meter=None):
         if max_batch < 1:
             raise ValueError(f"max_batch {max_batch}: accepted >= 1")
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) is not the target's "
                              f"({target.vocab_size}): a draft needs the same tokenizer")
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
-        self.max_batch, self.clock = max_batch, clock
+        self.max_batch, self.clock, self.meter = max_batch, clock, meter
         self.cache = target.new_cache(max_batch)
         self.shared = draft is not None and draft.shares_cache_with(target)
         self.draft_cache = None if draft is None else self.cache if self.shared else draft.new_cache(max_batch)
@@ -141,7 +144,11 @@ class Engine:
                 while not (self.rows or self._pending or self._cancelled or self._stop.is_set()):
                     self._lock.wait()
             try:
-                self.step()
+                if self.meter is None:
+                    self.step()
+                else:
+                    with self.meter.measure():
+                        self.step()
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving others
                 log.exception("generation step failed; failing %d running request(s)", len(self.rows))
                 self._fail_all(f"{type(exc).__name__}: {exc}")

@@ -51,9 +51,9 @@ def replica_device():
 
 
 def build_engine(model, draft: DraftSpec = DraftSpec(), draft_model=None, num_draft_tokens: int = 4,
-                 max_batch: int = 8, policy=None) -> Engine:
+                 max_batch: int = 8, policy=None, meter=None) -> Engine:
     """An engine over `model` (spotfill's GPT or any forward(idx) -> logits model with a .cfg), with the draft
-    `draft` names (`draft_model`: the loaded model of a URI draft)."""
+    `draft` names (`draft_model`: the loaded model of a URI draft); `meter` measures its steps (Engine)."""
     from spotfill.config.errors import ConfigError
     target = decoder_for(model)
     dec = None
@@ -68,7 +68,7 @@ def build_engine(model, draft: DraftSpec = DraftSpec(), draft_model=None, num_dr
             raise ConfigError("draft", draft.uri, reason=f"its vocabulary has {dec.vocab_size} tokens, the "
                               f"model's {target.vocab_size}", accepted="a run with the same tokenizer")
     return Engine(target, ByteTokenizer(), max_batch=max_batch, draft=dec, num_draft_tokens=num_draft_tokens,
-                  policy=policy)
+                  policy=policy, meter=meter)
 
 
 def job_request(job: dict, tokenizer, context: int) -> GenerationRequest:

@@ -60,6 +60,7 @@ class EmbeddedCluster:
         self.gpu_resource = gpu_resource
         self.cpu_layout = cpu_layout
         self._driver_affinity = None
+        self.training_pinned: set[int] = set()     # training worker processes moved to the layout's "training"
         if cpu_layout is not None:    # before the head starts: its processes are this one's children
             from spotfill.sim.cpu_layout import pin_threads, thread_affinities
             self._driver_affinity = thread_affinities(os.getpid())
@@ -79,6 +80,19 @@ class EmbeddedCluster:
         self.records: list[dict] = [{"id": self.cluster.head_node.node_id, "type": "head", "market": "on-demand",
                                      "gpus": 0,
                                      "launched_by": "static", "started": round(time.time(), 3)}]
+        self._pinning = None
+        if cpu_layout is not None and cpu_layout.get("training"):
+            import threading
+            self._pinning = threading.Event()
+            threading.Thread(target=self._pin_training, name="pin-training-workers", daemon=True).start()
+
+    def _pin_training(self) -> None:
+        """Each training worker onto the layout's training core(s), as soon as it is seen (every 0.5 s)."""
+        from spotfill.sim.cpu_layout import pin_training_workers
+        while not self._pinning.wait(0.5):
+            if pin_training_workers(os.getpid(), self.cpu_layout["training"], self.training_pinned):
+                log.info("training worker(s) on cores %s: %d so far", self.cpu_layout["training"],
+                         len(self.training_pinned))
 
     @property
     def address(self) -> str:
@@ -104,10 +118,14 @@ class EmbeddedCluster:
         from spotfill.ray_compat import node_raylet_pids
         from spotfill.sim.cpu_layout import pin_process_tree
         layout = self.cpu_layout["nodes"]
-        if index >= len(layout):
+        if index < len(layout):
+            cores = layout[index]
+        elif self.cpu_layout.get("training"):
+            cores = self.cpu_layout["head"]     # training apart: every node's processes share the other cores
+        else:
             raise ValueError(f"cpu_layout has cores for {len(layout)} nodes; node {index} was added")
-        n = pin_process_tree(node_raylet_pids(node), layout[index])
-        log.info("node %d runs on cores %s (%d processes pinned)", index, layout[index], n)
+        n = pin_process_tree(node_raylet_pids(node), cores)
+        log.info("node %d runs on cores %s (%d processes pinned)", index, cores, n)
 
     def alive(self, index: int) -> bool:
         return 0 <= index < len(self.nodes) and self.nodes[index] is not None
@@ -151,6 +169,8 @@ class EmbeddedCluster:
         import ray
 
         from spotfill.ray_compat import single_host_loopback
+        if self._pinning is not None:
+            self._pinning.set()
         try:
             ray.shutdown()
         finally:

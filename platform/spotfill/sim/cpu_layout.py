@@ -8,6 +8,13 @@ slowdown that a cluster would not have. `plan_layout` gives the head one core an
 as it has GPU slots (one per training worker), disjoint, where the machine has that many; `pin_process_tree`
 puts a process, each of its threads and each process it started on given cores (processes it starts later
 inherit them). No Ray import: the cluster code hands it process ids.
+
+On a machine with fewer cores (2 here) `training_apart` gives the one training worker a core of its own and
+everything else -- the head, every node's raylet and workers (fill-in's tenants, the arbiter, Serve), this
+driver -- the other cores: what fill-in costs training is then measured where a cluster has it, on the
+tenants' own machines, not as contention for training's core. The worker is moved to its core when it starts
+(`pin_training_workers`, called every half second by the embedded cluster): Ray starts it from its node's
+raylet, whose cores it inherits.
 """
 from __future__ import annotations
 
@@ -31,12 +38,64 @@ def plan_layout(node_slots: list[int], cores: list[int] | None = None) -> dict |
     return {"head": [cores[-1]], "nodes": out}
 
 
+TRAINING_WORKER = "ray::RayTrainWorker"     # a Ray Train (v2) worker's process title
+
+
+def training_apart(n_nodes: int, cores: list[int] | None = None) -> dict | None:
+    """{"head": others, "nodes": [others] * n_nodes, "training": [first core]}: the training worker alone on
+    the first core, everything else on the others. None with fewer than 2 cores."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if len(cores) < 2:
+        return None
+    return {"head": cores[1:], "nodes": [cores[1:]] * max(1, int(n_nodes)), "training": cores[:1]}
+
+
 def describe(layout: dict | None, cores: int | None = None) -> str:
     """One line for a log or a benchmark's notes."""
     if layout is None:
         return f"shared: the head and every node run on all {cores or len(os.sched_getaffinity(0))} cores"
+    if layout.get("training"):
+        return (f"training apart: the training worker on core(s) {layout['training']}, the head, every node's "
+                f"other processes (fill-in, the arbiter, Serve) and the driver on {layout['head']}")
     nodes = ", ".join(f"node {i} {c}" for i, c in enumerate(layout["nodes"]))
     return f"apart: head {layout['head']}, {nodes}"
+
+
+def as_dict(layout: dict | None, pinned: int | None = None) -> dict:
+    """The layout as a benchmark's JSON says it (`pinned`: training worker processes moved to their core)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if layout is None:
+        return {"kind": "shared", "cores": cores, "detail": describe(None)}
+    out = {"kind": "training_apart" if layout.get("training") else "apart", "cores": cores,
+           "head": layout["head"], "detail": describe(layout)}
+    if layout.get("training"):
+        out.update(training=layout["training"], others=layout["head"], training_workers_pinned=pinned)
+    else:
+        out["nodes"] = layout["nodes"]
+    return out
+
+
+def pin_training_workers(root: int, cpus: list[int], done: set[int]) -> int:
+    """Every Ray Train worker process under `root` not in `done` (and each of its threads) onto `cpus`;
+    returns how many were pinned now (added to `done`)."""
+    import psutil
+
+    n = 0
+    try:
+        procs = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return 0
+    for p in procs:
+        if p.pid in done:
+            continue
+        try:
+            title = " ".join(p.cmdline()[:1])
+        except psutil.Error:
+            continue
+        if title.startswith(TRAINING_WORKER) and pin_threads(p.pid, cpus):
+            done.add(p.pid)
+            n += 1
+    return n
 
 
 def pin_threads(pid: int, cpus: list[int]) -> int:

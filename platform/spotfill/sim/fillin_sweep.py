@@ -40,7 +40,9 @@ class SweepFillin(DriverFillin):
                          "steps_per_report": max(1, min(5, spec["steps"] // 5)),
                          "checkpoint_every": min(10, spec["steps"]), "eval_rows": 32, "search": GRID, "trials": spec["trials"]},
                "fillin": {"grant": "arbiter", "max_units": spec["max_units"] or gpus, "grace_s": 5.0},
-               "cluster": {"gpu_resource": self.scenario.cluster.gpu_resource, "cpus_per_trial": 0}}
+               # as examples/sweep-tiny.yaml: a trial asks for a CPU beside its GPU (the arbiter lends only where
+               # both are free; a node's CPUs equal its GPU slots here, and training takes one per worker)
+               "cluster": {"gpu_resource": self.scenario.cluster.gpu_resource, "cpus_per_trial": 1}}
         path = os.path.join(self.dir, "sweep.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(cfg, f)

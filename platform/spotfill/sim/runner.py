@@ -199,6 +199,9 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         if scale_down is not None:
             report["autoscaler"]["scale_down"] = scale_down
         report["cluster"] = cluster.node_report()
+        if cpu_layout is not None:
+            from spotfill.sim.cpu_layout import as_dict
+            report["cpu_layout"] = as_dict(cpu_layout, len(getattr(cluster, "training_pinned", ())))
         if scenario.cluster.autoscaler:
             from spotfill.sim.nodes import autoscaler_invariants
             report["invariants"].update(autoscaler_invariants(report))

@@ -375,6 +375,8 @@ class RayNodeDrainer:
 
     def __init__(self, address: Optional[str] = None, node_id: Optional[str] = None,
                  node_ip: Optional[str] = None, timeout_s: float = 10.0):
+        from spotfill.ray_compat import require
+        require("spot_drain")       # at start, one line: not at the first notice
         self.address, self.node_id, self.node_ip, self.timeout_s = address, node_id, node_ip, timeout_s
         self._lock = threading.Lock()
         self._gcs = None

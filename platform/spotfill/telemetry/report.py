@@ -85,19 +85,19 @@ def _nodes(events: list[dict], report: dict) -> list[NodeSpan] | None:
 
 def fillin_section(events: list[dict], window: tuple[float, float]) -> dict | None:
     """report.json `fillin.leases` (each lease overlapping the run's window: tenant, workload, node, gpus,
-    start, end, how it ended, reclaim_s) and `fillin.handback_seconds` (one per reclaim that a training
-    claim caused: the claim -> that lease's GPUs free), from the lease events; `fillin.handbacks_unfinished`
-    for reclaim orders that expired with no lease ended (a hand-back that never completed); None without any."""
+    start, end, how it ended, reclaim_s; with the tenants' own busy measurements: lent_at, first_busy,
+    lend_to_busy_s, busy_s), `fillin.handback_seconds` (one per reclaim that a training claim caused: the
+    claim -> that lease's GPUs free), `fillin.lend_to_busy_s` per workload (the lend decision -> the GPU's
+    first measured compute) and `fillin.handbacks_incomplete` (reclaims whose GPUs were never seen given
+    back), from the lease, fillin_busy and handback_incomplete events; None without any lease."""
     start, end = window
     open_: dict[str, dict] = {}
     leases: list[dict] = []
-    unfinished = [{k: e.get(k) for k in ("tenant", "lease_id", "requested_at", "waited_s", "cause", "job")}
-                  for e in events if e["kind"] == "reclaim_expired" and start <= e.get("requested_at", e["t"]) < end]
 
     def row(e: dict) -> dict:
         return {"lease_id": e.get("lease_id"), "tenant": e.get("tenant"), "workload": workload_of(e),
                 "node": e.get("node", e.get("node_id")), "gpus": e.get("gpus"), "start": e.get("start", e["t"]),
-                "end": None, "ended_by": None, "reclaim_s": None}
+                "lent_at": e.get("lent_at"), "end": None, "ended_by": None, "reclaim_s": None}
 
     for e in events:
         if e["kind"] == "lease":
@@ -110,14 +110,48 @@ def fillin_section(events: list[dict], window: tuple[float, float]) -> dict | No
                 leases.append(le)
     leases += open_.values()
     leases = [le for le in leases if le["start"] < end and (le["end"] is None or le["end"] > start)]
-    if not leases and not unfinished:
+    if not leases:
         return None
     leases.sort(key=lambda le: le["start"])
+    _add_busy(leases, [e for e in events if e["kind"] == "fillin_busy"])
     handback = [le["reclaim_s"] for le in leases if le["ended_by"] == "reclaim" and le.get("cause") == "training_claim"
                 and le["reclaim_s"] is not None]
-    out = {"leases": leases, "handback_seconds": handback, "handback_seconds_max": max(handback) if handback else None}
-    if unfinished:                        # hand-backs that never completed: the order expired, nothing ended
-        out["handbacks_unfinished"] = unfinished
+    incomplete = [{k: e.get(k) for k in ("tenant", "lease_id", "requested_at", "waited_s", "cause", "job")}
+                  for e in events if e["kind"] == "handback_incomplete" and start <= e["t"] <= end]
+    out = {"leases": leases, "handback_seconds": handback,
+           "handback_seconds_max": max(handback) if handback else None, "handbacks_incomplete": incomplete}
+    latency = lend_to_busy_summary(leases)
+    if latency:
+        out["lend_to_busy_s"] = latency
+    return out
+
+
+def _add_busy(leases: list[dict], busy: list[dict]) -> None:
+    """Each lease's busy seconds and first measured compute, from the fillin_busy events of its holder."""
+    by_id: dict[str, list[dict]] = {}
+    for e in busy:
+        if e.get("lease_id"):
+            by_id.setdefault(str(e["lease_id"]), []).append(e)
+    for le in leases:
+        mine = [e for e in by_id.get(str(le["lease_id"]), [])
+                if e["t1"] >= le["start"] - 1.0 and (le["end"] is None or e["t0"] <= le["end"] + 1.0)]
+        le["busy_s"] = round(sum(float(e["busy_s"]) for e in mine), 3) if busy else None
+        first = min((float(e["t0"]) for e in mine), default=None)
+        le["first_busy"] = None if first is None else round(first, 3)
+        since = le["lent_at"] if le.get("lent_at") is not None else le["start"]
+        le["lend_to_busy_s"] = None if first is None else round(max(0.0, first - since), 3)
+
+
+def lend_to_busy_summary(leases: list[dict]) -> dict:
+    """Per workload: how long after the lend decision (or the lease's start, for a lease nobody lent) a GPU
+    first computed -- median and max over the leases that did, and how many leases never did."""
+    import statistics
+    out: dict[str, dict] = {}
+    for w in sorted({le["workload"] for le in leases if le.get("busy_s") is not None}):
+        mine = [le for le in leases if le["workload"] == w]
+        lat = [le["lend_to_busy_s"] for le in mine if le.get("lend_to_busy_s") is not None]
+        out[w] = {"leases": len(mine), "busy_leases": len(lat), "never_busy": len(mine) - len(lat),
+                  "median": round(statistics.median(lat), 3) if lat else None, "max": max(lat) if lat else None}
     return out
 
 

@@ -12,7 +12,7 @@ def fillin_cluster(nodes: int, gpus_per_node: int, state_path: str, gpu_resource
     import ray
     from ray import serve
 
-    from spotfill.fillin.arbiter import ensure_arbiter
+    from spotfill.fillin.arbiter_handle import ensure_arbiter
     from spotfill.fillin.wiring import runtime_env
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths
 

@@ -20,7 +20,7 @@ import ray
 from ray.train.torch import TorchTrainer
 
 from spotfill.ray_compat import (ElasticScalingPolicy, available_resources_per_node, draining_node_ids,
-                                 kv_get, kv_put, use_spotfill_controller)
+                                 kv_get, kv_put, usable, use_spotfill_controller)
 from spotfill.train.capacity import (GrowDecision, GrowGate, NodeCapacity, capacity_state, count_workers,
                                      free_resources, reachable)
 from spotfill.train.pipe_layout import round_to_replicas
@@ -59,7 +59,9 @@ class GrowCheck:
 
     def extra_workers(self, world: int, now: float) -> int:
         """Workers beyond `world` that the free capacity of schedulable nodes holds (0 when none, or when
-        this capacity state was already tried)."""
+        this capacity state was already tried; always 0 where Ray moved what it reads: drain_aware_restarts)."""
+        if not usable("drain_aware_restarts"):
+            return 0
         free = free_resources(schedulable_nodes())
         fitting = min(self.max_workers, world + count_workers(free, self.per_worker, self.max_workers))
         fitting = round_to_replicas(fitting, self.multiple)      # a pipeline grows by whole replicas

@@ -159,13 +159,20 @@ def autoscaler_node_types(path: str | None = None) -> list[NodeType] | None:
 def preflight(config, manifest: dict, runtime_env: dict | None = None) -> None:
     """Everything checkable before workers start, beyond the config's own validation: the environment's
     numbers, training.seq_len against the dataset, and (connecting to Ray; starting a local instance
-    with `runtime_env` when none is connected, as fit() would) the cluster's resources. Raises ConfigError."""
+    with `runtime_env` when none is connected, as fit() would) the cluster's resources. Raises ConfigError,
+    or RayCompatError where the installed DeepSpeed lacks an internal the job needs: ZeRO-1/2 checkpoints
+    resume through some, pipeline stages run under a probe that needs another (ray_compat)."""
     import ray
 
     from spotfill.config import constants
+    from spotfill.ray_compat import require
 
     constants.check_env()
     t, c = config.training, config.cluster
+    if t.zero_stage in (1, 2):
+        require("zero_elastic_load")     # read in DeepSpeed's source: no import, before any worker starts
+    if t.pipeline_stages > 1:
+        require("pipe_bubble_probe")
     problem = seq_len_problem(t.seq_len, manifest, config.data.path)
     if problem:
         raise problem.error()

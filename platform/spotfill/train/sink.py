@@ -14,7 +14,7 @@ import time
 
 import ray
 
-from spotfill.ray_compat import ControllerCallback, WorkerGroupCallback
+from spotfill.ray_compat import ControllerCallback, WorkerGroupCallback, require, usable
 from spotfill.telemetry.events import EventLog
 from spotfill.train.restarts import (PLACEMENT_GROUP_REMOVED, RESTART_STATES, Failure, attempt_cause,
                                     classify_failure)
@@ -150,6 +150,8 @@ class RestartCauseCallback(ControllerCallback, WorkerGroupCallback):
     placement-group cleaner teardown. Public DeveloperAPI callbacks only (RunConfig(callbacks=[...]))."""
 
     def __init__(self, sink_name: str, namespace: str):
+        require("train_controller_callbacks")     # one line (RayCompatError) where Ray moved them
+        usable("ledger_group_end")                # one warning where Ray no longer calls group_end's hook
         self.sink_name, self.namespace = sink_name, namespace
         self._sink = None
         self._placement_group = None

@@ -19,7 +19,7 @@ import time
 
 import ray
 
-from spotfill.ray_compat import WorkerGroupCallback, unreachable_workers
+from spotfill.ray_compat import WorkerGroupCallback, unreachable_workers, usable
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,11 @@ class UnreachableWorkerReaper(WorkerGroupCallback):
 
     def __init__(self, sink_name: str, namespace: str, probe_s: float = PROBE_S):
         self.sink_name, self.namespace, self.probe_s = sink_name, namespace, probe_s
+        self.enabled = usable("teardown_reaper")    # off (one warning) where Ray moved what it reads
 
     def before_worker_group_shutdown(self, worker_group) -> None:
+        if not self.enabled:
+            return
         try:
             t0 = time.time()
             gone = unreachable_workers(worker_group, self.probe_s)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spotfill.config.errors import ConfigError
-from spotfill.config.job import _choice, _join, _positive, apply_overrides, from_mapping, load_yaml
+from spotfill.config.job import apply_overrides, check_positive, from_mapping, join_path, load_yaml
 
 
 @dataclass
@@ -26,9 +26,9 @@ class EvalSection:
     batch_size: int = 16
 
     def validate(self, path: str) -> None:
-        _positive(path, "rows", self.rows, allow_zero=True)
-        _positive(path, "rows_per_unit", self.rows_per_unit)
-        _positive(path, "batch_size", self.batch_size)
+        check_positive(path, "rows", self.rows, allow_zero=True)
+        check_positive(path, "rows_per_unit", self.rows_per_unit)
+        check_positive(path, "batch_size", self.batch_size)
 
 
 @dataclass
@@ -40,9 +40,9 @@ class GenerateSection:
     rows_per_unit: int = 4
 
     def validate(self, path: str) -> None:
-        _positive(path, "max_tokens", self.max_tokens)
-        _positive(path, "temperature", self.temperature, allow_zero=True)
-        _positive(path, "rows_per_unit", self.rows_per_unit)
+        check_positive(path, "max_tokens", self.max_tokens)
+        check_positive(path, "temperature", self.temperature, allow_zero=True)
+        check_positive(path, "rows_per_unit", self.rows_per_unit)
 
 
 @dataclass
@@ -54,11 +54,11 @@ class BatchCluster:
                                  # early when the grant falls, or rises for 2 s: the next wave takes it)
 
     def validate(self, path: str) -> None:
-        _positive(path, "max_units", self.max_units)
-        _positive(path, "grace_s", self.grace_s)
-        _positive(path, "units_per_actor", self.units_per_actor, allow_zero=True)
+        check_positive(path, "max_units", self.max_units)
+        check_positive(path, "grace_s", self.grace_s)
+        check_positive(path, "units_per_actor", self.units_per_actor, allow_zero=True)
         if not self.gpu_resource or not self.gpu_resource.replace("_", "").isalnum():
-            raise ConfigError(_join(path, "gpu_resource"), self.gpu_resource, accepted="a Ray resource name")
+            raise ConfigError(join_path(path, "gpu_resource"), self.gpu_resource, accepted="a Ray resource name")
 
 
 @dataclass
@@ -66,7 +66,7 @@ class GrantSection:
     units: int = 0               # 0: the fill-in arbiter lends GPUs; N > 0: a fixed grant of N (own GPUs)
 
     def validate(self, path: str) -> None:
-        _positive(path, "units", self.units, allow_zero=True)
+        check_positive(path, "units", self.units, allow_zero=True)
 
 
 @dataclass
@@ -87,7 +87,7 @@ class BatchConfig:
             raise ConfigError("name", self.name, accepted="letters, digits, '-' and '_'")
         if not self.checkpoint:
             raise ConfigError("checkpoint", self.checkpoint, accepted="a run's storage: local path or s3:// URI")
-        _positive(path, "checkpoint_wait_s", self.checkpoint_wait_s, allow_zero=True)
+        check_positive(path, "checkpoint_wait_s", self.checkpoint_wait_s, allow_zero=True)
         if not self.output:
             raise ConfigError("output", self.output, accepted="a local path or s3://bucket/prefix")
         if not self.eval.data and not self.generate.prompts:
@@ -99,4 +99,4 @@ def load_batch_config(path: str | None = None, overrides: dict | None = None) ->
     return from_mapping(BatchConfig, apply_overrides(load_yaml(path) if path else {}, overrides))
 
 
-__all__ = ["BatchConfig", "load_batch_config", "_choice"]
+__all__ = ["BatchConfig", "load_batch_config"]
