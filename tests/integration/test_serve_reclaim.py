@@ -179,7 +179,9 @@ def test_a_request_lost_with_every_replica_is_a_failure_not_a_refusal(env):
     from spotfill.fillin.load import ServeLoad
     wait_for(lambda: both_running(env), 180, "2 Generator replicas on the lent slots")
     pids = replica_pids(env)
-    load = ServeLoad(env["url"], rps=4, max_tokens=LONG["max_tokens"], timeout_s=60, max_in_flight=8,
+    # room for requests beyond the 8 in flight at the claim: those that arrive afterwards are sent (and
+    # refused), not skipped by the client (with 8 slots, 2 s at 4 rps filled them all)
+    load = ServeLoad(env["url"], rps=4, max_tokens=LONG["max_tokens"], timeout_s=60, max_in_flight=16,
                      extra_body={"ignore_eos": True}).start()
     time.sleep(2.0)                                  # requests in flight on both replicas
     answer = ray.get(env["arbiter"].claim.remote("train", 2, 15.0, 1, 1, 2), timeout=30)
