@@ -15,6 +15,10 @@ record in the JSON even when it fails or runs out of time -- the file is rewritt
               group is not run here.
   tenants     where Ray's assignment puts a process (a num_gpus=1 and a num_gpus=0 actor), one batch wave
               (an eval unit and a generation unit) and one sweep trial on the GPU
+  serve       the generation engine on the GPU (no Ray, no Serve): greedy output with and without a self-
+              speculative draft in fp32 and bf16 (divergences counted, benchmarks/serve_gpu_check.py), then
+              benchmarks/serve.py on the 125m preset: tokens/s at batch 1 and 8, the first loop vs the engine,
+              with and without the draft self:4, acceptance and mean accepted length
 `--cpu-dry-run`: the same wiring on a machine without CUDA (tiny models, the CPU) -- to check that the
 carried packages import and every section runs, before device time is spent.
 """
@@ -33,7 +37,7 @@ if __package__ in (None, ""):
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # in this order, each with its cap in seconds (the budget left caps it further)
-SECTIONS = {"env": 30, "pytest_gpu": 75, "bench_gpu": 110, "ray_train": 150, "tenants": 90}
+SECTIONS = {"env": 30, "pytest_gpu": 75, "bench_gpu": 110, "ray_train": 150, "tenants": 90, "serve": 100}
 GPU_FREE_WAIT_S = 30       # before a section: wait this long at most for the last one's GPU processes to end
 RAY_TRAIN_STEPS = 30
 FINAL_SAVE_WAIT_S = 45     # after the last step: how long the ray_train section waits for the final checkpoint
@@ -206,6 +210,17 @@ def section_tenants(dry: bool) -> dict:
     got.append((out["sweep"].get("device"), out["sweep"].get("dtype")))
     out["on_assigned_gpu"] = bool(got) and all(g == want for g in got) and \
         out["placements"]["assigned"]["device"] == want[0] and out["placements"]["unassigned"]["device"] == "cpu"
+    return out
+
+
+def section_serve(dry: bool) -> dict:
+    from benchmarks import serve_gpu_check
+    from benchmarks.serve import bench_serve
+    preset, device = ("tiny", "cpu") if dry else ("125m", "cuda:0")
+    out = {"greedy_identity": serve_gpu_check.run(preset, device, 16 if dry else 64)}
+    out["bench"] = bench_serve(True, preset=None if dry else preset, device=device,
+                               draft=None if dry else "self:4", new_tokens=8 if dry else 128)
+    out["bench"].pop("runs", None)
     return out
 
 

@@ -36,8 +36,9 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "eventlog": ("benchmarks.eventlog", "bench_eventlog"),
     "pipeline": ("benchmarks.pipeline", "bench_pipeline"),
     "elastic_load": ("benchmarks.elastic_load_memory", "bench_elastic_load"),
+    "serve": ("benchmarks.serve", "bench_serve"),
 }
-DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "fillin", "pipeline")
+DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "fillin", "pipeline", "serve")
 TARGETS = {("checkpoint", "stall_ratio"): ("<=", 0.10), ("checkpoint", "upload_ratio"): (">=", 0.70),
            ("overhead", "ratio"): (">=", 0.97), ("recovery", "speedup"): (">=", 8.0),
            ("recovery", "speedup_vs_tuned"): (">=", 2.0),
@@ -216,6 +217,16 @@ def summary(result: dict) -> str:
                   f"  fill share {pl['fill_share']} {mark('pipeline.fill_share')}, slowdown {pl['slowdown']} "
                   f"{mark('pipeline.slowdown')}, losses identical {pl['loss_identical']}, overrun p50 "
                   f"{pl['overrun_s']['p50']} s / p99 {pl['overrun_s']['p99']} s"]
+    sv = result.get("serve")
+    if sv:
+        sd = sv.get("specdec") or {}
+        tps, toy, spec = sv["tokens_per_s"], sv.get("toy_loop_tokens_per_s") or {}, sd.get("tokens_per_s") or {}
+        lines += [f"serve       {sv.get('model')} ({sv.get('weights')} weights) on {sv.get('device')}: engine "
+                  f"{tps['batch1']} / {tps['batch8']} tokens/s at batch 1 / 8 vs the old loop {toy.get('batch1')} / "
+                  f"{toy.get('batch8')}",
+                  f"  draft {sd.get('draft')} (k <= {sd.get('num_draft_tokens')}, adaptive): {spec.get('batch1')} / "
+                  f"{spec.get('batch8')} tokens/s; acceptance {sd.get('acceptance_rate')}, mean accepted length "
+                  f"{sd.get('mean_accepted_length')} (theory {sd.get('expected_tokens_per_step')})"]
     u = result.get("upload")
     if u:
         lines.append(f"upload      {u['bytes'] / 1e6:.0f} MB synthetic: {u['upload_mb_s']:.1f} MB/s vs raw "

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -58,17 +59,21 @@ def served(tmp_path_factory):
                 break
         assert banner, "spotfill serve did not start:\n" + "".join(seen[-30:])
         url = f"http://127.0.0.1:{port}"
+        states = []
         t_end = time.monotonic() + 120
         while time.monotonic() < t_end:
             try:
-                with urllib.request.urlopen(url + "/healthz", timeout=10) as resp:
-                    if json.loads(resp.read())["replicas"] >= 1:
+                with urllib.request.urlopen(url + "/-/ready", timeout=10) as resp:
+                    if json.loads(resp.read())["ready"]:
                         break
+            except urllib.error.HTTPError as exc:      # 503 until a replica runs: say why
+                states.append(json.loads(exc.read())["state"])
             except OSError:            # the proxy or the ingress is still starting
                 pass
             time.sleep(0.5)
         else:
-            raise AssertionError("no Generator replica came up on the lent GPU slot")
+            raise AssertionError(f"no Generator replica came up on the lent GPU slot: {states[-5:]}")
+        assert set(states) <= {"no_replica_lent", "replica_starting", "no_checkpoint"}, states
         yield {"url": url, "banner": banner, "proc": proc}
     finally:
         proc.send_signal(signal.SIGINT)
@@ -88,7 +93,50 @@ def test_openai_client_completions(served):
     assert out.choices[0].finish_reason in ("length", "stop")
     assert out.usage.prompt_tokens == len("Once upon a time") and 0 <= out.usage.completion_tokens <= 8
     assert out.model_extra["checkpoint"] == {"tag": "step-00000005", "step": 5}
-    assert [m.id for m in client.models.list().data] == ["spotfill"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["spotfill"]
+    assert models[0].model_extra["ready"] is True and models[0].model_extra["checkpoint"] == "step-00000005"
+
+
+def test_openai_client_streams_a_chat_completion(served):
+    """The official client streams a chat completion (server-sent events) from the replica: the streamed
+    pieces add up to the same text as the whole answer (greedy), the last chunk has the usage."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=served["url"] + "/v1", api_key="not-needed", max_retries=0, timeout=60)
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
+    whole = client.chat.completions.create(model="spotfill", messages=messages, max_tokens=24, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    pieces, finish, usage, roles = [], None, None, []
+    for chunk in client.chat.completions.create(model="spotfill", messages=messages, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            roles += [choice.delta.role] if choice.delta.role else []
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert roles == ["assistant"] and len([p for p in pieces if p]) > 1
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason in ("length", "stop")
+    assert usage.completion_tokens == whole.usage.completion_tokens and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_streamed_completion_and_errors_in_openais_shape(served):
+    import openai
+    from openai import OpenAI
+
+    client = OpenAI(base_url=served["url"] + "/v1", api_key="not-needed", max_retries=0, timeout=60)
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="spotfill", prompt="abc", max_tokens=12, temperature=0, stream=True))
+    assert text == client.completions.create(model="spotfill", prompt="abc", max_tokens=12, temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="spotfill", prompt="abc", max_tokens=4, n=2)
+    assert bad.value.status_code == 400 and bad.value.response.json()["error"]["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="spotfill", prompt="x" * 100, max_tokens=4)
+    assert long.value.response.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_status_reads_the_arbiter(served):

@@ -126,6 +126,22 @@ def test_no_lease_events_no_fillin_section():
     assert "fillin" not in keys and "harvest_ratio" not in keys
 
 
+def test_a_hand_back_that_never_completes_is_reported_not_forgotten():
+    """A reclaim order no lease ends for (the tenant refused or hung) expires as a handback_incomplete event,
+    and the run's report lists it under fillin.handbacks_incomplete."""
+    order = ReclaimOrder("serve:app/Gen", "r1", 10.0, "training_claim", "job j claims 1", job="j")
+    events, left = lease_ended([], {}, [order], now=60.0)
+    assert events == [] and left == [order]                       # still waiting: nothing to say yet
+    events, left = lease_ended([], {}, [order], now=10.0 + 121.0)
+    assert left == [] and [e["kind"] for e in events] == ["handback_incomplete"]
+    assert events[0]["waited_s"] == 121.0 and events[0]["job"] == "j" and events[0]["lease_id"] == "r1"
+    run = [lease_event(lease("r1", A, 5.0), 5.0)] + events
+    section = fillin_section(run, (0.0, 200.0))
+    assert section["handbacks_incomplete"] == [{"tenant": "serve:app/Gen", "lease_id": "r1", "requested_at": 10.0,
+                                                "waited_s": 121.0, "cause": "training_claim", "job": "j"}]
+    assert section["leases"][0]["end"] is None                      # the lease never ended
+
+
 def test_busy_time_the_tenant_measured_gives_busy_gpu_seconds_and_lend_to_busy():
     """Leases r1 (lent at 8, held 10..60.5) and r2 (held 20..80, adopted); the tenant's meter (fillin/busy.py,
     a fake clock) measured r1 computing from 14 on, 30 s in all, and r2 never: the ledger books 30 busy

@@ -27,6 +27,18 @@ def test_summary_counts_503_as_rejected_and_everything_else_as_failed():
     assert [f["status"] for f in s["failures"]] == [500, None]
 
 
+def test_a_request_lost_after_a_replica_took_it_is_a_failure_not_a_refusal():
+    """serving/app.py answers 503 both for a request no replica took (refused) and for one whose replica was
+    lost and could not be continued (code replica_lost: admitted, then lost) -- only the first is a refusal."""
+    results = [{"t": 0, "latency_s": 0.01, "status": 503, "code": "replicas_reclaimed", "reason": "reclaimed"},
+               {"t": 1, "latency_s": 3.2, "status": 503, "code": "replica_lost", "reason": "lost after 7 tokens"},
+               {"t": 2, "latency_s": 0.02, "status": 200}]
+    s = summarize_requests(results)
+    assert (s["requests_ok"], s["requests_rejected_503"], s["requests_lost"], s["requests_failed"]) == (1, 1, 1, 1)
+    assert s["failures"] == [{"t": 1, "status": 503, "error": "lost after 7 tokens"}]
+    assert s["rejected_503_reasons"] == {"reclaimed": 1}
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     answers = itertools.cycle([200, 200, 503, 500, "slow"])
     lock = threading.Lock()

@@ -369,8 +369,8 @@ def test_engine_builds_and_steps_without_torch_inductor_and_with_or_without_the_
 # -- Ray Serve: the replica watch, pushed or (fallback) polled -------------------------------------------
 def test_the_replica_watch_reads_the_running_replicas_from_serves_push():
     """The Ingress's replica watch (serving/app.py): Serve's long poll of DEPLOYMENT_TARGETS, whose update
-    is a DeploymentTargetInfo; the watch reports how many replicas it lists."""
-    from ray.serve._private.common import DeploymentID, DeploymentTargetInfo
+    is a DeploymentTargetInfo; the watch reports how many replicas it lists and their ids."""
+    from ray.serve._private.common import DeploymentID, DeploymentTargetInfo, ReplicaID, RunningReplicaInfo
     from ray.serve._private.long_poll import LongPollNamespace
 
     assert ray_compat.check_serve_hooks() is True
@@ -387,20 +387,24 @@ def test_the_replica_watch_reads_the_running_replicas_from_serves_push():
             import ray.serve._private.long_poll as long_poll
             mp.setattr(long_poll, "LongPollClient", FakeClient)
             mp.setattr(ray, "get_actor", lambda name, namespace: (name, namespace))
-            ray_compat.watch_running_replicas("app", "Generator", seen.append, loop)
+            ray_compat.watch_running_replicas("app", "Generator", lambda n, ids: seen.append((n, ids)), loop)
     finally:
         loop.close()
     assert made["host"] == ("SERVE_CONTROLLER_ACTOR", "serve") and made["loop"] is loop
     ((key, listener),) = made["listeners"].items()
     assert key == (LongPollNamespace.DEPLOYMENT_TARGETS, DeploymentID(name="Generator", app_name="app"))
-    listener(DeploymentTargetInfo(is_available=True, running_replicas=["r1", "r2"]))
+    dep = DeploymentID(name="Generator", app_name="app")
+    running = [RunningReplicaInfo(replica_id=ReplicaID(unique_id=u, deployment_id=dep), node_id=None, node_ip=None,
+                                  availability_zone=None, actor_name=f"replica-{u}", max_ongoing_requests=8)
+               for u in ("r1", "r2")]
+    listener(DeploymentTargetInfo(is_available=True, running_replicas=running))
     listener(DeploymentTargetInfo(is_available=True, running_replicas=[]))
-    assert seen == [2, 0]
+    assert seen == [(2, ["r1", "r2"]), (0, [])]
 
 
 def test_without_serves_push_the_replica_watch_polls_serve_status(monkeypatch):
     """serve_replica_watch off (Serve's long poll moved): the watch still reports each change of the running
-    count, from the public serve.status(), and ends (is_running False) when serve.status() fails."""
+    count, from the public serve.status() (naming no replica: ids None), and ends (is_running False) when serve.status() fails."""
     from types import SimpleNamespace
 
     from ray import serve
@@ -428,7 +432,7 @@ def test_without_serves_push_the_replica_watch_polls_serve_status(monkeypatch):
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     try:
-        watch = ray_serve.watch_running_replicas("app", "Generator", seen.append, loop)
+        watch = ray_serve.watch_running_replicas("app", "Generator", lambda n, ids: seen.append((n, ids)), loop)
         assert isinstance(watch, ray_serve.StatusPoller)
         watch.poll_s = 0.01
         deadline = time.time() + 10
@@ -437,19 +441,7 @@ def test_without_serves_push_the_replica_watch_polls_serve_status(monkeypatch):
         time.sleep(0.05)
     finally:
         loop.call_soon_threadsafe(loop.stop)
-    assert not watch.is_running and seen == [2, 1, 0]
-
-
-def test_without_serves_assignment_signal_a_request_counts_as_taken(monkeypatch):
-    class Response:
-        async def _to_object_ref(self):
-            return "ref"
-
-    response = Response()
-    assert asyncio.run(ray_compat.request_taken(response)) == "ref"
-    monkeypatch.setitem(hooks._problems, "serve_request_assignment", "ray.serve.handle... (missing)")
-    monkeypatch.setattr(hooks, "_announced", set(hooks._announced) | {"serve_request_assignment"})
-    assert asyncio.run(ray_compat.request_taken(response)) is response
+    assert not watch.is_running and seen == [(2, None), (1, None), (0, None)]
 
 
 # -- Ray Train -------------------------------------------------------------------------------------------

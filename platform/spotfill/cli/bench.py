@@ -1,7 +1,7 @@
 """`spotfill bench`: side-by-side benchmarks (the repo's benchmarks/ folder), JSON out.
 
-    spotfill bench [--quick] [--json PATH] [--only recovery,preemption,checkpoint,overhead,gpu,upload,fillin,pipeline,
-                                                   eventlog,elastic_load]
+    spotfill bench [--quick] [--json PATH] [--only recovery,preemption,checkpoint,overhead,gpu,upload,fillin,eventlog,
+                    pipeline,serve,elastic_load]
 
 The benchmark code lives in the top-level benchmarks/ folder of a spotfill checkout (runnable scripts, not
 part of the installed package); this command finds it next to the package (`pip install -e .`), in the
@@ -17,8 +17,8 @@ import sys
 from spotfill.config.errors import ConfigError
 
 # benchmarks/run.py's sections, named here too so `--only` is checked without importing the benchmarks
-SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "upload", "fillin", "pipeline", "eventlog",
-            "elastic_load")
+SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "upload", "fillin", "eventlog", "pipeline",
+            "serve", "elastic_load")
 
 
 def register(sub) -> None:
@@ -27,7 +27,8 @@ def register(sub) -> None:
                        "on this machine, in one run: recovery after node loss and preemption (vs stock Ray Train with its "
                        "defaults and with spotfill's Ray timeouts, 'stock-tuned'), checkpoint stall and upload, "
                        "training overhead, GPU MFU; fill-in (--only fillin): hand-back, harvest ratio, training "
-                       "tokens/s with vs without Serve fill-in.")
+                       "tokens/s with vs without Serve fill-in; serving (--only serve): tokens/s of the generation engine at "
+                       "batch 1 and 8 against the first serving loop, with and without a speculative draft.")
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (about 10 minutes on 2 cores)")
     p.add_argument("--json", metavar="PATH", help="write the benchmark JSON here")
     p.add_argument("--only", metavar="SECTION,...",

@@ -1,5 +1,6 @@
-"""`spotfill serve --checkpoint STORAGE_URI [--port N]`: generation from a run's newest committed checkpoint
-on a local embedded cluster (fill-in: the arbiter lends the cluster's idle GPU slots to Serve replicas)."""
+"""`spotfill serve --checkpoint STORAGE_URI [--draft URI|self:L] [--num-draft-tokens K] [--port N]`: generation
+from a run's newest committed checkpoint on a local embedded cluster (fill-in: the arbiter lends the cluster's
+idle GPU slots to Serve replicas; Serve deploys none of its own)."""
 from __future__ import annotations
 
 import argparse
@@ -7,20 +8,70 @@ import time
 
 from spotfill.config.errors import ConfigError
 
+MAX_NEAREST = 5
+
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve generation from a run's newest checkpoint on a local cluster")
     p.add_argument("--checkpoint", required=True, metavar="STORAGE_URI",
                    help="the run's storage URI (file:///path or s3://bucket/prefix), checkpoints/ inside")
+    p.add_argument("--draft", default="", metavar="URI|self:L",
+                   help="speculative decoding: a run with the same tokenizer, or self:L (the model's first L "
+                        "layers and its head); off by default")
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
+                   help="the most tokens the draft proposes per verify step (default 4; fewer when they are "
+                        "rejected, none when speculation does not pay)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1 (default 8000)")
     p.add_argument("--nodes", type=int, default=2, help="local worker nodes (default 2)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="GPU slots per local node (default 1)")
+    p.add_argument("--wait-for-checkpoint", action="store_true",
+                   help="start although no checkpoint is committed there yet (requests get 503 until one is)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: Ctrl-C)")
     p.set_defaults(func=run)
 
 
-def check(args: argparse.Namespace) -> None:
+def committed_runs(uri: str, limit: int = MAX_NEAREST, depth: int = 4) -> list[str]:
+    """Storage URIs of runs with a committed checkpoint (RUN/checkpoints/latest) under `uri`, nearest first;
+    none there: under its parent (a typo in the run's name). Local folders are searched `depth` levels deep."""
+    from urllib.parse import urlsplit
+    base = uri.split("?", 1)[0].rstrip("/")
+    for root in (base, base.rsplit("/", 1)[0]):
+        parts = urlsplit(root)
+        if parts.scheme not in ("", "file", "s3") or (parts.scheme != "s3" and parts.path in ("", "/")):
+            continue                                  # never the whole file system
+        try:
+            runs = _local_runs(parts.path, depth) if parts.scheme != "s3" else _s3_runs(root)
+        except (OSError, ConfigError):
+            continue
+        runs = sorted(runs, key=lambda r: (r.count("/"), r))
+        if runs:
+            return [f"{root}/{r}" if r else root for r in runs[:limit]]
+    return []
+
+
+def _local_runs(path: str, depth: int) -> list[str]:
+    import os
+    out = []
+    for folder, dirs, files in os.walk(path):
+        rel = os.path.relpath(folder, path)
+        level = 0 if rel == "." else rel.count(os.sep) + 1
+        if os.path.basename(folder) == "checkpoints" and "latest" in files:
+            out.append(os.path.dirname(rel).replace(os.sep, "/") if rel != "checkpoints" else "")
+        if level >= depth:
+            dirs[:] = []
+    return out
+
+
+def _s3_runs(root: str) -> list[str]:
     from spotfill.storage.base import open_storage
+    return [k[:-len("checkpoints/latest")].rstrip("/") for k in open_storage(root).list("")
+            if k == "checkpoints/latest" or k.endswith("/checkpoints/latest")]
+
+
+def check(args: argparse.Namespace) -> dict | None:
+    """Every flag, and a committed checkpoint at --checkpoint (unless --wait-for-checkpoint): one line and
+    exit 2 otherwise. Returns the checkpoint's `latest` pointer."""
+    from spotfill.config.serve_app import ServeArgs, check_deployable
     if not 1 <= args.port <= 65535:
         raise ConfigError("--port", args.port, accepted="1..65535")
     for name in ("nodes", "gpus_per_node"):
@@ -28,33 +79,62 @@ def check(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), accepted="an integer >= 1")
     if args.duration < 0:
         raise ConfigError("--duration", args.duration, accepted="seconds >= 0")
-    open_storage(args.checkpoint)
+    flags = {"checkpoint": "--checkpoint", "draft": "--draft", "num_draft_tokens": "--num-draft-tokens"}
+    try:
+        parsed = ServeArgs.parse({"checkpoint": args.checkpoint, "draft": args.draft,
+                                  "num_draft_tokens": args.num_draft_tokens})
+        latest = check_deployable(parsed)
+    except ConfigError as exc:
+        key = exc.field.rsplit(" ", 1)[-1]
+        raise ConfigError(flags.get(key, exc.field), exc.value, reason=exc.reason, accepted=exc.accepted) from None
+    if latest is None and not args.wait_for_checkpoint:
+        near = committed_runs(args.checkpoint)
+        raise ConfigError("--checkpoint", args.checkpoint, reason="no committed checkpoint there "
+                          "(no checkpoints/latest)" + (f"; committed runs nearby: {', '.join(near)}" if near else
+                                                       "; none found nearby"),
+                          accepted="a run's storage URI with a committed checkpoint, or add --wait-for-checkpoint")
+    return latest
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM end the command through its cleanup (Serve and the local cluster shut down), also
+    when it was started in the background, where SIGINT arrives ignored."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
 
 
 def run(args: argparse.Namespace) -> int:
-    check(args)
+    latest = check(args)
+    _stop_on_signals()
     import ray
 
     from spotfill.fillin.wiring import deploy_serve, runtime_env
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths
-    from spotfill.storage.base import open_storage
-    from spotfill.storage.checkpoint_store import CheckpointStore
 
-    latest = CheckpointStore(open_storage(args.checkpoint)).latest()
     cluster = EmbeddedCluster()
     try:
         for _ in range(args.nodes):
             cluster.add_node(args.gpus_per_node)
         ray.init(address=cluster.address, runtime_env=runtime_env(), logging_level="WARNING")
         quiet_expected_node_deaths()
-        out = deploy_serve(args.checkpoint, port=args.port, max_replicas=args.nodes * args.gpus_per_node)
+        # replicas=0: the arbiter's lends create the replicas (no replica of Serve's own beside them)
+        out = deploy_serve(args.checkpoint, port=args.port, max_replicas=args.nodes * args.gpus_per_node,
+                           replicas=0, draft=args.draft, num_draft_tokens=args.num_draft_tokens)
         url = out["url"]
-        print(f"spotfill serve: {url}/v1/completions (OpenAI) and {url}/generate (JSON); checkpoint "
-              f"{latest['tag'] if latest else 'none committed yet (503 until one is)'} of {args.checkpoint}; "
-              f"`spotfill status --address {cluster.address}` shows the lent GPUs; Ctrl-C stops", flush=True)
+        print(f"spotfill serve: {url}/v1/completions and {url}/v1/chat/completions (OpenAI), {url}/-/ready; "
+              f"checkpoint {latest['tag'] if latest else 'none committed yet (503 until one is)'} of "
+              f"{args.checkpoint}" + (f"; draft {args.draft}, up to {args.num_draft_tokens} tokens" if args.draft
+                                     else "") +
+              f"; `spotfill status --address {cluster.address}` shows the lent GPUs; Ctrl-C stops", flush=True)
         t_end = time.monotonic() + args.duration if args.duration else None
         while t_end is None or time.monotonic() < t_end:
             time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("spotfill serve: stopping", flush=True)
     finally:
         from ray import serve
         try:

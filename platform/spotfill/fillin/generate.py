@@ -74,9 +74,10 @@ def config_from_state(state: dict, model: str = "auto"):
     return GPTConfig(vocab_size=vocab, seq_len=seq_len, n_layer=layers, n_head=heads, n_embd=width)
 
 
-def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | None = None) -> Loaded | None:
-    """The newest intact committed checkpoint as a ready model; None when there is none (or none newer
-    than `newer_than`)."""
+def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | None = None, device=None,
+                dtype=None) -> Loaded | None:
+    """The newest intact committed checkpoint as a ready model on `device` in `dtype` (default: the CPU,
+    fp32); None when there is none (or none newer than `newer_than`)."""
     from spotfill.storage.checkpoint_store import tag_key
     from spotfill.train.model import GPT
 
@@ -93,6 +94,7 @@ def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | Non
         shutil.rmtree(manifest["path"], ignore_errors=True)
     net = GPT(config_from_state(state, model))
     net.load_state_dict(state)
+    net.to(device=device or "cpu", dtype=dtype)
     net.eval()
     return Loaded(net, manifest["tag"], int(manifest["step"]), time.perf_counter() - t0, time.time())
 
@@ -100,7 +102,10 @@ def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | Non
 def generate(model, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0,
              deadline_s: float | None = None) -> tuple[str, int, str]:
     """(text, tokens generated, finish_reason: "stop" | "length" | "time"). Byte-level tokens; stops at
-    end-of-document, after `max_tokens`, or when `deadline_s` (seconds from now) runs out."""
+    end-of-document, after `max_tokens`, or when `deadline_s` (seconds from now) runs out.
+
+    No KV cache, one request at a time: the batch job's generation and the baseline `spotfill bench --only
+    serve` compares spotfill/generation's engine (what the Serve app runs) with."""
     import torch
 
     t_end = None if deadline_s is None else time.monotonic() + deadline_s

@@ -6,10 +6,14 @@ at once; a start that finds them all busy is counted as `skipped_client_busy`, n
 report.json's `fillin.serve` (pure: `summarize_requests`):
 
   requests_ok            HTTP 200 with a completion
-  requests_rejected_503  HTTP 503 (no replica: its GPUs went back to training, or no checkpoint yet) --
-                         the tenant refused the request at once, it was never admitted
-  requests_failed        anything else: another status, a connection error, or no answer within the
-                         client timeout -- an admitted request that failed
+  requests_rejected_503  HTTP 503 for a request no replica took (none ran: its GPUs went back to training,
+                         one was still starting past max_queue_wait_s, no checkpoint yet) -- refused, never
+                         admitted
+  requests_lost          HTTP 503 with code `replica_lost`: a replica took the request, was lost under it,
+                         and no replica could continue it within the queue bound -- admitted, then lost;
+                         counted in requests_failed too
+  requests_failed        every admitted request that failed: the lost ones, another status, a connection
+                         error, or no answer within the client timeout
   p50_ms / p99_ms        latency of the OK requests
   rejected_503_reasons   each distinct reason the 503 bodies gave, with its count (why requests were
                          refused: no replica, none picked it up, no checkpoint yet)
@@ -29,6 +33,9 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+# the 503 codes of an admitted request that was lost (serving/app.py): a failure, not a refusal
+LOST_CODES = frozenset({"replica_lost"})
+
 
 def percentile(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile (q in 0..100); None for no values."""
@@ -42,17 +49,18 @@ def percentile(values: list[float], q: float) -> float | None:
 def summarize_requests(results: list[dict], rps: float | None = None, skipped: int = 0) -> dict:
     """report.json fillin.serve from the answers: {t, latency_s, status, error}."""
     ok = [r["latency_s"] * 1000 for r in results if r.get("status") == 200]
-    rejected = [r for r in results if r.get("status") == 503]
-    failed = [r for r in results if r.get("status") not in (200, 503)]
+    lost = [r for r in results if r.get("status") == 503 and r.get("code") in LOST_CODES]
+    rejected = [r for r in results if r.get("status") == 503 and r.get("code") not in LOST_CODES]
+    failed = [r for r in results if r.get("status") not in (200, 503)] + lost
     p50, p99 = percentile(ok, 50), percentile(ok, 99)
     out = {"requests": len(results), "requests_ok": len(ok), "requests_failed": len(failed),
-           "requests_rejected_503": len(rejected),
+           "requests_lost": len(lost), "requests_rejected_503": len(rejected),
            "p50_ms": None if p50 is None else round(p50, 1), "p99_ms": None if p99 is None else round(p99, 1),
            "rejected_503_max_ms": round(max(r["latency_s"] for r in rejected) * 1000, 1) if rejected else None,
            "rejected_503_reasons": rejection_reasons(rejected),
            "skipped_client_busy": skipped,
-           "failures": [{"t": round(r["t"], 3), "status": r.get("status"), "error": r.get("error")}
-                        for r in failed[:10]]}
+           "failures": [{"t": round(r["t"], 3), "status": r.get("status"),
+                         "error": r.get("error") or r.get("reason")} for r in failed[:10]]}
     if rps is not None:
         out["load_rps"] = rps
     return out
@@ -63,20 +71,22 @@ def rejection_reasons(rejected: list[dict]) -> dict[str, int]:
     return dict(Counter(r.get("reason") or "?" for r in rejected).most_common())
 
 
-def _error_message(body: bytes) -> str | None:
-    """The message of a JSON error body ({"error": {"message": ...}} or {"error": "..."}), else None."""
+def _error_fields(body: bytes) -> tuple[str | None, str | None]:
+    """(message, code) of a JSON error body ({"error": {"message", "code"}} or {"error": "..."})."""
     try:
         err = json.loads(body or b"{}").get("error")
     except (ValueError, AttributeError):
-        return None
+        return None, None
     msg = err.get("message") if isinstance(err, dict) else err
-    return str(msg)[:160] if msg else None
+    code = err.get("code") if isinstance(err, dict) else None
+    return (str(msg)[:160] if msg else None), (str(code) if code is not None else None)
 
 
 class ServeLoad:
     def __init__(self, url: str, rps: float, max_tokens: int = 8, timeout_s: float = 20.0,
-                 max_in_flight: int = 16, nice: int = 0):
+                 max_in_flight: int = 16, nice: int = 0, extra_body: dict | None = None):
         self.url, self.rps, self.max_tokens, self.timeout_s = url.rstrip("/"), float(rps), max_tokens, timeout_s
+        self.extra_body = dict(extra_body or {})       # more request fields (e.g. ignore_eos: long answers)
         self.nice = int(nice)
         self.results: list[dict] = []
         self.skipped = 0
@@ -110,7 +120,7 @@ class ServeLoad:
     def _one(self, n: int) -> None:
         t, t0 = time.time(), time.monotonic()
         body = json.dumps({"model": "spotfill", "prompt": f"def f{n % 97}(", "max_tokens": self.max_tokens,
-                           "temperature": 0}).encode()
+                           "temperature": 0, **self.extra_body}).encode()
         req = urllib.request.Request(self.url + "/v1/completions", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
         rec: dict = {"t": t}
@@ -123,7 +133,7 @@ class ServeLoad:
             rec["retry_after"] = exc.headers.get("Retry-After")
             if exc.code == 503:
                 try:
-                    rec["reason"] = _error_message(exc.read())
+                    rec["reason"], rec["code"] = _error_fields(exc.read())
                 except OSError:
                     rec["reason"] = None
         except Exception as exc:  # noqa: BLE001 - a connection error or timeout is a failed request

@@ -87,3 +87,65 @@ class ServeTenant:
             return False
         self.target = n
         return True
+
+
+def describe_serve_app(app: str, deployment: str, gpu_resource: str = "GPU", dashboard_url: str | None = None) -> dict:
+    """What the arbiter needs to know about a deployed Serve application to lend it GPUs, read from the
+    dashboard's Serve REST API (GET /api/serve/applications/; the dashboard the head registered when
+    `dashboard_url` is None): {"grace_s", "gpus_per_replica", "dashboard_url"}. ConfigError when the app or
+    deployment is not deployed, the app was deployed without external_scaler_enabled (the arbiter could not
+    set its replica count), or its replicas ask for no `gpu_resource`."""
+    import math
+
+    from spotfill.config.errors import ConfigError
+    from spotfill.ray_compat import dashboard_auth_headers
+    if dashboard_url is None:
+        from spotfill.ray_compat import dashboard_url as registered
+        dashboard_url = registered() or "127.0.0.1:8265"
+    url = dashboard_url if "://" in dashboard_url else f"http://{dashboard_url}"
+    req = urllib.request.Request(f"{url.rstrip('/')}/api/serve/applications/", headers=dashboard_auth_headers())
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            apps = json.loads(resp.read()).get("applications") or {}
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ConfigError("dashboard_url", dashboard_url, reason=f"Serve's REST API did not answer ({exc})",
+                          accepted="the Ray dashboard's address, e.g. 127.0.0.1:8265") from None
+    if app not in apps:
+        raise ConfigError(f"serve app {app}", reason="not deployed", accepted=", ".join(sorted(apps)) or "none deployed")
+    if not apps[app].get("external_scaler_enabled"):
+        raise ConfigError(f"serve app {app}", reason="deployed without external_scaler_enabled, so the arbiter "
+                          "cannot set its replica count", accepted="redeploy it with external_scaler_enabled: true")
+    deployments = apps[app].get("deployments") or {}
+    if deployment not in deployments:
+        raise ConfigError(f"serve deployment {deployment}", reason=f"not a deployment of {app}",
+                          accepted=", ".join(sorted(deployments)))
+    cfg = deployments[deployment].get("deployment_config") or {}
+    opts = cfg.get("ray_actor_options") or {}
+
+    def gpus_in(resources: dict) -> float:
+        if gpu_resource == "GPU":
+            return float(resources.get("num_gpus") or resources.get("GPU") or 0)
+        return float((resources.get("resources") or {}).get(gpu_resource) or resources.get(gpu_resource) or 0)
+    gpus = gpus_in(opts) + sum(gpus_in(b) for b in cfg.get("placement_group_bundles") or [])
+    if gpus <= 0:
+        raise ConfigError(f"serve deployment {app}/{deployment}", reason=f"its replicas ask for no {gpu_resource}",
+                          accepted=f"a deployment whose replicas use {gpu_resource} (ray_actor_options or "
+                                   "placement_group_bundles)")
+    return {"grace_s": float(cfg.get("graceful_shutdown_timeout_s") or 20.0), "gpus_per_replica": math.ceil(gpus),
+            "dashboard_url": dashboard_url}
+
+
+def lend_to_serve_app(app: str, deployment: str, *, max_replicas: int, gpu_resource: str = "GPU",
+                      dashboard_url: str | None = None) -> dict:
+    """Make any deployed Serve application with external_scaler_enabled a fill-in tenant by name (a Ray Serve
+    LLM / vLLM deployment, or any other), checked first (describe_serve_app): the arbiter (started if absent)
+    sets its replica count on GPUs training cannot use and takes them back for training, like spotfill's own
+    app. Its GPUs per replica and grace come from the deployment. Returns the arbiter's answer."""
+    from spotfill.config.errors import ConfigError
+    from spotfill.fillin.wiring import register_serve_app
+    if int(max_replicas) < 1:
+        raise ConfigError("max_replicas", max_replicas, accepted="an integer >= 1")
+    info = describe_serve_app(app, deployment, gpu_resource, dashboard_url)
+    return register_serve_app(app, deployment, gpu_resource=gpu_resource, max_replicas=int(max_replicas),
+                              grace_s=info["grace_s"], gpus_per_replica=info["gpus_per_replica"],
+                              dashboard_url=info["dashboard_url"])

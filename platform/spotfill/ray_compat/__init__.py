@@ -9,7 +9,7 @@ not are hooks, each listed in catalog.py with its class, what it does, what is l
   jit_build_lock_guard, deepspeed_muon_stand_in, drain_aware_restarts, gcs_checked_pg_cleaner,
   teardown_reaper, local_preemption_info, warm_worker_setup_hook, prestart_spare_workers,
   kill_stuck_batch_actors, quiet_node_deaths, node_death_reasons, serve_replica_watch,
-  serve_request_assignment, tune_fast_trial_cleanup, ledger_group_end, device_aware_torch_backend,
+  tune_fast_trial_cleanup, ledger_group_end, device_aware_torch_backend,
   gcs_cluster_config, gcs_dashboard_url, gcs_dead_jobs, dashboard_token_auth, deepspeed_group_timeout,
   restore_node_files.
 - required hooks are what a feature is built on. Where one is missing, that feature -- only when it is
@@ -43,7 +43,7 @@ _PARTS = {
                   "unreachable_workers", "GcsCheckedPlacementGroupCleaner", "GcsCheckedPlacementGroupCleanerCallback",
                   "use_spotfill_controller", "callbacks_first", "worker_setup_hook_env", "prestart_workers",
                   "torch_train_backend"),
-    "ray_serve": ("check_serve_hooks", "watch_running_replicas", "request_taken"),
+    "ray_serve": ("check_serve_hooks", "watch_running_replicas"),
     "ray_tune": ("require_sweep", "tune_force_cleanup_after", "tune_unstage_trial"),
     "torch_jit": ("guard_jit_op_builds", "StaleBuildLock"),
     "torch_dist": ("new_groups_timeout",),

@@ -406,7 +406,9 @@ HOOKS = _hooks(
     # -- Ray Serve ---------------------------------------------------------------------------------------
     Hook("serve_replica_watch", ROBUSTNESS, "ray", RAY,
          "the fill-in Ingress learns the running Generator replicas from the Serve controller's push",
-         "the Ingress polls serve.status() instead (about 10% of a core on a 2-core node)",
+         "the Ingress polls serve.status() instead (about 10% of a core on a 2-core node), which "
+         "names no replica: a request on a replica told to stop continues on another only once that "
+         "replica is gone (after its grace)",
          "serving/app.py's Ingress polls the public serve.status() when the push is not there",
          names=("ray.serve._private.long_poll:LongPollClient.__init__(host_actor, key_listeners, "
                 "call_in_event_loop, client_id)",
@@ -414,14 +416,10 @@ HOOKS = _hooks(
                 "ray.serve._private.long_poll:LongPollNamespace.DEPLOYMENT_TARGETS",
                 "ray.serve._private.common:DeploymentID.__init__(name, app_name)",
                 "ray.serve._private.common:DeploymentTargetInfo.__init__(is_available, running_replicas)",
+                "ray.serve._private.common:RunningReplicaInfo.__init__(replica_id)",
+                "ray.serve._private.common:ReplicaID.__init__(unique_id)",
                 "ray.serve._private.constants:SERVE_CONTROLLER_NAME",
                 "ray.serve._private.constants:SERVE_NAMESPACE")),
-    Hook("serve_request_assignment", ROBUSTNESS, "ray", RAY,
-         "the Ingress tells a request a replica took from one still waiting in Serve's router",
-         "a request forwarded as the last Generator replica stopped waits in Serve's router until a "
-         "replica runs again, instead of an immediate 503",
-         "serving/app.py then treats every request as taken",
-         names=("ray.serve.handle:DeploymentResponse._to_object_ref",)),
     # -- Ray Tune ----------------------------------------------------------------------------------------
     Hook("tune_fillin_sweep", REQUIRED, "ray", RAY,
          "a Tune scheduler and searcher that start, pause and resume trials as fill-in grants come and go",

@@ -47,6 +47,22 @@ class CausalSelfAttention(nn.Module):
             y = attention_core(q, k, v)
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
+    def decode(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], pos: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """Attention for new tokens `x` [n, t, c] at absolute positions `pos` [n, t] over a key/value cache
+        `kv` ([n, heads, T, c/heads] each, written in place at `pos`); `mask` [n, 1, t, keys] says which
+        cached positions each new token sees (spotfill/generation builds it). Generation only: `forward` is
+        the training path and stays as it is."""
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        rows = torch.arange(b, device=x.device)[:, None]
+        keys = mask.shape[-1]
+        kv[0][rows, :, pos] = k.transpose(1, 2).to(kv[0].dtype)
+        kv[1][rows, :, pos] = v.transpose(1, 2).to(kv[1].dtype)
+        y = F.scaled_dot_product_attention(q, kv[0][:, :, :keys], kv[1][:, :, :keys], attn_mask=mask)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, recompute: str = "none"):
@@ -59,6 +75,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def decode(self, x: torch.Tensor, kv, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.decode(self.ln1(x), kv, pos, mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -94,6 +114,18 @@ class GPT(nn.Module):
         full = self.recompute == "full" and _recomputing(self)
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if full else block(x)
+        return self.head(self.ln_f(x))
+
+    def decode(self, idx: torch.Tensor, pos: torch.Tensor, kv: list, keys: int,
+               layers: int | None = None) -> torch.Tensor:
+        """Logits [n, t, vocab] for tokens `idx` [n, t] at absolute positions `pos` [n, t] with a key/value
+        cache (`kv[i]` = (K, V) of block i, [n, heads, >= keys, head_dim] each), attending to the cached
+        positions below `keys` that are <= each token's own. The cache is written at `pos`. `layers`: run
+        only the first that many blocks, then the final norm and head (a self-speculative draft)."""
+        mask = torch.arange(keys, device=idx.device)[None, None, :] <= pos[:, :, None]
+        x = self.wte(idx) + self.wpe(pos)
+        for block, cache in zip(self.blocks[:layers], kv):
+            x = block.decode(x, cache, pos, mask[:, None])
         return self.head(self.ln_f(x))
 
     def recomputed_params(self) -> int:
