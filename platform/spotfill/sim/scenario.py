@@ -432,10 +432,8 @@ AUTOSCALING_SCENARIO = {
     # nodes training uses, so what they have not finished when training ends waits for the next run
     # (docs/cluster-lifecycle.md)
     "fillin": {**DEFAULT_SCENARIO["fillin"], "serve": {**DEFAULT_SCENARIO["fillin"]["serve"], "max_replicas": 1},
-               "batch": {"enabled": True, "rows": 96, "prompts": 8},
-               # trials long enough to be running when training takes their GPU back (a 16-step trial ran
-               # ~1 s of its ~25 s lease: the claim found it starting or between trials, nothing paused)
-               "sweep": {"enabled": True, "trials": 2, "steps": 100}},
+               "batch": {"enabled": True, "rows": 48, "prompts": 8},
+               "sweep": {"enabled": True, "trials": 3, "steps": 16}},
     "cluster": {"gpu_resource": "GPU", "autoscaler": {
         "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
             "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},
