@@ -79,3 +79,36 @@ def test_a_job_between_groups_keeps_its_hosts_for_the_restart_grace():
     hosts.update(Snapshot(nodes=(Node("n1", 2, 1),)), [], jobs=True, between=False, now=t0 + 80.0)
     assert hosts.update(down, [], jobs=True, between=True, now=t0 + 80.0 + RESTART_GRACE_S - 1) == {"n1"}
     assert hosts.update(down, [], jobs=True, between=True, now=t0 + 80.0 + RESTART_GRACE_S + 11) == set()
+
+
+class _JobTenant(_Tenant):
+    """A sweep-like job tenant: each unit (a Tune trial) asks for a CPU beside its GPU."""
+
+    type = "sweep"
+    tenant = "sweep:demo-sweep"
+
+    def __init__(self):
+        from spotfill.fillin.job_tenant import JobTenantSpec
+        super().__init__()
+        self.spec = JobTenantSpec("demo-sweep", "sweep", "01000000", cpus_per_replica=1.0, gpu_resource="GPU_SLOT")
+
+
+def test_a_trial_gives_training_back_the_cpu_beside_its_gpu(tmp_path):
+    """A 3-slot node (3 CPUs): training restarts there while a sweep trial holds 1 slot + 1 CPU. Training's
+    sizing must count that CPU as its own too, or a worker needing GPU + CPU fits one fewer (a demo restarted
+    on 2 workers with 3 slots and reclaimed only the sweep); a Serve replica (no CPU) gives back none."""
+    from spotfill.train.capacity import NodeCapacity, count_workers, free_resources
+    arb = Arbiter("GPU_SLOT", state_path=str(tmp_path / "state.json"), interval_s=3600)
+    try:
+        arb._nodes = lambda: [Node("n1", 3, 1)]
+        serve, sweep = _Tenant(), _JobTenant()
+        arb.tenants[serve.tenant], arb.tenants[sweep.tenant] = serve, sweep
+        serve.held = [Holding(serve.tenant, "serve", "n1", 1, key="actor-1")]
+        sweep.held = [Holding(sweep.tenant, "sweep", "n1", 1, key="pg-1")]
+        got = arb.reclaimable()
+        assert got == {"n1": {"GPU_SLOT": 2.0, "CPU": 1.0}}
+        # Ray's view: 1 slot and 1 CPU free (the trial holds the other CPU, training's old worker is gone)
+        free = free_resources({"n1": NodeCapacity({"GPU_SLOT": 3, "CPU": 3}, {"GPU_SLOT": 1, "CPU": 2})}, {}, got)
+        assert count_workers(free, {"GPU_SLOT": 1, "CPU": 1}, 4) == 3
+    finally:
+        arb._stop.set()

@@ -62,6 +62,9 @@ def summarize(report: dict) -> str:
                      f"GPU-seconds lent {report.get('gpu_seconds', {}).get('fillin', 0):.1f}, harvest ratio "
                      f"{report.get('harvest_ratio', 'n/a (tenants did not measure busy time)')}, held "
                      f"{report.get('harvest_ratio_reserved', 'n/a')} of the spare GPU-seconds")
+    if fill.get("reclaimed_and_resumed"):
+        lines.append("fill-in given back and carried on: " + "; ".join(
+            f"{t} {'yes' if r['ok'] else 'no'} ({r['detail']})" for t, r in fill["reclaimed_and_resumed"].items()))
     nodes = (report.get("cluster") or {}).get("nodes") or []
     t0 = min((n["started"] for n in nodes if n.get("started")), default=0)
     for n in nodes:

@@ -577,8 +577,8 @@ class Arbiter:
 
     def reclaimable(self) -> dict:
         """GPUs per node that training gets back by claiming them: every lease on a node that is alive and
-        not draining, reclaiming or not ({node_id: {gpu_resource: gpus}}). Read from a fresh snapshot, not
-        the last tick's leases: a unit a tenant took since then is neither free in Ray's view nor a lease
+        not draining, reclaiming or not ({node_id: {gpu_resource: gpus[, "CPU": their units' CPUs]}}). Read
+        from a fresh snapshot, not the last tick's leases: a unit a tenant took since then is neither free in Ray's view nor a lease
         yet, and a restart sized in that moment came out a worker short (seen in a demo: 2 instead of 3)."""
         snap = self._snapshot(time.time())
         with self.lock:
@@ -588,6 +588,12 @@ class Arbiter:
                 if le.node_id in usable:
                     row = out.setdefault(le.node_id, {self.gpu_resource: 0.0})
                     row[self.gpu_resource] += le.gpus
+                    # a unit's CPUs (a Tune trial's bundle) come back with it: sized on GPUs alone, a demo
+                    # restart came out a worker short where a trial held the node's spare CPU
+                    spec = getattr(self.tenants.get(le.tenant), "spec", None)
+                    cpus = float(getattr(spec, "cpus_per_replica", 0.0) or 0.0)
+                    if cpus > 0:
+                        row["CPU"] = row.get("CPU", 0.0) + cpus * max(1, le.gpus // max(1, spec.gpus_per_replica))
             return out
 
     def ping(self) -> str:

@@ -199,6 +199,9 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
                 f"{serve_report['requests_ok']} ok, {serve_report['requests_rejected_503']} rejected at once "
                 f"with 503, {failed} failed"}
             report["ok"] = report["ok"] and ok
+        if report.get("fillin"):
+            from spotfill.sim.fillin_resumes import reclaimed_and_resumed
+            report["fillin"]["reclaimed_and_resumed"] = reclaimed_and_resumed(report["fillin"])
         if scale_down is not None:
             report["autoscaler"]["scale_down"] = scale_down
         report["cluster"] = cluster.node_report()

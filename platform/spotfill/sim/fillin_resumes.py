@@ -1,0 +1,59 @@
+"""Did each fill-in tenant of a scenario give its GPUs back and then carry on? (pure: report.json's `fillin`)
+
+What fill-in is for: a tenant runs on GPUs training leaves spare, gives them back when training (or the
+node's spot notice) takes them, and continues where it stopped once GPUs are lent again. Per tenant, from
+what each one measured itself, never from what the scenario planned:
+- each: one of its leases ended by a reclaim (the arbiter's journal: training's claim, a spot notice), and
+  one of its leases started after that reclaim;
+- batch also: a wave stopped with units still to do (fillin.batch.stops, the job's own counters), and every
+  row written exactly once in the end (read back from its output);
+- sweep also: a trial paused with its checkpoint and one restarted from it (fillin.sweep.paused / resumed,
+  from the sweep's own trial events).
+"""
+from __future__ import annotations
+
+TENANTS = ("serve", "batch", "sweep")
+
+
+def taken_and_lent_again(leases: list[dict], workload: str) -> tuple[bool, str]:
+    """A lease of `workload` ended by a reclaim, and one of its leases started after that reclaim."""
+    mine = [le for le in leases if le.get("workload") == workload]
+    taken = [le for le in mine if le.get("ended_by") == "reclaim" and le.get("end") is not None]
+    back = [le for le in mine if any(le.get("start", 0) >= t["end"] for t in taken)]
+    causes = sorted({t.get("cause") or "?" for t in taken})
+    return bool(taken and back), (f"{len(taken)} lease(s) reclaimed ({', '.join(causes) or 'none'}), "
+                                  f"{len(back)} lent again after")
+
+
+def batch_outcome(batch: dict, leases: list[dict]) -> tuple[bool, str]:
+    again, detail = taken_and_lent_again(leases, "batch")
+    stops = batch.get("stops") or []
+    mid = [s for s in stops if s.get("done", 0) < s.get("units", 0)]
+    finished = batch.get("rows_target") is not None and batch.get("rows_written") == batch.get("rows_target") \
+        and not batch.get("missing") and not batch.get("duplicates")
+    return again and bool(mid) and finished, (f"{detail}; its waves stopped {len(stops)} time(s) ({len(mid)} "
+                                              f"with units left), {batch.get('rows_written', 0)} of "
+                                              f"{batch.get('rows_target', '?')} rows written")
+
+
+def sweep_outcome(sweep: dict, leases: list[dict]) -> tuple[bool, str]:
+    again, detail = taken_and_lent_again(leases, "sweep")
+    paused, resumed = int(sweep.get("paused") or 0), int(sweep.get("resumed") or 0)
+    return again and paused >= 1 and resumed >= 1, (f"{detail}; {paused} trial pause(s), {resumed} resumed "
+                                                    "from their checkpoints")
+
+
+def reclaimed_and_resumed(fill: dict) -> dict:
+    """{tenant: {"ok", "detail"}} for each tenant the scenario ran (report.json fillin.reclaimed_and_resumed)."""
+    out: dict[str, dict] = {}
+    leases = fill.get("leases") or []
+    if fill.get("serve"):
+        ok, detail = taken_and_lent_again(leases, "serve")
+        out["serve"] = {"ok": ok, "detail": detail}
+    if fill.get("batch"):
+        ok, detail = batch_outcome(fill["batch"], leases)
+        out["batch"] = {"ok": ok, "detail": detail}
+    if fill.get("sweep"):
+        ok, detail = sweep_outcome(fill["sweep"], leases)
+        out["sweep"] = {"ok": ok, "detail": detail}
+    return out
