@@ -274,13 +274,16 @@ def test_ray_train_claims_the_lent_gpus_through_the_hook(env, tmp_path, monkeypa
     from ray.train.torch import TorchTrainer
 
     from spotfill.fillin.training_hook import ClaimSpec, FillinClaimCallback
+    from spotfill.train.backend import DeviceAwareTorchConfig
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     assert replicas(env) == 2
     def one_second_of_training():      # nested: pickled by value (workers cannot import this test module)
         time.sleep(1)
 
-    trainer = TorchTrainer(one_second_of_training,
-                           scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"GPU": 1}),
+    # Ray's GPU resource takes use_gpu (Ray Train refuses "GPU" in resources_per_worker without it); the
+    # backend is chosen from what the workers really have (gloo here: no CUDA), as spotfill's jobs do
+    trainer = TorchTrainer(one_second_of_training, torch_config=DeviceAwareTorchConfig(),
+                           scaling_config=ScalingConfig(num_workers=3, use_gpu=True),
                            run_config=RunConfig(name="hooked", storage_path=str(tmp_path), callbacks=[
                                FillinClaimCallback(ClaimSpec("hooked", 1, 3, 1, "GPU"))]))
     t0 = time.monotonic()
