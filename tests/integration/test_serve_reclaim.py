@@ -165,7 +165,9 @@ def test_greedy_output_survives_a_replica_killed_mid_stream(env):
     text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
     assert text == whole["choices"][0]["text"]
     replicas = [c["replica"] for c in chunks[:-1] if "replica" in c]
-    assert replicas[0] == killed[0][0] and len(set(replicas)) == 2, replicas
+    # it began on the killed replica and went on elsewhere, never back to it (a loaded machine's Serve may
+    # also stop the second replica for a missed health check: the stream then moves once more)
+    assert replicas[0] == killed[0][0] and len(set(replicas)) >= 2 and killed[0][0] not in replicas[1:], replicas
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     metric("killed_after_chars", killed[0][1])
 

@@ -120,3 +120,43 @@ def test_a_stale_holder_beside_the_live_one_does_not_stand_in_for_another_nodes_
         assert going == {"a", "b"}, arb.leases
     finally:
         arb._stop.set()
+
+
+class _Replicas(JobTenant):
+    """Two holders on nodes a and b; a holder whose lease the arbiter reclaims leaves the listing at once,
+    while Ray's node view shows its GPU in use for `view_lag_s` more (a stopped Serve replica)."""
+
+    def __init__(self, arb, nodes: list, view_lag_s: float):
+        super().__init__(JobTenantSpec("r", "batch", job_id="02000000", max_replicas=2, grace_s=5.0))
+        self.arb, self.nodes, self.view_lag_s, self.gone = arb, nodes, view_lag_s, {}
+        self.held = {n: Holding(self.tenant, "batch", n, 1, key=f"actor-{n}", reclaim_method="job_yield",
+                                grace_s=5.0) for n in ("a", "b")}
+
+    def holdings(self):
+        now = time.time()
+        for le in self.arb.leases:
+            if le.reclaiming_since is not None and le.node_id not in self.gone:
+                self.gone[le.node_id] = now
+        for node, t in self.gone.items():
+            if now - t >= self.view_lag_s:
+                self.nodes[:] = [Node(n.node_id, 1, 1) if n.node_id == node else n for n in self.nodes]
+        return [h for n, h in self.held.items() if n not in self.gone]
+
+
+def test_a_claim_for_one_gpu_stops_one_tenant_while_rays_view_catches_up(tmp_path):
+    """The replica reclaimed for a 1-GPU claim is gone from the listing before Ray's view shows its GPU free
+    (1.5 s here): the claim waits for that view, it does not stop the other replica too (seen in
+    test_serve_reclaim: a 1-GPU claim reclaimed both Serve replicas)."""
+    nodes = [Node("a", 1, 0), Node("b", 1, 0)]
+    arb = Arbiter("GPU_SLOT", state_path=str(tmp_path / "state.json"), interval_s=3600)
+    try:
+        arb._nodes = lambda: list(nodes)
+        tenant = _Replicas(arb, nodes, view_lag_s=1.5)
+        arb.tenants[tenant.tenant] = tenant
+        arb.tick()
+        assert {le.lease_id for le in arb.leases} == {"actor-a", "actor-b"}
+        answer = arb.claim("train", 1, deadline_s=10.0, gpus_per_worker=1, min_workers=1, max_workers=1)
+        assert answer["ok"] and len(answer["reclaimed"]) == 1, answer
+        assert len(tenant.gone) == 1, tenant.gone
+    finally:
+        arb._stop.set()

@@ -495,16 +495,21 @@ class Arbiter:
                 wanted = max(0, int(gpus) - own)
             reclaimed: list[tuple[str, int]] = []     # (lease id, GPUs)
             settled = None             # when nothing reclaimed was left: Ray's resource view may lag the stop
+            ended: dict[str, float] = {}   # lease reclaimed here -> when it ended
             while True:
                 view = self._read(time.time())
                 with self.lock:
                     now = time.time()
                     plan = decide_claim(self._apply(view, now), job, wanted, gpw, now, self.order)
-                    new = [d for d in plan.reclaims if d.lease_id not in self.reclaiming]
+                    live = {le.lease_id for le in self.leases}
+                    ended.update({lid: now for lid, _ in reclaimed if lid not in live and lid not in ended})
+                    # a lease reclaimed here just ended: no other is stopped until Ray's view had time to show its GPU
+                    settling = any(now - t < RESOURCE_VIEW_LAG_S for t in ended.values()) and plan.free_now < wanted
+                    new = [] if settling else [d for d in plan.reclaims if d.lease_id not in self.reclaiming]
                     self._apply_reclaims(new, now, job=job, requested_at=started)
                     self._stop_extra_replicas(now, job=job, requested_at=started)
                     reclaimed += [(d.lease_id, d.gpus) for d in new]
-                    pending = any(le.reclaiming_since for le in self.leases)
+                    pending = settling or any(le.reclaiming_since for le in self.leases)
                 done, settled = claim_finished(plan, time.monotonic() - t0, deadline_s, pending, bool(reclaimed),
                                                settled, RESOURCE_VIEW_LAG_S)
                 if done:
