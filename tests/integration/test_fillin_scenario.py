@@ -99,6 +99,6 @@ def test_leases_reach_the_ledger(run):
     # the arbiter's gpu_free events are the ledger's evidence of idle GPUs: one for every GPU node it saw
     assert {e["node"] for e in events if e["kind"] == "gpu_free"} == up
     parts = sum(gs[s] for s in ("training", "checkpoint_stall", "recovering", "fillin", "idle", "unaccounted"))
-    assert abs(parts - gs["total"]) <= 1e-6 * gs["total"]
+    assert abs(parts - gs["total"]) <= 0.0005 * 7      # each of the seven figures is rounded to 3 decimals
     print(f"FILLIN-METRIC harvest_ratio_reserved {report['harvest_ratio_reserved']} fillin_gpu_s {gs['fillin']} "
           f"idle {gs['idle']} unaccounted {gs['unaccounted']}")
