@@ -1,19 +1,14 @@
 """The fill-in arbiter: one detached, named Ray actor on the head node (no CPUs, no GPUs reserved).
 
 Thin around the pure decisions (fillin/policy.py, lending.py, hosts.py): every second it reads Ray's state
-(nodes and their GPU totals, what is available per node, draining nodes, what each tenant holds:
-fillin/cluster_view.py), reconciles (a lease on a dead node is gone; one on a draining node is reclaimed),
-and lends what training cannot use to its tenants. Training claims GPUs through `claim(job, gpus,
-deadline_s)`: the arbiter reclaims leases in order and answers when the GPUs are free, or at the deadline
-with what it could free. Every decision is logged with its reason and kept for `spotfill status`.
+(fillin/cluster_view.py), reconciles (a lease on a dead node is gone, one on a draining node reclaimed) and
+lends what training cannot use. Training claims GPUs through `claim(job, gpus, deadline_s)`: leases are
+reclaimed in order, answered when the GPUs are free or at the deadline. Every decision is kept with its reason.
 
-Its lock is never held across a call that can be slow: reads happen before it is taken (and a tenant whose
-holdings did not come back in time is unknown for that round, not empty), decisions under it, and the calls
-they lead to -- Serve's scale endpoint, stopping a job tenant -- on threads of their own afterwards
-(fillin/tenant_calls.py). A claim therefore never waits behind a tenant.
+Its lock is never held across a slow call: reads before it (a tenant whose holdings came late is unknown for
+that round, not empty), decisions under it, tenant calls on threads of their own (fillin/tenant_calls.py).
 
-The actor restarts (max_restarts=-1) and rebuilds: training registrations, tenants and recent decisions
-from its state file on the head node, leases from what the tenants are seen holding (adopted).
+It restarts (max_restarts=-1) and rebuilds from its state file on the head node; leases are adopted again.
 """
 from __future__ import annotations
 
