@@ -21,6 +21,7 @@ through Serve's scale endpoint (spotfill/fillin/serve_tenant.py).
 """
 
 import asyncio
+import collections
 import logging
 import random
 import tempfile
@@ -96,6 +97,7 @@ class Generator:
         self.work = tempfile.mkdtemp(prefix="spotfill-serve-")
         self.loaded, self.engine, self.draft_loaded = None, None, None
         self.draining: list = []                               # engines of older checkpoints, finishing
+        self.holding = collections.Counter()                   # engine -> stream() calls that took it
         self.lock = threading.Lock()
         self.reloads: list[dict] = []
         self.metrics = {
@@ -146,8 +148,8 @@ class Generator:
             time.sleep(self.args.reload_s)
             self.busy_meter.flush()     # what an engine measured before it went idle (no-op when nothing)
             self._reload()
-            with self.lock:
-                for eng in [e for e in self.draining if not e.busy]:
+            with self.lock:       # not one a stream() took and has not submitted to yet (busy 0 there)
+                for eng in [e for e in self.draining if not e.busy and not self.holding[e]]:
                     eng.stop()
                     self.draining.remove(eng)
 
@@ -180,17 +182,25 @@ class Generator:
         from spotfill.generation.replica import job_request, stream_job
         with self.lock:
             loaded, engine = self.loaded, self.engine
+            if loaded is not None:
+                self.holding[engine] += 1      # a reload now drains it, but stops it only once we let go
         if loaded is None:
             yield {"error": REASONS[NO_CHECKPOINT], "code": NO_CHECKPOINT}
             return
-        req = job_request(job, engine.tokenizer, loaded.model.cfg.seq_len)
-        if self.args.max_tokens:
-            from dataclasses import replace
-            req.params = replace(req.params, max_tokens=min(req.params.max_tokens, self.args.max_tokens))
-        yield {"admitted": True, "replica": self.replica, "model": MODEL_ID,
-               "checkpoint": {"tag": loaded.tag, "step": loaded.step}}
-        async for chunk in stream_job(engine, req, on_finish=self._finished):
-            yield chunk
+        try:
+            req = job_request(job, engine.tokenizer, loaded.model.cfg.seq_len)
+            if self.args.max_tokens:
+                from dataclasses import replace
+                req.params = replace(req.params, max_tokens=min(req.params.max_tokens, self.args.max_tokens))
+            yield {"admitted": True, "replica": self.replica, "model": MODEL_ID,
+                   "checkpoint": {"tag": loaded.tag, "step": loaded.step}}
+            async for chunk in stream_job(engine, req, on_finish=self._finished):
+                yield chunk
+        finally:
+            with self.lock:
+                self.holding[engine] -= 1
+                if self.holding[engine] <= 0:
+                    del self.holding[engine]
 
 
 api = FastAPI(title="spotfill fill-in generation")
@@ -229,7 +239,7 @@ class Ingress:
         self._states: tuple[float, dict] = (0.0, {})
         self.admit_timeout_s = args.max_queue_wait_s + 5.0
         self.requests = _metric("Counter", "spotfill_serve_requests",
-                                "requests by outcome (ok, rejected, lost, bad_request) and reason",
+                                "requests by outcome (ok, rejected, lost, bad_request, failed) and reason",
                                 ("outcome", "reason"))
         self.continued = _metric("Counter", "spotfill_serve_requests_continued",
                                  "requests continued on another replica", ("why",))
@@ -432,6 +442,13 @@ class Ingress:
             if err.status == 400 and err.code != "context_length_exceeded":
                 self.requests.inc(tags={"outcome": "bad_request", "reason": err.code or ""})
             return error_response(err)
+        except Exception as exc:  # noqa: BLE001 - OpenAI's error body with the cause, not a bare 500
+            return self._server_error(exc)
+
+    def _server_error(self, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        self.requests.inc(tags={"outcome": "failed", "reason": type(exc).__name__})
+        return error_response(protocol.ApiError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -454,6 +471,8 @@ class Ingress:
             out = await self._collect(await call_of(body))
         except protocol.ApiError as err:
             return error_response(err)
+        except Exception as exc:  # noqa: BLE001
+            return self._server_error(exc)
         return {"text": out["text"], "tokens": out["completion_tokens"], "prompt_tokens": out["prompt_tokens"],
                 "finish_reason": out["finish_reason"], "checkpoint": out["checkpoint"],
                 "replica": out["replica"], "continued": out["continued"], **(

@@ -15,6 +15,8 @@ import torch.multiprocessing as mp
 from benchmarks.pipeline import make_plan, prepare_local, side_rank
 
 STEPS = 9
+# micro-batches of 32 rows: the last stage's bubbles on the tiny model are then several ms at each point;
+# with 4 rows they were 1-2 ms, under fill_budget's 2 ms floor at every point, and it never filled
 
 
 def _port() -> int:
@@ -26,7 +28,7 @@ def _port() -> int:
 def _side(tmp, name: str, data: str, fill: str | None) -> list[dict]:
     work = tmp / name
     work.mkdir()
-    training = {"model": "tiny", "workers": [2], "steps": STEPS, "global_batch": 16, "pipeline_stages": 2,
+    training = {"model": "tiny", "workers": [2], "steps": STEPS, "global_batch": 128, "pipeline_stages": 2,
                 "micro_batches": 4, "zero_stage": 1, "warmup_steps": 3, **({"bubble_fill": fill} if fill else {})}
     spec = {"job": {"name": "identical", "storage": str(tmp / "ckpt"), "data": {"path": data},
                     "training": training},
@@ -40,7 +42,7 @@ def _side(tmp, name: str, data: str, fill: str | None) -> list[dict]:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bubbles")
     data, plan_dir = str(tmp / "data"), str(tmp / "fill")
-    prepare_local(data, min_rows=512)
+    prepare_local(data, min_rows=2048)
     make_plan(plan_dir, data, "tiny", rows_per_unit=8)
     return _side(tmp, "plain", data, None), _side(tmp, "filled", data, plan_dir), plan_dir
 

@@ -174,9 +174,12 @@ def test_idle_serve_processes_leave_the_cpu_to_training(env):
     time.sleep(window_s)
     share = {k: round((v - before[k]) / window_s, 4) for k, v in cpu().items()}   # of one core
     metric("idle_cpu_share_of_a_core", share)
-    assert share["Ingress"] < 0.02, share
-    assert share["ServeController"] < 0.03, share
-    assert share["ProxyActor"] < 0.03, share
+    # bounds with room for a loaded 2-core CI machine (seen: 0.016 / 0.033 / 0.015) that still catch the
+    # polling they guard against: serve.status() every 0.1 s took 0.05-0.10 of a core in the Ingress, and as
+    # much again on top of the controller's own loop
+    assert share["Ingress"] < 0.04, share
+    assert share["ServeController"] < 0.06, share
+    assert share["ProxyActor"] < 0.04, share
 
 
 class Load:

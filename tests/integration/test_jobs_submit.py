@@ -288,7 +288,8 @@ def trained(head, staged, tmp_path_factory):
         code, body = http_json("POST", url + "/v1/completions", {"prompt": "def ", "max_tokens": 8}, timeout=15)
         out["completions"].append({"t": time.time(), "code": code, "job": str(status),
                                    "checkpoint": (body.get("checkpoint") or {}).get("tag"),
-                                   "text": (body.get("choices") or [{}])[0].get("text")})
+                                   "text": (body.get("choices") or [{}])[0].get("text"),
+                                   "error": body.get("error") if code != 200 else None})
         time.sleep(0.5)
     out["train_status"], out["train_logs"] = str(client.get_job_info(out["train_id"]).status), \
         job_logs(head, out["train_id"])

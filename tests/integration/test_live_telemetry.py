@@ -52,7 +52,7 @@ def cluster(tmp_path_factory):
     # the embedded cluster's layout without its dashboard (nothing here needs it; its fixed port may be taken)
     before = single_host_loopback(True)
     c = Cluster(initialize_head=True, head_node_args={**LOOPBACK_NODE, "num_cpus": 1, "include_dashboard": False,
-                                                      "_system_config": FAST_FAILURE_DETECTION})
+                                                      "_system_config": dict(FAST_FAILURE_DETECTION)})  # Ray adds to the dict it is given
     try:
         c.add_node(**LOOPBACK_NODE, num_cpus=2, resources={"GPU_SLOT": 2},
                    labels={"spotfill.io/market-type": "spot", "spotfill.io/role": "gpu-worker"})

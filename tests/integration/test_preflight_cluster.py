@@ -106,7 +106,7 @@ def test_every_node_of_the_embedded_cluster_binds_loopback(cluster):
      "; accepted: a resource the nodes offer: CPU, GPU_SLOT, memory, object_store_memory"),
     (["--config", "{ok}"], "pretrain.py: error: training.workers: a minimum of 3 workers ({GPU_SLOT: 1, CPU: 1} "
                            "each) can never be placed: the cluster holds at most 2 (GPU_SLOT 2 in total",
-     "; accepted: a minimum <= 2, smaller cluster.gpus_per_worker/cpus_per_worker, or more nodes"),
+     "; accepted: a minimum <= 2, a smaller cluster.cpus_per_worker, or more nodes"),
 ])
 def test_pretrain_fails_in_seconds_on_what_the_cluster_cannot_offer(cluster, local_data, tmp_path, flags, expected,
                                                                     tail):
@@ -139,7 +139,7 @@ def test_validate_refuses_too_many_workers_in_process(cluster, local_data, tmp_p
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as err:
         TrainingJob(_config(tmp_path, local_data, training={"workers": [2, 4], "global_batch": 12},
-                            cluster={"gpus_per_worker": 1.5})).validate()
+                            cluster={"cpus_per_worker": 1.5})).validate()
     assert err.value.field == "training.workers" and "holds at most 1 " in str(err.value)
     assert time.monotonic() - t0 < 30
 

@@ -192,6 +192,17 @@ def test_the_engine_thread_serves_requests_submitted_from_elsewhere(model):
         eng.stop()
 
 
+def test_a_request_submitted_to_a_stopped_engine_is_answered_with_an_error_not_left_waiting(model):
+    """A replica swaps engines on a checkpoint reload; a request that reaches the old one after it stopped
+    must end (an error update at once), not wait forever on a queue no thread takes from."""
+    eng = Engine(GPTDecoder(model), ByteTokenizer(), max_batch=2).start()
+    eng.stop()
+    got = []
+    eng.submit(req("late", "late", max_tokens=4), got.append)
+    assert [u.finish_reason for u in got] == ["error"] and "stopped" in got[0].error, got
+    assert eng.busy == 0
+
+
 def test_the_engine_thread_measures_its_steps_as_busy_time_not_its_waits(model):
     """With a busy meter (fillin/busy.py, as the Serve replica passes its reporter), every step the engine
     thread runs is measured and the time it waits for requests is not: two requests with a 1 s pause between

@@ -53,7 +53,7 @@ def test_too_many_workers_message_says_what_the_cluster_holds():
                         "placed: the cluster holds at most 2 (GPU_SLOT 2 in total, at most 2 per node; CPU 4 in "
                         "total, at most 2 per node; counted the 2 nodes alive now; Ray 2.60 exposes no public API "
                         "for the node types an autoscaler could add, and no ~/ray_bootstrap_config.yaml is on "
-                        "this node); accepted: a minimum <= 2, smaller cluster.gpus_per_worker/cpus_per_worker, "
+                        "this node); accepted: a minimum <= 2, a smaller cluster.cpus_per_worker, "
                         "or more nodes")
 
 

@@ -112,6 +112,10 @@ class Engine:
                               "no room to generate"))
             return
         with self._lock:
+            if self._stop.is_set():        # never queued where no thread will ever take it
+                sink(Update(req.request_id, [], "", "error", len(req.prompt_ids), len(req.generated), req.emitted,
+                            error="the generation engine was stopped (its checkpoint was replaced)"))
+                return
             self._pending.append((req, sink))
             self._lock.notify()
 

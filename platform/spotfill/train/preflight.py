@@ -102,7 +102,7 @@ def resource_problem(need: dict[str, float], gpu_resource: str, min_workers: int
     return Problem("training.workers", min_workers,
                    reason=f"a minimum of {min_workers} workers ({{{each}}} each) can never be placed: the "
                           f"cluster holds at most {fit} ({offer}; {counted})",
-                   accepted=f"a minimum <= {fit}, smaller cluster.gpus_per_worker/cpus_per_worker, or more nodes")
+                   accepted=f"a minimum <= {fit}, a smaller cluster.cpus_per_worker, or more nodes")
 
 
 def seq_len_problem(seq_len: int | None, manifest: dict, data_path: str) -> Problem | None:
