@@ -22,6 +22,7 @@ def _run(seed: int, tmp_path, steps: int) -> dict:
     return report
 
 
+@pytest.mark.slow   # CI's time budget: run with `python -m pytest -m slow`
 def test_chaos_with_storage_outage(tmp_path):
     report = _run(3, tmp_path, steps=160)   # drain, storage outage, node back, drain
     assert any(e["action"] == "storage_outage" and e["fired"] for e in report["events"])

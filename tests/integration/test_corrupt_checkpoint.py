@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import io
 
+import pytest
+
 
 from spotfill.sim.outcomes import digest
 from spotfill.sim.runner import run_scenario
@@ -46,6 +48,7 @@ def test_restore_goes_past_a_corrupted_checkpoint_and_quarantines_it(tmp_path):
     assert kinds.index("checkpoint_quarantined") < kinds.index("checkpoint_restored", kinds.index("checkpoint_quarantined"))
 
 
+@pytest.mark.slow   # CI's time budget: run with `python -m pytest -m slow`
 def test_no_intact_checkpoint_fails_the_job_naming_the_damaged_tag(tmp_path):
     report = _run(tmp_path, "allbad", {"steps": 60, "checkpoint_every": 20, "keep_checkpoints": 1},
                   [{"at_step": 25, "action": "corrupt_checkpoint"}, {"at_step": 25, "action": "kill_node", "node": 1}])

@@ -195,6 +195,7 @@ def _job(name: str, tmp_path, dataset, store: str, **training):
     return TrainingJob(cfg, runtime_env={"env_vars": worker_env()})
 
 
+@pytest.mark.slow   # CI's time budget: run with `python -m pytest -m slow`
 def test_a_second_fit_over_the_same_store_numbers_its_attempts_past_the_first(cluster, dataset, tmp_path):
     """Tags are step + attempt. A second fit() over the same store used to start again at attempt 0 and
     could write into a tag the first run had committed; it continues at attempt 1 and resumes from step
@@ -223,6 +224,7 @@ def test_a_second_fit_over_the_same_store_numbers_its_attempts_past_the_first(cl
         assert store.manifest(tag) == before[tag], tag
 
 
+@pytest.mark.slow   # CI's time budget: run with `python -m pytest -m slow`
 def test_a_grow_whose_slot_is_taken_falls_back_to_the_previous_size(cluster, dataset, tmp_path):
     """One slot is held by other work: training runs on 3. The holder leaves; training checkpoints and
     exits to grow -- and at that moment other work takes the slot again (a placement group reserves it).

@@ -122,6 +122,7 @@ def test_workers_run_as_many_torch_threads_as_cpus_they_asked_for(scenario_run):
     assert ready and all(e["torch_threads"] == 1 for e in ready), [e.get("torch_threads") for e in ready]
 
 
+@pytest.mark.slow   # CI's time budget: run with `python -m pytest -m slow`
 def test_elastic_loss_curve_matches_fixed_size(scenario_run, tmp_path):
     """Same global batch, same sample order: the loss per step matches a fixed 2-worker run within noise."""
     report, out = scenario_run

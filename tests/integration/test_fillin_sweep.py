@@ -193,6 +193,7 @@ def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_
     print(f"\nFixedGrant drop -> placement groups removed: {seen['handback_s']:.2f}s")
 
 
+@pytest.mark.slow   # CI's time budget: run with `python -m pytest -m slow`
 def test_a_trial_still_in_its_setup_gives_its_gpu_back_within_the_grace(env):
     """A grant drop while the trial's actor is still in its setup (a CPU-starved fill-in process took 25 s
     there): Tune queues the actor's stop() behind the setup and, for an actor already created, waited a fixed
@@ -237,6 +238,7 @@ def test_a_trial_still_in_its_setup_gives_its_gpu_back_within_the_grace(env):
     print(f"\ndrop during setup -> placement group removed: {seen['handback_s']:.2f}s")
 
 
+@pytest.mark.slow   # CI's time budget: run with `python -m pytest -m slow`
 def test_a_trial_whose_actor_is_killed_resumes_from_its_checkpoint_without_repeating_steps(env):
     from spotfill.fillin.grant import FixedGrant
     from spotfill.fillin.sweep import run_sweep

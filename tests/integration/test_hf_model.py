@@ -27,6 +27,7 @@ def llama_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow   # CI's time budget: run with `python -m pytest -m slow`
 def test_hf_llama_trains_and_reshards(llama_dir, tmp_path):
     scenario = {
         "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 1}, {"gpus": 1}]},

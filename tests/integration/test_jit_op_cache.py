@@ -56,6 +56,7 @@ def test_own_cache_folder_per_environment():
     assert os.path.isdir(os.path.join(jit_cache_dir(), OP))
 
 
+@pytest.mark.slow   # CI's time budget: run with `python -m pytest -m slow`
 def test_lock_of_a_killed_builder_blocks_torch_forever_but_not_spotfill(lock_path):
     with open(lock_path, "w") as f:
         f.write(owner_record(socket.gethostname(), boot_id(), _dead_pid(), time.time()))

@@ -14,14 +14,17 @@ from spotfill.sim.runner import run_scenario
 from spotfill.sim.scenario import parse_scenario
 from spotfill.telemetry.events import read_events
 
-STEPS, BATCH = 60, 8
+# the node comes back as soon as training runs on the replica left (min_world 2), and the run is long enough
+# for the scenario runner's add_node (synchronous: on a loaded 2-core machine it took as long as the 30
+# steps after it, and the job ended before it could grow)
+STEPS, BATCH = 100, 8
 SCENARIO = {
     "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}]},
     "training": {"model": "tiny", "workers": [2, 4], "steps": STEPS, "global_batch": BATCH, "pipeline_stages": 2,
                  "micro_batches": 2, "checkpoint_every": 10, "zero_stage": 1, "warmup_steps": 5},
     "events": [
         {"at_step": 15, "action": "kill_node", "node": 1},
-        {"at_step": 30, "action": "add_node", "gpus": 2},
+        {"at_step": 16, "min_world": 2, "action": "add_node", "gpus": 2},
     ],
 }
 

@@ -186,12 +186,17 @@ def test_a_request_lost_with_every_replica_is_a_failure_not_a_refusal(env):
     load = ServeLoad(env["url"], rps=4, max_tokens=LONG["max_tokens"], timeout_s=60, max_in_flight=16,
                      extra_body={"ignore_eos": True}).start()
     time.sleep(2.0)                                  # requests in flight on both replicas
-    answer = ray.get(env["arbiter"].claim.remote("train", 2, 15.0, 1, 1, 2), timeout=30)
+    claim = env["arbiter"].claim.remote("train", 2, 15.0, 1, 1, 2)
+    # killed once both are told to stop, not after the claim returns: by then a graceful stop may have let
+    # every request in flight finish (requests of ~2.5 s inside a 5 s grace), leaving none to lose
+    wait_for(lambda: len(ray.get(env["arbiter"].status.remote(0), timeout=30)["pending_reclaims"]) >= 2, 15,
+             "both Serve leases reclaiming", every=0.05)
     for pid in pids.values():
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    answer = ray.get(claim, timeout=30)
     time.sleep(5.0)
     s = load.stop()
     metric("lost_summary", json.dumps({k: s[k] for k in ("requests", "requests_ok", "requests_lost",

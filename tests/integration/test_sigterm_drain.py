@@ -137,6 +137,7 @@ def test_pod_sigterm_drains_the_node_with_a_deadline_ray_train_sees(cluster):
         pod.stop()
 
 
+@pytest.mark.slow   # CI's time budget: run with `python -m pytest -m slow`
 def test_sigterm_to_the_raylet_itself_is_no_drain(cluster):
     from ray.core.generated import common_pb2
 

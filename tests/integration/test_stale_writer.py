@@ -26,7 +26,7 @@ CLUSTER = {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}]}
 def test_a_stale_writer_is_fenced_and_the_live_lineage_survives(tmp_path):
     scenario = {"cluster": CLUSTER, "training": TRAINING,
                 "events": [{"at_step": 15, "action": "drain_node", "node": 1, "deadline_s": 20},
-                           {"at_step": 32, "action": "stale_writer"}]}
+                           {"at_step": 32, "min_world": 1, "action": "stale_writer"}]}   # min_world: after the restart
     with contextlib.redirect_stdout(io.StringIO()):
         report = run_scenario(parse_scenario(scenario, "stale"), str(tmp_path), quiet=True)
     assert report["ok"], digest(report)
