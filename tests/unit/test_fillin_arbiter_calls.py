@@ -206,3 +206,46 @@ def test_a_read_slower_than_a_round_is_used_by_the_next_round():
     assert [h.key for h in held] == ["actor-1"] and unknown == set() and slow.calls == 1
     held, _, _ = reads.read({"batch:b": slow}, wait_s=1.0)           # used: a new read, waited for
     assert [h.key for h in held] == ["actor-2"]
+
+
+def test_two_job_tenants_on_one_spare_gpu_take_turns_through_the_real_arbiter(tmp_path):
+    """Fewer spare GPUs than tenants (lending.take_turns): the sweep holds the one spare GPU through two trials
+    (a one-tick gap between them is no break), the batch job waits; once the sweep held it a turn and its trial
+    computed (a busy report), the arbiter reclaims it (cause fair_share) and lends the freed GPU to the batch job."""
+    arb = Arbiter("GPU", state_path=str(tmp_path / "state.json"), interval_s=3600, autoscaled=False, turn_s=30.0)
+    try:
+        nodes = [Node("n1", 2, 1)]                    # training holds one GPU slot; one is spare
+        arb._nodes = lambda: list(nodes)
+        sweep, batch = _Job(units=3, kind="sweep"), _Job(units=3, kind="batch")
+        arb.tenants = {sweep.tenant: sweep}            # the sweep came first and got the spare GPU
+
+        def tick(t: float) -> None:
+            arb._lend(arb._snapshot(t), t)
+
+        def trial(key: str) -> None:
+            sweep.held = [Holding(sweep.tenant, "sweep", "n1", 1, key=key, reclaim_method="job_yield")]
+            nodes[0] = Node("n1", 2, 0)
+
+        tick(T0)
+        assert sweep.target == 1
+        arb.tenants[batch.tenant] = batch
+        trial("pg1:0")
+        for t in range(1, 12):
+            tick(T0 + t)
+        sweep.held, nodes[0] = [], Node("n1", 2, 1)   # its first trial ends; the next group takes the unit a tick later
+        tick(T0 + 12)
+        trial("pg2:0")
+        for t in range(13, 40):
+            tick(T0 + t)
+        assert sweep.target == 1 and not arb.reclaiming, "the second trial has not computed yet: no turn"
+        arb.report_busy([{"kind": "fillin_busy", "tenant": sweep.tenant, "workload": "sweep", "lease_id": "pg2:0",
+                          "busy_s": 1.0, "t0": T0 + 38, "t1": T0 + 39}])
+        tick(T0 + 40)
+        assert list(arb.reclaiming) == ["pg2:0"] and sweep.target == 0
+        assert any(o.cause == "fair_share" and o.tenant == sweep.tenant for o in arb.orders)
+        assert "turns: " + batch.tenant in arb.decisions.items[-1].reason
+        sweep.held, nodes[0] = [], Node("n1", 2, 1)   # the trial paused: its GPU is free
+        tick(T0 + 45)
+        assert batch.target == 1 and sweep.target == 0, "the freed GPU goes to the batch job that waited its turn"
+    finally:
+        arb._stop.set()

@@ -1,12 +1,13 @@
 """Several fill-in tenants share one pool of lendable GPUs (fillin/lending.py: pure, a fake clock). A GPU
 given to a tenant and not yet taken is not lent again -- also one a Tune trial gave back between one trial
 and the next -- tenants get fair shares of what is lendable, and what is already lent is rebalanced toward a
-fair share when one tenant holds everything while another waits."""
+fair share when one tenant holds everything while another waits; with fewer units than tenants, the units
+go round in turns."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from spotfill.fillin.lending import MIN_HOLD_S, TenantView, fair_share, lend_round
+from spotfill.fillin.lending import MIN_HOLD_S, TenantView, fair_share, lend_round, take_turns
 from spotfill.fillin.policy import Lease, Node, Snapshot
 
 T0 = 1000.0
@@ -77,3 +78,89 @@ def test_fair_share_leaves_young_leases_and_satisfied_tenants_alone():
     # something is still lendable to the batch job: lending serves it, nothing is taken back
     spare = Snapshot((Node("a", 2, 0), Node("b", 1, 1)), leases=young)
     assert fair_share([sweep, batch], spare, T0 + MIN_HOLD_S) is None
+
+
+TURN = 60.0
+
+
+def one_spare_held_by(holder: str, *, since: float) -> Snapshot:
+    """Node a: 2 GPU slots, training on one, the other lent to `holder` since `since`; nothing free."""
+    return Snapshot((Node("a", 2, 0),), leases=held(holder, "a", at=since))
+
+
+def test_with_one_spare_gpu_and_two_job_tenants_they_take_turns():
+    # the demo's shape: the sweep got the only spare GPU first; the batch job waits with nothing. A share of
+    # 0 each (1 unit, 2 tenants), so fair_share moves nothing -- without turns the batch job waited until the
+    # sweep ran out of trials
+    snap = one_spare_held_by("sweep:t", since=T0)
+    sweep = replace(view("sweep", target=1, wanted=3), holding_since=T0)
+    batch = replace(view("batch", target=0, wanted=4), waiting_since=T0)
+    computed = {"sweep:t-0": T0 + 10}
+    assert fair_share([sweep, batch], snap, T0 + 2 * TURN) is None
+    assert take_turns([sweep, batch], snap, T0 + TURN / 2, TURN, computed) is None, "nobody waited a turn yet"
+    d = take_turns([sweep, batch], snap, T0 + TURN, TURN, computed)
+    assert d is not None and d.action == "reclaim" and d.tenant == "sweep:t" and d.lease_id == "sweep:t-0"
+    assert "batch:t has waited 60s" in d.reason and "that computed" in d.reason and d.deadline == T0 + TURN + 3.0
+    # the freed GPU goes to the batch job, which waited longest, not back to the sweep (which now waits too,
+    # and whose name sorts after "batch" -- so test it the other way round too)
+    freed = Snapshot((Node("a", 2, 1),))
+    for waiting_first, waiting_next in ((batch, replace(sweep, target=0, waiting_since=T0 + TURN)),
+                                        (replace(sweep, target=0, waiting_since=T0),
+                                         replace(batch, waiting_since=T0 + TURN))):
+        got = targets(lend_round([waiting_next, waiting_first], freed, T0 + TURN + 1))
+        assert got == {waiting_first.tenant: 1}, got
+    # a turn later the sweep, waiting since it gave the unit up, gets it back from the batch job
+    snap = one_spare_held_by("batch:t", since=T0 + TURN + 3)
+    sweep = replace(sweep, target=0, waiting_since=T0 + TURN, holding_since=None)
+    batch = replace(batch, target=1, waiting_since=None, holding_since=T0 + TURN + 3)
+    computed = {"batch:t-0": T0 + TURN + 10}
+    assert take_turns([sweep, batch], snap, T0 + 2 * TURN, TURN, computed) is None, "the batch job's turn is not over"
+    d = take_turns([sweep, batch], snap, T0 + 2 * TURN + 3, TURN, computed)
+    assert d is not None and d.tenant == "batch:t"
+
+
+def test_a_turn_takes_a_unit_that_computed_and_counts_the_holders_time_not_the_units():
+    # the sweep has held the spare GPU for two turns, but through several trials: its current trial's group
+    # got the unit 5 s ago and is still starting -- it is not taken until it computed (a running trial pauses
+    # with a checkpoint; a starting one has nothing to save yet) or a turn passed since its grant
+    t = T0 + 2 * TURN
+    snap = one_spare_held_by("sweep:t", since=t - 5)
+    sweep = replace(view("sweep", target=1, wanted=3), holding_since=T0)
+    batch = replace(view("batch", target=0, wanted=4), waiting_since=T0)
+    assert take_turns([sweep, batch], snap, t, TURN, {}) is None
+    d = take_turns([sweep, batch], snap, t, TURN, {"sweep:t-0": t - 1})
+    assert d is not None and d.lease_id == "sweep:t-0", "its new trial computes: the turn is over"
+    d = take_turns([sweep, batch], snap, t - 5 + TURN, TURN, {})
+    assert d is not None and "not computing yet" in d.reason, "a unit that never computed goes after a turn"
+    # the holder's time counts, not the unit's: a tenant that started holding 10 s ago keeps its unit
+    fresh = replace(sweep, holding_since=t - 10)
+    assert take_turns([fresh, batch], snap, t, TURN, {"sweep:t-0": t - 8}) is None
+
+
+def test_serve_is_never_made_to_give_its_replica_up_for_a_turn_but_may_take_one():
+    serve = replace(view("serve", target=1, wanted=1), scaled=True, holding_since=T0)
+    batch = replace(view("batch", target=0, wanted=4), waiting_since=T0)
+    assert take_turns([serve, batch], one_spare_held_by("serve:t", since=T0), T0 + 10 * TURN, TURN,
+                      {"serve:t-0": T0}) is None
+    # Serve waiting for a replica while a batch job holds the only spare GPU: it gets its turn
+    serve = replace(serve, target=0, waiting_since=T0, holding_since=None)
+    d = take_turns([serve, replace(batch, target=1, waiting_since=None, holding_since=T0)],
+                   one_spare_held_by("batch:t", since=T0), T0 + TURN, TURN, {"batch:t-0": T0 + 1})
+    assert d is not None and d.tenant == "batch:t"
+
+
+def test_no_turn_while_a_unit_is_going_or_one_is_lendable_or_the_waiter_wants_nothing():
+    snap = one_spare_held_by("sweep:t", since=T0)
+    sweep = replace(view("sweep", target=1, wanted=3), holding_since=T0)
+    batch = replace(view("batch", target=0, wanted=4), waiting_since=T0)
+    later, computed = T0 + 2 * TURN, {"sweep:t-0": T0 + 1}
+    assert take_turns([sweep, batch], snap, later, TURN, computed) is not None
+    going = replace(snap, leases=tuple(replace(le, reclaiming_since=later) for le in snap.leases))
+    assert take_turns([sweep, batch], going, later, TURN, computed) is None
+    assert take_turns([sweep, batch], replace(snap, nodes=(Node("a", 2, 0), Node("b", 1, 1))), later, TURN,
+                      computed) is None
+    assert take_turns([sweep, replace(batch, wanted=0)], snap, later, TURN, computed) is None
+    assert take_turns([sweep, replace(batch, waiting_since=None)], snap, later, TURN, computed) is None
+    # a draining node's lease is not handed round (the drain reclaims it anyway)
+    draining = replace(snap, nodes=(Node("a", 2, 0, draining=True),))
+    assert take_turns([sweep, batch], draining, later, TURN, computed) is None

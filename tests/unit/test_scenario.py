@@ -52,6 +52,9 @@ def test_batch_fillin_and_reclaim_order_parse_with_defaults():
     assert not parse_scenario({}).fillin.batch_enabled
     s = parse_scenario({"fillin": {"reclaim_order": ["batch", "sweep", "serve"]}})
     assert s.fillin.reclaim_order == ["batch", "sweep", "serve"]
+    assert s.fillin.turn_s is None and s.fillin.require_resumes is False
+    s = parse_scenario({"fillin": {"turn_s": 45, "require_resumes": True}})
+    assert s.fillin.turn_s == 45 and s.fillin.require_resumes is True
 
 
 @pytest.mark.parametrize("fillin, field", [
@@ -64,6 +67,11 @@ def test_batch_fillin_and_reclaim_order_parse_with_defaults():
     ({"reclaim_order": ["serve", "batch"]}, "fillin.reclaim_order"),
     ({"reclaim_order": ["serve", "batch", "batch"]}, "fillin.reclaim_order"),
     ({"reclaim_order": "serve,batch,sweep"}, "fillin.reclaim_order"),
+    ({"turn_s": 0}, "fillin.turn_s"),
+    ({"turn_s": -30}, "fillin.turn_s"),
+    ({"turn_s": "40s"}, "fillin.turn_s"),
+    ({"turn_s": True}, "fillin.turn_s"),
+    ({"require_resumes": "yes"}, "fillin.require_resumes"),
 ])
 def test_bad_batch_fillin_or_reclaim_order_names_the_field(fillin, field):
     with pytest.raises(ConfigError) as err:
@@ -201,3 +209,14 @@ def test_swap_shards_exchanges_two_shards_in_storage_and_the_reader_names_the_sw
               {"kind": "data_mismatch", "t": out["t"] + 1, "reason": "data shard x", "attempt": 2, "rank": 1}]
     assert swap_outcome(events, out["t"]) == {"caught": "data shard x", "caught_by": {"attempt": 2, "rank": 1}}
     assert swap_outcome(events[:1], out["t"]) == {"caught": None}
+
+
+def test_gpu_slots_count_what_the_autoscaler_may_launch():
+    # a batch job's or sweep's max_units defaults to every slot: on a head-only autoscaled cluster that is
+    # what the autoscaler may launch (it was 1: the static nodes alone)
+    from spotfill.sim.scenario import AUTOSCALING_SCENARIO
+    assert parse_scenario(AUTOSCALING_SCENARIO).cluster.gpu_slots() == 2 * 3      # max_workers 2 x 3 GPUs
+    assert parse_scenario(DEFAULT_SCENARIO).cluster.gpu_slots() == 5
+    types = {"a": {"gpus": 2, "max_workers": 3}, "b": {"gpus": 4, "max_workers": 1}}
+    assert parse_scenario({"cluster": {"nodes": [{"gpus": 1}], "autoscaler": {"node_types": types}}}
+                          ).cluster.gpu_slots() == 1 + 6 + 4

@@ -22,19 +22,23 @@ def default_state_path() -> str:
 def ensure_arbiter(gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_ORDER,
                    state_path: str | None = None, runtime_env: dict | None = None, dashboard_url: str | None = None,
                    autoscaled: bool | None = None, launch_nodes: bool = False,
-                   idle_reclaim_s: float | None = None):
+                   idle_reclaim_s: float | None = None, turn_s: float | None = None):
     """The arbiter actor: found by name, else started detached on the head node (0 CPUs). `autoscaled`:
     the cluster is scaled by Ray's autoscaler -- fill-in lends only on nodes training uses, gives a node
     back idle_reclaim_s after training left it, and never leaves a replica pending (autoscaler demand)
     unless `launch_nodes` (the user allows fill-in to make the autoscaler launch nodes); None (the default):
-    the arbiter finds out on the head (fillin/cluster_kind.py). Callers go through fillin/wiring.py."""
+    the arbiter finds out on the head (fillin/cluster_kind.py). `turn_s`: with fewer units than tenants, how
+    long a batch job or sweep keeps a unit another tenant waits for (lending.take_turns; None: TURN_S).
+    Callers go through fillin/wiring.py."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from spotfill.fillin.arbiter import IDLE_RECLAIM_S, Arbiter
     from spotfill.ray_compat import require
     require("fillin_arbiter")       # one line (RayCompatError) where Ray moved what the arbiter reads
+    from spotfill.fillin.lending import TURN_S
     idle_reclaim_s = IDLE_RECLAIM_S if idle_reclaim_s is None else idle_reclaim_s
+    turn_s = TURN_S if turn_s is None else turn_s
 
     head = next((n["NodeID"] for n in ray.nodes() if n.get("Alive")
                  and "node:__internal_head__" in (n.get("Resources") or {})), None)
@@ -46,7 +50,8 @@ def ensure_arbiter(gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_O
         options["runtime_env"] = runtime_env
     handle = ray.remote(Arbiter).options(**options).remote(gpu_resource, tuple(order), state_path,
                                                            dashboard_url=dashboard_url, autoscaled=autoscaled,
-                                                           launch_nodes=launch_nodes, idle_reclaim_s=idle_reclaim_s)
+                                                           launch_nodes=launch_nodes, idle_reclaim_s=idle_reclaim_s,
+                                                           turn_s=turn_s)
     ray.get(handle.ping.remote(), timeout=60)
     return handle
 

@@ -82,8 +82,14 @@ def _error_fields(body: bytes) -> tuple[str | None, str | None]:
     return (str(msg)[:160] if msg else None), (str(code) if code is not None else None)
 
 
+# the client's patience: longer than the app's own bound on an answer (serving/app.py: a request waits up to
+# max_queue_wait_s, 15 s by default, for a replica starting; a taken request up to 5 s more to be picked up;
+# then its generation) -- at 20 s a demo counted 2 requests queued for a starting replica as failed
+CLIENT_TIMEOUT_S = 60.0
+
+
 class ServeLoad:
-    def __init__(self, url: str, rps: float, max_tokens: int = 8, timeout_s: float = 20.0,
+    def __init__(self, url: str, rps: float, max_tokens: int = 8, timeout_s: float = CLIENT_TIMEOUT_S,
                  max_in_flight: int = 16, nice: int = 0, extra_body: dict | None = None):
         self.url, self.rps, self.max_tokens, self.timeout_s = url.rstrip("/"), float(rps), max_tokens, timeout_s
         self.extra_body = dict(extra_body or {})       # more request fields (e.g. ignore_eos: long answers)

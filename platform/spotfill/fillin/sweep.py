@@ -102,6 +102,37 @@ class SweepControl:
         self.__dict__.update(state)
         self.grant, self.lock, self.emit, self.clock = FixedGrant(0), threading.RLock(), (lambda kind, **f: None), time.monotonic
 
+    def note_result(self, tid: str, result: dict, config: dict | None = None) -> None:
+        """A trial's result: the first one of an incarnation (a new trial actor) says whether it started,
+        resumed from its pause checkpoint, recovered after its actor died, or continued an earlier driver's
+        experiment -- counted in the tally, emitted as a `sweep_trial` event. Caller holds the lock."""
+        first = tid not in self.last_result or self.last_result[tid].get("incarnation") != result.get("incarnation")
+        self.last_result[tid] = dict(result)
+        if not first:
+            return
+        if tid in self.restored_pending:
+            self.restored_pending.discard(tid)
+            self.tally.restored_trials += 1
+            if tid not in self.started:
+                self.started.add(tid)
+                self.tally.started += 1
+            self.emit("sweep_trial", action="restored", trial=tid, step=result.get("restored_from"),
+                      cause="driver_restarted")
+        elif tid not in self.started:
+            self.started.add(tid)
+            self.tally.started += 1
+            self.emit("sweep_trial", action="started", trial=tid, config=self.config_of.get(tid, config))
+        elif result.get("restored_from") is not None:
+            if tid in self.paused_with_checkpoint:
+                self.paused_with_checkpoint.discard(tid)
+                self.tally.resumed += 1
+                self.emit("sweep_trial", action="resumed", trial=tid, step=result["restored_from"],
+                          cause="grant_rose")
+            else:
+                self.tally.recovered += 1
+                self.emit("sweep_trial", action="recovered", trial=tid, step=result["restored_from"],
+                          cause="trial_actor_died")
+
     @property
     def unstarted(self) -> int:
         return len(self.configs) - self.handed_out
@@ -304,39 +335,18 @@ def _scheduler_class():
         def on_trial_result(self, tune_controller, trial, result):
             c = self.control
             with c.lock:
-                tid = trial.trial_id
-                first = tid not in c.last_result or c.last_result[tid].get("incarnation") != result.get("incarnation")
-                c.last_result[tid] = dict(result)
-                if first:
-                    if tid in c.restored_pending:
-                        c.restored_pending.discard(tid)
-                        c.tally.restored_trials += 1
-                        if tid not in c.started:
-                            c.started.add(tid)
-                            c.tally.started += 1
-                        c.emit("sweep_trial", action="restored", trial=tid, step=result.get("restored_from"),
-                               cause="driver_restarted")
-                    elif tid not in c.started:
-                        c.started.add(tid)
-                        c.tally.started += 1
-                        c.emit("sweep_trial", action="started", trial=tid, config=c.config_of.get(tid, trial.config))
-                    elif result.get("restored_from") is not None:
-                        if tid in c.paused_with_checkpoint:
-                            c.paused_with_checkpoint.discard(tid)
-                            c.tally.resumed += 1
-                            c.emit("sweep_trial", action="resumed", trial=tid, step=result["restored_from"],
-                                   cause="grant_rose")
-                        else:
-                            c.tally.recovered += 1
-                            c.emit("sweep_trial", action="recovered", trial=tid, step=result["restored_from"],
-                                   cause="trial_actor_died")
-                if tid in self.pausing:
+                c.note_result(trial.trial_id, result, trial.config)
+                if trial.trial_id in self.pausing:
                     return TrialScheduler.PAUSE
             return TrialScheduler.CONTINUE
 
         def on_trial_complete(self, tune_controller, trial, result):
             c = self.control
             with c.lock:
+                # Tune hands a trial's last result (done) here, not to on_trial_result: a trial resumed from a
+                # checkpoint taken at or just before its last step has no other result to say it resumed
+                if result:
+                    c.note_result(trial.trial_id, result, trial.config)
                 c.book.observe(trial.trial_id, sp.DONE)
                 self.pausing.discard(trial.trial_id)
                 c.tally.on_complete(trial.trial_id, c.config_of.get(trial.trial_id, trial.config), METRIC,

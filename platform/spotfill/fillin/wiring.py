@@ -67,16 +67,16 @@ def connect_ray(runtime_env: dict | None = None) -> None:
 # -- the arbiter ------------------------------------------------------------------------------------------
 def arbiter(gpu_resource: str = "GPU", *, order: tuple[str, ...] = DEFAULT_ORDER, state_path: str | None = None,
             runtime_env: dict | None = None, autoscaled: bool | None = None, launch_nodes: bool = False,
-            idle_reclaim_s: float | None = None, dashboard_url: str | None = None):
+            idle_reclaim_s: float | None = None, dashboard_url: str | None = None, turn_s: float | None = None):
     """The running arbiter, else one started detached on the head with these settings. `autoscaled` None:
     the arbiter finds out on the head whether an autoscaler may add and remove nodes (the settings of an
     arbiter already running are its own)."""
     running = get_arbiter()
     if running is not None:
         return running
-    kwargs = {} if idle_reclaim_s is None else {"idle_reclaim_s": idle_reclaim_s}
     return ensure_arbiter(gpu_resource, order=tuple(order), state_path=state_path, runtime_env=runtime_env,
-                          dashboard_url=dashboard_url, autoscaled=autoscaled, launch_nodes=launch_nodes, **kwargs)
+                          dashboard_url=dashboard_url, autoscaled=autoscaled, launch_nodes=launch_nodes,
+                          idle_reclaim_s=idle_reclaim_s, turn_s=turn_s)
 
 
 # -- training jobs ----------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class BatchFillin(DriverFillin):
     def _config(self) -> str:
         import yaml
         spec = self.scenario.fillin.batch
-        gpus = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes) or 1
+        gpus = self.scenario.cluster.gpu_slots() or 1      # autoscaled: what the autoscaler may launch too
         cfg = {"name": self.name, "checkpoint": self.checkpoint, "output": self.output,
                "checkpoint_wait_s": CHECKPOINT_WAIT_S,
                "cluster": {"gpu_resource": self.scenario.cluster.gpu_resource,

@@ -32,7 +32,7 @@ class SweepFillin(DriverFillin):
     def _config(self) -> str:
         import yaml
         spec = self.scenario.fillin.sweep
-        gpus = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes) or 1
+        gpus = self.scenario.cluster.gpu_slots() or 1      # autoscaled: what the autoscaler may launch too
         cfg = {"name": self.name, "run_dir": self.run_dir, "storage": os.path.join(self.dir, "trials"),
                "data": {"path": self.data_dir},
                "sweep": {"model": "tiny", "steps": spec["steps"], "batch": 8,

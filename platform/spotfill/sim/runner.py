@@ -201,7 +201,12 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
             report["ok"] = report["ok"] and ok
         if report.get("fillin"):
             from spotfill.sim.fillin_resumes import reclaimed_and_resumed
-            report["fillin"]["reclaimed_and_resumed"] = reclaimed_and_resumed(report["fillin"])
+            resumes = report["fillin"]["reclaimed_and_resumed"] = reclaimed_and_resumed(report["fillin"])
+            if scenario.fillin.require_resumes:
+                ok = bool(resumes) and all(r["ok"] for r in resumes.values())
+                report["invariants"]["fillin_reclaimed_and_resumed"] = {"ok": ok, "detail": "; ".join(
+                    f"{t}: {'yes' if r['ok'] else 'no'} ({r['detail']})" for t, r in resumes.items()) or "no tenant ran"}
+                report["ok"] = report["ok"] and ok
         if scale_down is not None:
             report["autoscaler"]["scale_down"] = scale_down
         report["cluster"] = cluster.node_report()
@@ -257,7 +262,8 @@ def fillin_arbiter(scenario: Scenario, name: str, out_dir: str, env: dict):
     t = scenario.training
     handle = wiring.arbiter(scenario.cluster.gpu_resource, order=tuple(scenario.fillin.reclaim_order),
                             state_path=os.path.join(out_dir, "arbiter", "state.json"), runtime_env={"env_vars": env},
-                            launch_nodes=bool(scenario.fillin.serve.get("launch_nodes")), idle_reclaim_s=IDLE_RECLAIM_S)
+                            launch_nodes=bool(scenario.fillin.serve.get("launch_nodes")), idle_reclaim_s=IDLE_RECLAIM_S,
+                            turn_s=scenario.fillin.turn_s)
     wiring.announce_training(name, t.min_workers, t.max_workers, 1)
     return handle
 

@@ -102,6 +102,14 @@ class ClusterSpec:
         return parse_node_types(self.autoscaler.get("node_types"), "cluster.autoscaler.node_types") \
             if self.autoscaler else []
 
+    def gpu_slots(self) -> int:
+        """The most GPU slots the cluster can have: its static nodes' and what the autoscaler may launch."""
+        types = self.node_types()
+        static = sum(n.get("gpus", 1) for n in self.nodes)
+        if types and "max_workers" in self.autoscaler:
+            return static + self.autoscaler["max_workers"] * max(t.gpus for t in types)
+        return static + sum(t.gpus * t.max_workers for t in types)
+
     def validate(self, path: str) -> None:
         if not isinstance(self.autoscaler, dict):
             raise ConfigError(f"{path}.autoscaler", self.autoscaler, accepted="a mapping")
@@ -136,13 +144,18 @@ class FillinSpec:
     autoscaler launch nodes for Serve; by default it never does (docs/cluster-lifecycle.md).
     `fillin.batch`, `fillin.sweep` and `fillin.reclaim_order`: sim/fillin_spec.py. `cpu_nice` (default 19,
     0 off) and `cpu_idle` (default true: SCHED_IDLE): fill-in processes run at this CPU priority, so
-    training's host-side work is not slowed by them (fillin/cpu_priority.py)."""
+    training's host-side work is not slowed by them (fillin/cpu_priority.py). `turn_s` (default: the
+    arbiter's, 300 s): with fewer spare GPUs than tenants, how long a batch job or sweep keeps a unit another
+    tenant waits for (fillin/lending.py take_turns). `require_resumes` (default false): the invariant
+    `fillin_reclaimed_and_resumed` -- each tenant gave GPUs back and carried on (sim/fillin_resumes.py)."""
     serve: dict = field(default_factory=dict)
     batch: dict = field(default_factory=dict)
     sweep: dict = field(default_factory=dict)
     reclaim_order: list | None = None
     cpu_nice: int = 19
     cpu_idle: bool = True
+    turn_s: float | None = None
+    require_resumes: bool = False
 
     def validate(self, path: str) -> None:
         if not isinstance(self.serve, dict):
@@ -170,6 +183,11 @@ class FillinSpec:
         from spotfill.fillin.cpu_priority import configured_idle, configured_nice
         self.cpu_nice = configured_nice(self.cpu_nice, f"{path}.cpu_nice")
         self.cpu_idle = configured_idle(self.cpu_idle, f"{path}.cpu_idle")
+        t = self.turn_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 5 <= t <= 86400):
+            raise ConfigError(f"{path}.turn_s", t, accepted="seconds from 5 to 86400 (default: 300)")
+        if not isinstance(self.require_resumes, bool):
+            raise ConfigError(f"{path}.require_resumes", self.require_resumes, accepted="true or false")
 
     @property
     def serve_enabled(self) -> bool:
@@ -313,10 +331,7 @@ def parse_scenario(data: dict, name: str = "scenario") -> Scenario:
             raise ConfigError(f"events[{e.index}].action", e.action, reason="freezes a node of cluster.nodes: "
                               "not available with cluster.autoscaler", accepted=sorted(set(ACTIONS) - {"freeze_node"}))
     _check_node_refs(events, len(cluster.nodes), node_types)
-    total = sum(n.get("gpus", 1) for n in cluster.nodes) + sum(t.gpus * t.max_workers for t in node_types)
-    if node_types and "max_workers" in cluster.autoscaler:
-        total = sum(n.get("gpus", 1) for n in cluster.nodes) + cluster.autoscaler["max_workers"] * max(
-            t.gpus for t in node_types)
+    total = cluster.gpu_slots()
     if training.min_workers > total:
         raise ConfigError("training.workers", training.workers,
                           reason=f"min workers exceed the cluster's {total} GPUs")
@@ -430,13 +445,16 @@ AUTOSCALING_SCENARIO = {
     # must outlast the autoscaler's launch (6-11 s measured) and the grow, or the story's last part -- grown
     # back to 4, then the spot notice -- has no steps left to happen in (a quick run of 180 steps grew back
     # at its step 179 and the notice came after its last step)
-    "training": {**DEFAULT_SCENARIO["training"], "steps": 360},
+    "training": {**DEFAULT_SCENARIO["training"], "steps": 720},
     # All three tenants, sized to finish while training runs: on an autoscaled cluster fill-in lends only on
     # nodes training uses, so what they have not finished when training ends waits for the next run
     # (docs/cluster-lifecycle.md)
     "fillin": {**DEFAULT_SCENARIO["fillin"], "serve": {**DEFAULT_SCENARIO["fillin"]["serve"], "max_replicas": 1},
-               "batch": {"enabled": True, "rows": 48, "prompts": 8},
-               "sweep": {"enabled": True, "trials": 3, "steps": 16}},
+               "batch": {"enabled": True, "rows": 3000, "prompts": 8},
+               "sweep": {"enabled": True, "trials": 3, "steps": 100},
+               # two spare GPUs, three tenants: the batch job and the sweep take turns of 30 s (a unit's start
+               # takes 10-20 s here), and each must be taken back and carry on (the invariant)
+               "turn_s": 30, "require_resumes": True},
     "cluster": {"gpu_resource": "GPU", "autoscaler": {
         "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
             "gpu_spot": {"gpus": 3, "market": "spot", "max_workers": 2, "priority": 10},
