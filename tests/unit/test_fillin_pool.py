@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from spotfill.fillin.lending import MIN_HOLD_S, TenantView, fair_share, lend_round, take_turns
+from spotfill.fillin.lending import MIN_HOLD_S, TenantView, fair_share, lend_round
+from spotfill.fillin.turns import take_turns
 from spotfill.fillin.policy import Lease, Node, Snapshot
 
 T0 = 1000.0

@@ -23,13 +23,14 @@ from spotfill.fillin.cluster_view import READ_WAIT_S, HoldingsReads, View, read_
 from spotfill.fillin.hosts import RESOURCE_VIEW_LAG_S, HostTracker
 from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
-from spotfill.fillin.lending import START_PATIENCE_S, TURN_S, TenantView, fair_share, lend_round, take_turns
+from spotfill.fillin.lending import START_PATIENCE_S, TenantView, fair_share, lend_round
 from spotfill.fillin.let_go import LetGo
 from spotfill.fillin.policy import (DEFAULT_ORDER, Decision, DecisionLog, Lease, Snapshot, TrainingJob,
                                     claim_finished, decide_claim, extra_replicas, mark_reclaiming, ownership,
-                                    rebuild_leases, reclaim_off_hosts, reconcile)
+                                    reclaimable_by_node, rebuild_leases, reclaim_off_hosts, reconcile)
 from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
 from spotfill.fillin.tenant_calls import Scaled, TenantCalls
+from spotfill.fillin.turns import TURN_S, TurnClock, take_turns
 
 from spotfill.fillin.arbiter_handle import (ARBITER_NAME, NAMESPACE, default_state_path, ensure_arbiter,  # noqa: F401
                                             get_arbiter)
@@ -38,7 +39,6 @@ log = logging.getLogger("spotfill.fillin.arbiter")
 CLAIM_HOLD_S = 30.0        # freed GPUs stay reserved for the claiming job this long (its group takes them)
 IDLE_RECLAIM_S = 10.0      # autoscaled cluster: leases on a node training left this long ago are reclaimed
 RECORDS_EVERY_S = 2.0     # how often the training jobs announced in the GCS are read
-HOLD_BREAK_S = 5.0         # a tenant holding nothing this long has had a break (a sweep between two trials has not)
 FORCE_MARGIN_S = 1.0       # a job tenant still holding a reclaimed unit this long after its grace: forced
 
 
@@ -66,11 +66,7 @@ class Arbiter:
         self.autoscaled, self.launch_nodes = bool(autoscaled), bool(launch_nodes)
         self.records_read_at = 0.0                            # training records in the GCS, last read
         self.idle_reclaim_s = float(idle_reclaim_s)
-        self.turn_s = float(turn_s)                           # fewer units than tenants: how long a turn lasts
-        self.waiting_since: dict[str, float] = {}             # tenant -> since when it wants units and holds none
-        self.holding_since: dict[str, float] = {}             # tenant -> since when it holds units without a break
-        self.held_at: dict[str, float] = {}                   # tenant -> when it was last seen holding units
-        self.busy_since: dict[str, float] = {}                # lease id -> when its holder first computed
+        self.turn_s, self.turns = float(turn_s), TurnClock()  # fewer units than tenants: turns (fillin/turns.py)
         self.hosts = HostTracker(self.idle_reclaim_s)         # autoscaled: the nodes fill-in may lend on
         self.training_gpus = 0                                # GPUs in use that no lease holds (last round)
         self.state_path = state_path or default_state_path()
@@ -218,9 +214,8 @@ class Arbiter:
         good = check_busy(events, time.time())
         with self.lock:
             self.journal.add(good)
-            for ev in good:
-                if ev.get("lease_id"):
-                    self.busy_since.setdefault(ev["lease_id"], float(ev["t0"]))
+            for ev in (e for e in good if e.get("lease_id")):
+                self.turns.busy(ev["lease_id"], ev["t0"])
         return len(good)
 
     # -- reading (no lock held) ------------------------------------------------------------------------
@@ -284,8 +279,7 @@ class Arbiter:
         self.training_gpus = sum(row["training"] for row in ownership(Snapshot(
             tuple(n for n in nodes if n.alive), (), self.leases)).values())
         current = {le.lease_id for le in self.leases}
-        for lid in set(before) - current:
-            self.busy_since.pop(lid, None)
+        self.turns.ended(set(before) - current)
         return self._current(now, [le.node_id for le in before.values() if le.lease_id not in current])
 
     def _current(self, now: float, ended_on: list | None = None) -> Snapshot:
@@ -379,27 +373,6 @@ class Arbiter:
             self._save()
             return {"leases": len(self.leases), "jobs": len(self.jobs)}
 
-    def _waits(self, snap: Snapshot, now: float) -> None:
-        """When each tenant began wanting units while holding none, or holding units (lending.take_turns). A
-        sweep's next trial taking the unit its last one freed within a tick holds on without a break."""
-        holding = {le.tenant for le in snap.leases}
-        for name, t in self.tenants.items():
-            if t.wanted_units > 0 and name not in holding:
-                self.waiting_since.setdefault(name, now)
-            else:
-                self.waiting_since.pop(name, None)
-            if name in holding:
-                self.holding_since.setdefault(name, now)
-                self.held_at[name] = now
-            elif now - self.held_at.get(name, 0.0) > HOLD_BREAK_S:
-                self.holding_since.pop(name, None)
-        for name in (set(self.waiting_since) | set(self.holding_since)) - set(self.tenants):
-            self.waiting_since.pop(name, None)
-            self.holding_since.pop(name, None)
-        if len(self.busy_since) > 4 * len(snap.leases) + 64:     # reports of leases that ended before they came
-            live = {le.lease_id for le in snap.leases}
-            self.busy_since = {k: v for k, v in self.busy_since.items() if k in live}
-
     def _views(self, demand=None) -> list[TenantView]:
         out = []
         for t in self.tenants.values():
@@ -410,8 +383,8 @@ class Arbiter:
                                   float(getattr(spec, "cpus_per_replica", 0.0)), spec.grace_s, t.target,
                                   t.wanted_units, scaled=not job, asked_at=self.asked_at.get(t.tenant),
                                   demand=bool(demand and demand.covers(shape, t.pending_groups if job else ())),
-                                  waiting_since=self.waiting_since.get(t.tenant),
-                                  holding_since=self.holding_since.get(t.tenant)))
+                                  waiting_since=self.turns.waiting_since.get(t.tenant),
+                                  holding_since=self.turns.holding_since.get(t.tenant)))
         return out
 
     def _set(self, tenant, n: int, *, takeover: bool = False, again: bool = False) -> bool:
@@ -421,10 +394,10 @@ class Arbiter:
 
     def _lend(self, snap: Snapshot, now: float, demand=None) -> None:
         """Grow every tenant from one pool (lending.lend_round), then move one unit toward a fair share
-        where one tenant holds more than its share and another wants more (lending.fair_share), or -- fewer units
-than tenants -- hand a unit held a turn to a tenant that waited a turn (lending.take_turns)."""
+        where one tenant holds more than its share and another wants more (lending.fair_share), or -- fewer
+        units than tenants -- hand a unit held a turn to a tenant that waited a turn (lending.take_turns)."""
         guard = self.autoscaled and not self.launch_nodes
-        self._waits(snap, now)
+        self.turns.observe({name: t.wanted_units for name, t in self.tenants.items()}, snap, now)
         for g in lend_round(self._views(demand), snap, now, guard=guard,
                             launch_nodes=self.autoscaled and self.launch_nodes):
             tenant = self.tenants[g.tenant]
@@ -439,7 +412,7 @@ than tenants -- hand a unit held a turn to a tenant that waited a turn (lending.
             if g.lends or g.reassert:
                 self.asked_at[g.tenant] = now
         fair = fair_share(self._views(), snap, now, self.order) or take_turns(self._views(), snap, now, self.turn_s,
-                                                                           self.busy_since)
+                                                                           self.turns.busy_since)
         if fair is not None:
             self._apply_reclaims([fair], now, cause="fair_share")
 
@@ -613,25 +586,15 @@ than tenants -- hand a unit held a turn to a tenant that waited a turn (lending.
             return {"events": events, "seq": seq}
 
     def reclaimable(self) -> dict:
-        """GPUs per node that training gets back by claiming them: every lease on a node that is alive and
-        not draining, reclaiming or not ({node_id: {gpu_resource: gpus[, "CPU": their units' CPUs]}}). Read
-        from a fresh snapshot, not the last tick's leases: a unit a tenant took since then is neither free in Ray's view nor a lease
-        yet, and a restart sized in that moment came out a worker short (seen in a demo: 2 instead of 3)."""
+        """GPUs (and their units' CPUs) per node that training gets back by claiming them (policy.reclaimable_by_node),
+        from a fresh snapshot: a unit taken since the last tick is neither free in Ray's view nor a lease yet,
+        and a restart sized in that moment came out a worker short (seen in a demo: 2 instead of 3)."""
         snap = self._snapshot(time.time())
         with self.lock:
-            usable = {n.node_id for n in snap.nodes if n.alive and not n.draining}
-            out: dict[str, dict[str, float]] = {}
-            for le in snap.leases:
-                if le.node_id in usable:
-                    row = out.setdefault(le.node_id, {self.gpu_resource: 0.0})
-                    row[self.gpu_resource] += le.gpus
-                    # a unit's CPUs (a Tune trial's bundle) come back with it: sized on GPUs alone, a demo
-                    # restart came out a worker short where a trial held the node's spare CPU
-                    spec = getattr(self.tenants.get(le.tenant), "spec", None)
-                    cpus = float(getattr(spec, "cpus_per_replica", 0.0) or 0.0)
-                    if cpus > 0:
-                        row["CPU"] = row.get("CPU", 0.0) + cpus * max(1, le.gpus // max(1, spec.gpus_per_replica))
-            return out
+            specs = {name: getattr(t, "spec", None) for name, t in self.tenants.items()}
+            units = {name: (float(getattr(s, "cpus_per_replica", 0.0) or 0.0), s.gpus_per_replica)
+                     for name, s in specs.items() if s is not None}
+        return reclaimable_by_node(snap, units, self.gpu_resource)
 
     def ping(self) -> str:
         return "ok"

@@ -36,7 +36,7 @@ def ensure_arbiter(gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_O
     from spotfill.fillin.arbiter import IDLE_RECLAIM_S, Arbiter
     from spotfill.ray_compat import require
     require("fillin_arbiter")       # one line (RayCompatError) where Ray moved what the arbiter reads
-    from spotfill.fillin.lending import TURN_S
+    from spotfill.fillin.turns import TURN_S
     idle_reclaim_s = IDLE_RECLAIM_S if idle_reclaim_s is None else idle_reclaim_s
     turn_s = TURN_S if turn_s is None else turn_s
 

@@ -13,19 +13,12 @@ one holding less than its share -- a sweep pauses a trial with a checkpoint, a b
 (its committed units stay), Serve stops a replica. Without it the first tenant to register kept every spare
 GPU (a sweep held both spares for 100 s while a batch job waited for its first).
 
-`take_turns` is fair share over time, for when there are fewer units than tenants that want one (a share of
-0 each): a tenant that has waited `turn_s` with nothing takes a unit from a batch job or sweep that has held
-units `turn_s` without a break (a sweep's next trial taking the unit its last one freed is no break) -- its
-oldest unit that has computed, so the sweep pauses a running trial with a checkpoint, the batch job stops a
-wave that did work; a unit that has not computed within `turn_s` of its grant goes too -- and `lend_round`
-serves the longest-waiting tenant first, so the freed unit goes where the turn said.
-Serve is never made to give a replica up for a turn (it answers users; training's claims still take it).
-Without it a demo's batch job waited for its first GPU until the sweep ran out of trials.
+Fewer units than tenants that want one: they take turns (fillin/turns.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable
 
 from spotfill.fillin.policy import Decision, Snapshot, decide_lend, lendable, minus_anywhere, minus_free
 
@@ -34,8 +27,6 @@ PLACE_PATIENCE_S = 10.0    # autoscaled cluster, launch_nodes off: a Serve repli
                            # is taken back; at once when the autoscaler reports it as demand (it would launch
                            # a node for it) -- a replica whose worker process is still starting is not demand
 MIN_HOLD_S = 20.0          # a lease younger than this is not taken back for another tenant's fair share
-TURN_S = 300.0             # fewer units than tenants: a job tenant's unit held this long goes to a tenant that
-                           # has waited this long with nothing (several times a unit's start, model load included)
 
 
 @dataclass(frozen=True)
@@ -184,40 +175,3 @@ def fair_share(tenants: Iterable[TenantView], snap: Snapshot, now: float, order:
                                 f"{now - le.granted_at:.0f}s) goes to {p.tenant}"))
     return None
 
-
-def take_turns(tenants: Iterable[TenantView], snap: Snapshot, now: float, turn_s: float = TURN_S,
-               busy_since: Mapping[str, float] | None = None) -> Decision | None:
-    """A reclaim that hands a batch job's or sweep's unit to a tenant that has waited `turn_s` with nothing,
-    or None (see the module's doc). One at a time; nothing while a lease is being reclaimed or a unit is
-    lendable to the waiting tenant. `busy_since`: lease id -> when its holder first computed (fillin/busy.py
-    reports)."""
-    busy_since = busy_since or {}
-    tenants = [t for t in tenants if t.wanted > 0]
-    if len(tenants) < 2 or any(le.reclaiming_since is not None for le in snap.leases):
-        return None
-    free = without_starting(tenants, snap)
-    waiting = sorted((t for t in tenants if held_units(snap, t.tenant) == 0 and hungry(t, snap)
-                      and t.waiting_since is not None and now - t.waiting_since >= turn_s
-                      and lendable(free, t.gpus_per_unit, t.cpus_per_unit) == {}),
-                     key=lambda t: (t.waiting_since, t.tenant))
-    if not waiting:
-        return None
-    p = waiting[0]
-    donors = {t.tenant: t for t in tenants if not t.scaled and t.tenant != p.tenant
-              and t.holding_since is not None and now - t.holding_since >= turn_s}
-    usable = {n.node_id for n in snap.nodes if n.alive and not n.draining}
-    leases = sorted((le for le in snap.leases if le.tenant in donors and le.node_id in usable
-                     and le.gpus >= max(1, p.gpus_per_unit)
-                     and (le.lease_id in busy_since or now - le.granted_at >= turn_s)),
-                    key=lambda le: (le.granted_at, le.lease_id))
-    if not leases:
-        return None
-    le = leases[0]
-    held = now - donors[le.tenant].holding_since
-    return Decision("reclaim", le.tenant, le.gpus, at=now, node_id=le.node_id, lease_id=le.lease_id,
-                    deadline=now + le.grace_s, reason=(
-                        f"turns: {p.tenant} has waited {now - p.waiting_since:.0f}s with no GPU while fewer are "
-                        f"lendable than tenants want one; {le.tenant} has held GPUs {held:.0f}s (turn "
-                        f"{turn_s:g}s): its oldest unit "
-                        + ("that computed" if le.lease_id in busy_since else "(not computing yet)")
-                        + f" goes to {p.tenant}"))

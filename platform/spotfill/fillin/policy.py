@@ -449,3 +449,22 @@ class DecisionLog:
     def add(self, decisions: Iterable[Decision]) -> None:
         self.items.extend(decisions)
         del self.items[:-self.keep]
+
+
+def reclaimable_by_node(snap: Snapshot, units: dict[str, tuple[float, int]], gpu_resource: str
+                        ) -> dict[str, dict[str, float]]:
+    """Arbiter.reclaimable: every lease on a node alive and not draining, reclaiming or not, as
+    {node_id: {gpu_resource: gpus[, "CPU": their units' CPUs]}}; `units`: tenant -> (CPUs per unit, GPUs per
+    unit). A unit's CPUs (a Tune trial's bundle) come back with it: sized on GPUs alone, a demo restart came
+    out a worker short where a trial held the node's spare CPU."""
+    usable = {n.node_id for n in snap.nodes if n.alive and not n.draining}
+    out: dict[str, dict[str, float]] = {}
+    for le in snap.leases:
+        if le.node_id not in usable:
+            continue
+        row = out.setdefault(le.node_id, {gpu_resource: 0.0})
+        row[gpu_resource] += le.gpus
+        cpus, gpus_per_unit = units.get(le.tenant, (0.0, 1))
+        if cpus > 0:
+            row["CPU"] = row.get("CPU", 0.0) + cpus * max(1, le.gpus // max(1, gpus_per_unit))
+    return out

@@ -1,0 +1,101 @@
+"""Turns: fair share over time, for when there are fewer spare units than tenants that want one (pure: no
+Ray; `now` is an argument).
+
+With a share of 0 each (lending.fair_share moves nothing), `take_turns` decides: a tenant that has waited
+`turn_s` with nothing takes a unit from a batch job or sweep that has held units `turn_s` without a break (a
+sweep's next trial taking the unit its last one freed is no break) -- its oldest unit that has computed, so
+the sweep pauses a running trial with a checkpoint, the batch job stops a wave that did work; a unit that has
+not computed within `turn_s` of its grant goes too -- and `lend_round` serves the longest-waiting tenant
+first, so the freed unit goes where the turn said. Serve is never made to give a replica up for a turn (it
+answers users; training's claims still take it). Without turns a demo's batch job waited for its first GPU
+until the sweep ran out of trials.
+
+`TurnClock` keeps what the decision needs from one round to the next: since when each tenant has waited with
+nothing, since when it has held units without a break, and when each lease's holder first computed (the
+tenants' `fillin_busy` reports, fillin/busy.py).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from spotfill.fillin.lending import TenantView, held_units, hungry, without_starting
+from spotfill.fillin.policy import Decision, Snapshot, lendable
+
+TURN_S = 300.0             # fewer units than tenants: a job tenant's unit held this long goes to a tenant that
+                           # has waited this long with nothing (several times a unit's start, model load included)
+HOLD_BREAK_S = 5.0         # a tenant holding nothing this long has had a break (a sweep between two trials has not)
+
+
+class TurnClock:
+    """Per tenant: waiting since / holding since; per lease: first computed. Updated each lending round."""
+
+    def __init__(self):
+        self.waiting_since: dict[str, float] = {}   # tenant -> since when it wants units and holds none
+        self.holding_since: dict[str, float] = {}   # tenant -> since when it holds units without a break
+        self.held_at: dict[str, float] = {}         # tenant -> when it was last seen holding units
+        self.busy_since: dict[str, float] = {}      # lease id -> when its holder first computed
+
+    def busy(self, lease_id: str, t0: float) -> None:
+        self.busy_since.setdefault(lease_id, float(t0))
+
+    def ended(self, lease_ids: Iterable[str]) -> None:
+        for lid in lease_ids:
+            self.busy_since.pop(lid, None)
+
+    def observe(self, wanted: Mapping[str, int], snap: Snapshot, now: float) -> None:
+        """`wanted`: each registered tenant's units wanted now; `snap`: the round's leases."""
+        holding = {le.tenant for le in snap.leases}
+        for name, units in wanted.items():
+            if units > 0 and name not in holding:
+                self.waiting_since.setdefault(name, now)
+            else:
+                self.waiting_since.pop(name, None)
+            if name in holding:
+                self.holding_since.setdefault(name, now)
+                self.held_at[name] = now
+            elif now - self.held_at.get(name, 0.0) > HOLD_BREAK_S:
+                self.holding_since.pop(name, None)
+        for name in (set(self.waiting_since) | set(self.held_at)) - set(wanted):
+            for d in (self.waiting_since, self.holding_since, self.held_at):
+                d.pop(name, None)
+        if len(self.busy_since) > 4 * len(snap.leases) + 64:     # reports of leases that ended before they came
+            live = {le.lease_id for le in snap.leases}
+            self.busy_since = {k: v for k, v in self.busy_since.items() if k in live}
+
+
+def take_turns(tenants: Iterable[TenantView], snap: Snapshot, now: float, turn_s: float = TURN_S,
+               busy_since: Mapping[str, float] | None = None) -> Decision | None:
+    """A reclaim that hands a batch job's or sweep's unit to a tenant that has waited `turn_s` with nothing,
+    or None (see the module's doc). One at a time; nothing while a lease is being reclaimed or a unit is
+    lendable to the waiting tenant. `busy_since`: lease id -> when its holder first computed (fillin/busy.py
+    reports)."""
+    busy_since = busy_since or {}
+    tenants = [t for t in tenants if t.wanted > 0]
+    if len(tenants) < 2 or any(le.reclaiming_since is not None for le in snap.leases):
+        return None
+    free = without_starting(tenants, snap)
+    waiting = sorted((t for t in tenants if held_units(snap, t.tenant) == 0 and hungry(t, snap)
+                      and t.waiting_since is not None and now - t.waiting_since >= turn_s
+                      and lendable(free, t.gpus_per_unit, t.cpus_per_unit) == {}),
+                     key=lambda t: (t.waiting_since, t.tenant))
+    if not waiting:
+        return None
+    p = waiting[0]
+    donors = {t.tenant: t for t in tenants if not t.scaled and t.tenant != p.tenant
+              and t.holding_since is not None and now - t.holding_since >= turn_s}
+    usable = {n.node_id for n in snap.nodes if n.alive and not n.draining}
+    leases = sorted((le for le in snap.leases if le.tenant in donors and le.node_id in usable
+                     and le.gpus >= max(1, p.gpus_per_unit)
+                     and (le.lease_id in busy_since or now - le.granted_at >= turn_s)),
+                    key=lambda le: (le.granted_at, le.lease_id))
+    if not leases:
+        return None
+    le = leases[0]
+    held = now - donors[le.tenant].holding_since
+    return Decision("reclaim", le.tenant, le.gpus, at=now, node_id=le.node_id, lease_id=le.lease_id,
+                    deadline=now + le.grace_s, reason=(
+                        f"turns: {p.tenant} has waited {now - p.waiting_since:.0f}s with no GPU while fewer are "
+                        f"lendable than tenants want one; {le.tenant} has held GPUs {held:.0f}s (turn "
+                        f"{turn_s:g}s): its oldest unit "
+                        + ("that computed" if le.lease_id in busy_since else "(not computing yet)")
+                        + f" goes to {p.tenant}"))
