@@ -4,7 +4,7 @@ after it, and the tenant's own proof that it continued (batch: every row exactly
 with units left; sweep: a trial paused with its checkpoint and resumed from it)."""
 from __future__ import annotations
 
-from spotfill.sim.fillin_resumes import reclaimed_and_resumed
+from spotfill.sim.fillin_resumes import as_invariant, reclaimed_and_resumed
 
 
 def _lease(workload, start, end=None, ended_by=None, cause=None):
@@ -64,3 +64,10 @@ def test_a_trial_paused_but_never_resumed_is_no_resume():
     leases = [_lease("sweep", 30, 119, "reclaim", "training_claim"), _lease("sweep", 155, 200, "release")]
     got = reclaimed_and_resumed(_fill(leases, sweep={"trials": 2, "completed": 1, "paused": 1, "resumed": 0}))
     assert not got["sweep"]["ok"]
+
+
+def test_the_invariant_fails_when_any_tenant_did_not_carry_on_or_none_ran():
+    assert as_invariant({"serve": {"ok": True, "detail": "a"}, "sweep": {"ok": False, "detail": "b"}}) == {
+        "ok": False, "detail": "serve: yes (a); sweep: no (b)"}
+    assert as_invariant({})["ok"] is False
+    assert as_invariant({"batch": {"ok": True, "detail": "c"}})["ok"] is True

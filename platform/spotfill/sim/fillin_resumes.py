@@ -57,3 +57,10 @@ def reclaimed_and_resumed(fill: dict) -> dict:
         ok, detail = sweep_outcome(fill["sweep"], leases)
         out["sweep"] = {"ok": ok, "detail": detail}
     return out
+
+
+def as_invariant(resumes: dict) -> dict:
+    """The invariant `fillin_reclaimed_and_resumed` (scenario `fillin.require_resumes`): every tenant that ran."""
+    ok = bool(resumes) and all(r["ok"] for r in resumes.values())
+    return {"ok": ok, "detail": "; ".join(f"{t}: {'yes' if r['ok'] else 'no'} ({r['detail']})"
+                                          for t, r in resumes.items()) or "no tenant ran"}

@@ -200,13 +200,11 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
                 f"with 503, {failed} failed"}
             report["ok"] = report["ok"] and ok
         if report.get("fillin"):
-            from spotfill.sim.fillin_resumes import reclaimed_and_resumed
+            from spotfill.sim.fillin_resumes import as_invariant, reclaimed_and_resumed
             resumes = report["fillin"]["reclaimed_and_resumed"] = reclaimed_and_resumed(report["fillin"])
             if scenario.fillin.require_resumes:
-                ok = bool(resumes) and all(r["ok"] for r in resumes.values())
-                report["invariants"]["fillin_reclaimed_and_resumed"] = {"ok": ok, "detail": "; ".join(
-                    f"{t}: {'yes' if r['ok'] else 'no'} ({r['detail']})" for t, r in resumes.items()) or "no tenant ran"}
-                report["ok"] = report["ok"] and ok
+                report["invariants"]["fillin_reclaimed_and_resumed"] = as_invariant(resumes)
+                report["ok"] = report["ok"] and report["invariants"]["fillin_reclaimed_and_resumed"]["ok"]
         if scale_down is not None:
             report["autoscaler"]["scale_down"] = scale_down
         report["cluster"] = cluster.node_report()
@@ -249,8 +247,7 @@ class _quiet_logger:
         self.logger.addFilter(self._drop)
 
     def __exit__(self, *exc):
-        self.logger.removeFilter(self._drop)
-        self.logger.setLevel(self.level)
+        self.logger.removeFilter(self._drop), self.logger.setLevel(self.level)
 
 
 def fillin_arbiter(scenario: Scenario, name: str, out_dir: str, env: dict):
@@ -259,12 +256,11 @@ def fillin_arbiter(scenario: Scenario, name: str, out_dir: str, env: dict):
     job before any tenant starts (TrainingJob.fit announces it again, as on a real cluster)."""
     from spotfill.fillin import wiring
     from spotfill.fillin.arbiter import IDLE_RECLAIM_S
-    t = scenario.training
     handle = wiring.arbiter(scenario.cluster.gpu_resource, order=tuple(scenario.fillin.reclaim_order),
                             state_path=os.path.join(out_dir, "arbiter", "state.json"), runtime_env={"env_vars": env},
                             launch_nodes=bool(scenario.fillin.serve.get("launch_nodes")), idle_reclaim_s=IDLE_RECLAIM_S,
                             turn_s=scenario.fillin.turn_s)
-    wiring.announce_training(name, t.min_workers, t.max_workers, 1)
+    wiring.announce_training(name, scenario.training.min_workers, scenario.training.max_workers, 1)
     return handle
 
 
