@@ -170,10 +170,12 @@ class Generator:
                 "context": m.model.cfg.seq_len}
 
     def _finished(self, update) -> None:
-        self.metrics["tokens"].inc(max(0, update.completion_tokens))
+        # Ray's Counter.inc refuses 0: a request may end with no token, a draft may have every token rejected
+        for name, value in (("tokens", update.completion_tokens), ("drafted", update.drafted),
+                            ("accepted", update.accepted)):
+            if value > 0:
+                self.metrics[name].inc(value)
         if update.verify_steps:
-            self.metrics["drafted"].inc(update.drafted)
-            self.metrics["accepted"].inc(update.accepted)
             self.metrics["acceptance"].set(update.accepted / max(1, update.drafted))
             self.metrics["accepted_length"].observe((update.accepted + update.verify_steps) / update.verify_steps)
 
