@@ -33,6 +33,10 @@ training restarts at full size (2) on the slots it takes back from Serve -- the 
   batch job by stopping its Data job within its grace, the sweep by pausing its trial with a checkpoint;
   both then finish on what training leaves (their exactly-once invariants are checked in that run).
 - training_ratio: training tokens/s with Serve fill-in over without (training_tokens_ratio), target >= 0.98.
+- lend_to_busy_s: per fill-in workload (Serve from the first run, batch and sweep from the fourth), how long
+  from the lend decision to the lent GPU's first measured compute (report.json fillin.lend_to_busy_s): the
+  median and worst, and the median of its two parts -- lend -> the tenant holding the GPU (to_hold_median)
+  and holding it -> computing (hold_to_busy_median: imports, checkpoint load, the first request).
 - cpu_layout: where the runs' processes ran. On a cluster the head (Serve's controller and proxy, the arbiter,
   the training driver) and each GPU node are machines of their own. Where this machine has enough cores (one
   for the head, one per GPU slot: 5), every run gives the head and each node cores of their own
@@ -181,6 +185,7 @@ def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: fl
             "harvest_ratio_reserved": report.get("harvest_ratio_reserved"),
             "handback_seconds": fill.get("handback_seconds") or [], "leases": len(fill.get("leases") or []),
             "handback_by_workload": handback_by_workload(fill.get("leases") or []),
+            "lend_to_busy_s": fill.get("lend_to_busy_s") or {},
             "batch": fill.get("batch"), "sweep": fill.get("sweep"),
             "serve": fill.get("serve"), "seconds": report.get("seconds"), "run_dir": out,
             "kill_step": next((_kill_step(out, p["at"]) for p in report.get("preemptions") or []), None),
@@ -228,6 +233,8 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu
             "handback_by_workload": by_workload,
             "handback_s_max_by_workload": {k: max(v) for k, v in by_workload.items() if v},
             "batch": jobs["batch"], "sweep": jobs["sweep"],
+            "lend_to_busy_s": {**{k: v for k, v in jobs["lend_to_busy_s"].items() if k != "serve"},
+                               **{k: v for k, v in with_fill["lend_to_busy_s"].items() if k == "serve"}},
             "harvest_ratio": with_fill["harvest_ratio"],                     # on busy GPU-s (tenants measure)
             "harvest_ratio_reserved": with_fill["harvest_ratio_reserved"],   # on held GPU-s
             "training_tokens_s_with_fillin": a, "training_tokens_s_without": b,

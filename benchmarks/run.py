@@ -209,6 +209,10 @@ def summary(result: dict) -> str:
                   f"{f.get('training_tokens_ratio_no_load')} with Serve deployed and no load",
                   f"  serve: {sv.get('requests_ok')} ok, {sv.get('requests_rejected_503')} x 503, "
                   f"{sv.get('requests_failed')} failed; p50 {sv.get('p50_ms')} ms, p99 {sv.get('p99_ms')} ms"]
+        lines += [f"  lend -> busy {w}: median {v.get('median')} s, worst {v.get('max')} s (lend -> held "
+                  f"{v.get('to_hold_median')} s, held -> computing {v.get('hold_to_busy_median')} s; "
+                  f"{v.get('never_busy')} of {v.get('leases')} leases never computed)"
+                  for w, v in sorted((f.get("lend_to_busy_s") or {}).items())]
     pl = result.get("pipeline")
     if pl:
         lines += [f"pipeline    {pl['stages']} stages x {pl['micro_batches']} micro-batches ({pl.get('model')}, "

@@ -54,7 +54,13 @@ def test_a_node_loss_removes_one_whole_replica_and_capacity_grows_it_back(scenar
     # the global batch holds at either width: the micro-batch stays, the micro-batches double
     assert [(g["micro_batch"], g["micro_batches"]) for g in groups[:3]] == [(2, 2), (2, 4), (2, 2)]
     hard = [p for p in report["preemptions"] if p["kind"] == "hard"]
-    assert len(hard) == 1 and 0 <= hard[0]["lost_steps"] <= 10 + 5, hard
+    # at most one checkpoint interval (10) is lost -- plus, when the kill met a save still uploading (not yet
+    # committed, so the restore went back to the one before it), the steps run since that save; never two
+    # whole intervals. (The kill lands some steps after at_step on a loaded machine: a fixed 10 + 5 failed
+    # with 17 lost when the step-20 save was still uploading at step 27.)
+    p = hard[0] if len(hard) == 1 else {}
+    bound = 10 + (p.get("steps_since_newest_save") or 0 if p.get("upload_in_flight") else 0)
+    assert len(hard) == 1 and 0 <= p["lost_steps"] <= min(bound, 20), hard
     # the replica width changed: the ZeRO-1 pipeline state resharded through a universal checkpoint
     assert all(g["universal"] for g in groups[1:3]), groups
     sizes = [n for _, n in report["training"]["world_size_timeline"]]

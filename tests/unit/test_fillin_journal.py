@@ -172,7 +172,8 @@ def test_busy_time_the_tenant_measured_gives_busy_gpu_seconds_and_lend_to_busy()
     assert (by_id["r1"]["lent_at"], by_id["r1"]["first_busy"], by_id["r1"]["lend_to_busy_s"]) == (8.0, 14.0, 6.0)
     assert by_id["r1"]["busy_s"] == 30.0 and by_id["r2"]["busy_s"] == 0.0 and by_id["r2"]["first_busy"] is None
     assert section["lend_to_busy_s"] == {"serve": {"leases": 2, "busy_leases": 1, "never_busy": 1,
-                                                   "median": 6.0, "max": 6.0}}
+                                                   "median": 6.0, "max": 6.0,
+                                                   "to_hold_median": 2.0, "hold_to_busy_median": 4.0}}
 
 
 def test_overlapping_spans_count_once():

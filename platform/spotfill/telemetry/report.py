@@ -144,14 +144,25 @@ def _add_busy(leases: list[dict], busy: list[dict]) -> None:
 
 def lend_to_busy_summary(leases: list[dict]) -> dict:
     """Per workload: how long after the lend decision (or the lease's start, for a lease nobody lent) a GPU
-    first computed -- median and max over the leases that did, and how many leases never did."""
+    first computed -- median and max over the leases that did, and how many leases never did -- split into
+    its two parts: the lend decision -> the tenant holding the GPU (`to_hold_median`: placement, actor or
+    worker start) and holding it -> its first measured compute (`hold_to_busy_median`: imports, checkpoint
+    load, waiting for work)."""
     import statistics
+
+    def median(values: list[float]):
+        return round(statistics.median(values), 3) if values else None
+
     out: dict[str, dict] = {}
     for w in sorted({le["workload"] for le in leases if le.get("busy_s") is not None}):
         mine = [le for le in leases if le["workload"] == w]
-        lat = [le["lend_to_busy_s"] for le in mine if le.get("lend_to_busy_s") is not None]
+        busy = [le for le in mine if le.get("lend_to_busy_s") is not None]
+        lat = [le["lend_to_busy_s"] for le in busy]
+        to_hold = [max(0.0, le["start"] - le["lent_at"]) for le in busy if le.get("lent_at") is not None]
+        hold_to_busy = [max(0.0, le["first_busy"] - le["start"]) for le in busy]
         out[w] = {"leases": len(mine), "busy_leases": len(lat), "never_busy": len(mine) - len(lat),
-                  "median": round(statistics.median(lat), 3) if lat else None, "max": max(lat) if lat else None}
+                  "median": median(lat), "max": max(lat) if lat else None,
+                  "to_hold_median": median(to_hold), "hold_to_busy_median": median(hold_to_busy)}
     return out
 
 
