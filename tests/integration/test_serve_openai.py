@@ -41,6 +41,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ready_state(url: str) -> str | None:
+    """What /-/ready says ("ready", or why not); None while the proxy or the app's route is not up yet."""
+    try:
+        with urllib.request.urlopen(url + "/-/ready", timeout=10) as resp:
+            return json.loads(resp.read())["state"]
+    except urllib.error.HTTPError as exc:       # 503 until a replica runs, with the reason
+        try:
+            return json.loads(exc.read())["state"] if exc.code == 503 else None
+        except ValueError:                      # Serve's proxy before the app's route exists
+            return None
+    except OSError:
+        return None
+
+
+def first_completion(url: str, t_max: float = 120.0) -> dict:
+    """The first completion, sent as soon as the app answers at all -- while the Generator replica the
+    arbiter lends is still starting -- and never retried: what /-/ready said just before it, the HTTP status
+    and body, and the seconds it took."""
+    t_end = time.monotonic() + t_max
+    state = ready_state(url)
+    while state is None and time.monotonic() < t_end:
+        time.sleep(0.1)
+        state = ready_state(url)
+    body = json.dumps({"model": "spotfill", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0})
+    req = urllib.request.Request(url + "/v1/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=t_max) as resp:
+            status, answer = resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        status, answer = exc.code, exc.read().decode(errors="replace")
+    return {"ready_before": state, "status": status, "answer": answer, "seconds": round(time.monotonic() - t0, 2)}
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     uri = f"file://{tmp_path_factory.mktemp('run')}/run"
@@ -48,7 +83,7 @@ def served(tmp_path_factory):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "platform")}
     proc = subprocess.Popen([sys.executable, "-m", "spotfill", "serve", "--checkpoint", uri, "--port", str(port),
-                             "--nodes", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--nodes", "1", "--max-queue-wait-s", "90"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     banner, seen = "", []
     try:
@@ -59,6 +94,7 @@ def served(tmp_path_factory):
                 break
         assert banner, "spotfill serve did not start:\n" + "".join(seen[-30:])
         url = f"http://127.0.0.1:{port}"
+        first = first_completion(url)
         states = []
         t_end = time.monotonic() + 120
         while time.monotonic() < t_end:
@@ -74,7 +110,7 @@ def served(tmp_path_factory):
         else:
             raise AssertionError(f"no Generator replica came up on the lent GPU slot: {states[-5:]}")
         assert set(states) <= {"no_replica_lent", "replica_starting", "no_checkpoint"}, states
-        yield {"url": url, "banner": banner, "proc": proc}
+        yield {"url": url, "banner": banner, "proc": proc, "first": first}
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -82,6 +118,16 @@ def served(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_the_first_completion_waits_for_the_replica_starting_instead_of_a_503(served):
+    """No client retries: the completion sent while the lent GPU's replica still starts waits for it (in
+    the app's bounded queue, --max-queue-wait-s) and is answered."""
+    first = served["first"]
+    assert first["ready_before"] in ("no_replica_lent", "replica_starting", "no_checkpoint"), first  # no replica yet
+    assert first["status"] == 200, first
+    assert first["answer"]["checkpoint"] == {"tag": "step-00000005", "step": 5}, first
+    assert first["answer"]["usage"]["completion_tokens"] >= 1, first
 
 
 def test_openai_client_completions(served):

@@ -21,6 +21,9 @@ def register(sub) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
                    help="the most tokens the draft proposes per verify step (default 4; fewer when they are "
                         "rejected, none when speculation does not pay)")
+    p.add_argument("--max-queue-wait-s", type=float, default=15.0, metavar="S",
+                   help="how long a request waits for a replica that is starting or replacing a lost one "
+                        "before it gets 503 (default 15; 0: 503 at once)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1 (default 8000)")
     p.add_argument("--nodes", type=int, default=2, help="local worker nodes (default 2)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="GPU slots per local node (default 1)")
@@ -79,10 +82,12 @@ def check(args: argparse.Namespace) -> dict | None:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), accepted="an integer >= 1")
     if args.duration < 0:
         raise ConfigError("--duration", args.duration, accepted="seconds >= 0")
-    flags = {"checkpoint": "--checkpoint", "draft": "--draft", "num_draft_tokens": "--num-draft-tokens"}
+    flags = {"checkpoint": "--checkpoint", "draft": "--draft", "num_draft_tokens": "--num-draft-tokens",
+             "max_queue_wait_s": "--max-queue-wait-s"}
     try:
         parsed = ServeArgs.parse({"checkpoint": args.checkpoint, "draft": args.draft,
-                                  "num_draft_tokens": args.num_draft_tokens})
+                                  "num_draft_tokens": args.num_draft_tokens,
+                                  "max_queue_wait_s": args.max_queue_wait_s})
         latest = check_deployable(parsed)
     except ConfigError as exc:
         key = exc.field.rsplit(" ", 1)[-1]
@@ -123,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         quiet_expected_node_deaths()
         # replicas=0: the arbiter's lends create the replicas (no replica of Serve's own beside them)
         out = deploy_serve(args.checkpoint, port=args.port, max_replicas=args.nodes * args.gpus_per_node,
-                           replicas=0, draft=args.draft, num_draft_tokens=args.num_draft_tokens)
+                           replicas=0, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
+                           max_queue_wait_s=args.max_queue_wait_s)
         url = out["url"]
         print(f"spotfill serve: {url}/v1/completions and {url}/v1/chat/completions (OpenAI), {url}/-/ready; "
               f"checkpoint {latest['tag'] if latest else 'none committed yet (503 until one is)'} of "
