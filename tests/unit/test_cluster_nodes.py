@@ -179,8 +179,8 @@ def test_builtin_autoscaling_demo_scenario_parses():
     assert sc.cluster.nodes == [] and {t.name for t in sc.cluster.node_types()} == {"gpu_spot", "gpu_ondemand"}
     assert not any(e.action == "add_node" for e in sc.events)        # the autoscaler brings the capacity
     # the same training, run longer: the story's grow-back and spot notice need steps after capacity returns
-    # (720: after the last event the batch job and the sweep still take turns, are taken back and carry on)
-    assert AUTOSCALING_SCENARIO["training"] == {**DEFAULT_SCENARIO["training"], "steps": 720}
+    # (840: after the last event the batch job and the sweep still take turns, are taken back and carry on)
+    assert AUTOSCALING_SCENARIO["training"] == {**DEFAULT_SCENARIO["training"], "steps": 840}
     assert sc.fillin.require_resumes and sc.fillin.turn_s == 30
     # Serve fill-in runs on the story: node types of 3 slots leave 2 beyond training's max of 4 on 2 nodes
     assert sc.fillin.serve_enabled and not sc.fillin.serve["launch_nodes"]
