@@ -23,8 +23,10 @@ SCENARIO = {
     "training": {"model": "tiny", "workers": [2, 4], "steps": STEPS, "global_batch": BATCH, "pipeline_stages": 2,
                  "micro_batches": 2, "checkpoint_every": 10, "zero_stage": 1, "warmup_steps": 5},
     "events": [
-        {"at_step": 15, "action": "kill_node", "node": 1},
-        {"at_step": 16, "min_world": 2, "action": "add_node", "gpus": 2},
+        # step 25: the step-10 checkpoint is committed by then (at step 15, a suite run on 2 loaded cores killed
+        # the node while that first save still uploaded: the restart began fresh, with nothing to reshard)
+        {"at_step": 25, "action": "kill_node", "node": 1},
+        {"at_step": 26, "min_world": 2, "action": "add_node", "gpus": 2},
     ],
 }
 
@@ -55,12 +57,13 @@ def test_a_node_loss_removes_one_whole_replica_and_capacity_grows_it_back(scenar
     assert [(g["micro_batch"], g["micro_batches"]) for g in groups[:3]] == [(2, 2), (2, 4), (2, 2)]
     hard = [p for p in report["preemptions"] if p["kind"] == "hard"]
     # at most one checkpoint interval (10) is lost -- plus, when the kill met a save still uploading (not yet
-    # committed, so the restore went back to the one before it), the steps run since that save; never two
-    # whole intervals. (The kill lands some steps after at_step on a loaded machine: a fixed 10 + 5 failed
-    # with 17 lost when the step-20 save was still uploading at step 27.)
+    # committed, so the restore went back to the one before it), the steps run since that save. (The kill
+    # lands some steps after at_step on a loaded machine: a fixed 10 + 5 failed with 17 lost when the step-20
+    # save was still uploading at step 27.)
     p = hard[0] if len(hard) == 1 else {}
     bound = 10 + (p.get("steps_since_newest_save") or 0 if p.get("upload_in_flight") else 0)
-    assert len(hard) == 1 and 0 <= p["lost_steps"] <= min(bound, 20), hard
+    assert len(hard) == 1 and 0 <= p["lost_steps"] <= bound, hard
+    assert p["resumed_from_step"] >= 10, hard          # from a committed checkpoint, not from scratch
     # the replica width changed: the ZeRO-1 pipeline state resharded through a universal checkpoint
     assert all(g["universal"] for g in groups[1:3]), groups
     sizes = [n for _, n in report["training"]["world_size_timeline"]]
