@@ -233,8 +233,7 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu
             "handback_by_workload": by_workload,
             "handback_s_max_by_workload": {k: max(v) for k, v in by_workload.items() if v},
             "batch": jobs["batch"], "sweep": jobs["sweep"],
-            "lend_to_busy_s": {**{k: v for k, v in jobs["lend_to_busy_s"].items() if k != "serve"},
-                               **{k: v for k, v in with_fill["lend_to_busy_s"].items() if k == "serve"}},
+            "lend_to_busy_s": {**jobs["lend_to_busy_s"], **with_fill["lend_to_busy_s"]},  # batch + sweep, Serve
             "harvest_ratio": with_fill["harvest_ratio"],                     # on busy GPU-s (tenants measure)
             "harvest_ratio_reserved": with_fill["harvest_ratio_reserved"],   # on held GPU-s
             "training_tokens_s_with_fillin": a, "training_tokens_s_without": b,

@@ -98,14 +98,11 @@ def served(tmp_path_factory):
         states = []
         t_end = time.monotonic() + 120
         while time.monotonic() < t_end:
-            try:
-                with urllib.request.urlopen(url + "/-/ready", timeout=10) as resp:
-                    if json.loads(resp.read())["ready"]:
-                        break
-            except urllib.error.HTTPError as exc:      # 503 until a replica runs: say why
-                states.append(json.loads(exc.read())["state"])
-            except OSError:            # the proxy or the ingress is still starting
-                pass
+            state = ready_state(url)
+            if state == "ready":
+                break
+            if state is not None:      # 503 until a replica runs: say why
+                states.append(state)
             time.sleep(0.5)
         else:
             raise AssertionError(f"no Generator replica came up on the lent GPU slot: {states[-5:]}")

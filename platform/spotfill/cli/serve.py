@@ -9,6 +9,9 @@ import time
 from spotfill.config.errors import ConfigError
 
 MAX_NEAREST = 5
+# flags that are the Serve app's own args (config/serve_app.py ServeArgs): arg name -> flag
+APP_FLAGS = {"checkpoint": "--checkpoint", "draft": "--draft", "num_draft_tokens": "--num-draft-tokens",
+             "max_queue_wait_s": "--max-queue-wait-s"}
 
 
 def register(sub) -> None:
@@ -82,16 +85,11 @@ def check(args: argparse.Namespace) -> dict | None:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), accepted="an integer >= 1")
     if args.duration < 0:
         raise ConfigError("--duration", args.duration, accepted="seconds >= 0")
-    flags = {"checkpoint": "--checkpoint", "draft": "--draft", "num_draft_tokens": "--num-draft-tokens",
-             "max_queue_wait_s": "--max-queue-wait-s"}
     try:
-        parsed = ServeArgs.parse({"checkpoint": args.checkpoint, "draft": args.draft,
-                                  "num_draft_tokens": args.num_draft_tokens,
-                                  "max_queue_wait_s": args.max_queue_wait_s})
-        latest = check_deployable(parsed)
+        latest = check_deployable(ServeArgs.parse({name: getattr(args, name) for name in APP_FLAGS}))
     except ConfigError as exc:
         key = exc.field.rsplit(" ", 1)[-1]
-        raise ConfigError(flags.get(key, exc.field), exc.value, reason=exc.reason, accepted=exc.accepted) from None
+        raise ConfigError(APP_FLAGS.get(key, exc.field), exc.value, reason=exc.reason, accepted=exc.accepted) from None
     if latest is None and not args.wait_for_checkpoint:
         near = committed_runs(args.checkpoint)
         raise ConfigError("--checkpoint", args.checkpoint, reason="no committed checkpoint there "
@@ -127,9 +125,8 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address=cluster.address, runtime_env=runtime_env(), logging_level="WARNING")
         quiet_expected_node_deaths()
         # replicas=0: the arbiter's lends create the replicas (no replica of Serve's own beside them)
-        out = deploy_serve(args.checkpoint, port=args.port, max_replicas=args.nodes * args.gpus_per_node,
-                           replicas=0, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
-                           max_queue_wait_s=args.max_queue_wait_s)
+        out = deploy_serve(port=args.port, max_replicas=args.nodes * args.gpus_per_node, replicas=0,
+                           **{name: getattr(args, name) for name in APP_FLAGS})
         url = out["url"]
         print(f"spotfill serve: {url}/v1/completions and {url}/v1/chat/completions (OpenAI), {url}/-/ready; "
               f"checkpoint {latest['tag'] if latest else 'none committed yet (503 until one is)'} of "
