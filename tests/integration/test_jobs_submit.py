@@ -252,6 +252,7 @@ def trained(head, staged, tmp_path_factory):
     """prepare_data.py; `serve deploy` of the generation app over the run's checkpoints (the arbiter lends it
     the idle GPUs); then pretrain.py submitted while completions are asked for every 0.5 s. A bad config is
     submitted alongside, not waited for."""
+    from spotfill.fillin.load import CLIENT_TIMEOUT_S
     root = tmp_path_factory.mktemp("trained")
     data, ckpt, run_dir = root / "data", root / "ckpt", root / "run"
     t0 = time.time()
@@ -286,9 +287,10 @@ def trained(head, staged, tmp_path_factory):
         if status.is_terminal() or time.time() - t0 > 600:
             break
         # the client waits longer than the app may hold a request for a starting replica (max_queue_wait_s,
-        # 15 s in serving/config.yaml) plus its generation, as an OpenAI client (600 s) does
+        # 15 s in serving/config.yaml) plus its generation: the load generator's timeout, for the same reason
         t_req = time.time()
-        code, body = http_json("POST", url + "/v1/completions", {"prompt": "def ", "max_tokens": 8}, timeout=60)
+        code, body = http_json("POST", url + "/v1/completions", {"prompt": "def ", "max_tokens": 8},
+                               timeout=CLIENT_TIMEOUT_S)
         out["completions"].append({"t": time.time(), "took_s": round(time.time() - t_req, 2), "code": code,
                                    "job": str(status), "checkpoint": (body.get("checkpoint") or {}).get("tag"),
                                    "text": (body.get("choices") or [{}])[0].get("text"),
