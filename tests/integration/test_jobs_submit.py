@@ -291,7 +291,8 @@ def trained(head, staged, tmp_path_factory):
         t_req = time.time()
         code, body = http_json("POST", url + "/v1/completions", {"prompt": "def ", "max_tokens": 8},
                                timeout=CLIENT_TIMEOUT_S)
-        out["completions"].append({"t": time.time(), "took_s": round(time.time() - t_req, 2), "code": code,
+        t_answer = time.time()
+        out["completions"].append({"t": t_answer, "took_s": round(t_answer - t_req, 2), "code": code,
                                    "job": str(status), "checkpoint": (body.get("checkpoint") or {}).get("tag"),
                                    "text": (body.get("choices") or [{}])[0].get("text"),
                                    "error": body.get("error") or body.get("client_error") if code != 200 else None})

@@ -2,7 +2,8 @@
 the Serve app): greedy output with the replica SIGKILLed mid-stream equals the output without, on one
 uninterrupted stream; a request whose replicas are all reclaimed and killed under it is counted as lost
 (admitted, then failed) by the load generator, not as refused; the hand-back bounds hold (an idle replica
-is given back before its 3 s grace, as soon as Serve stops it; busy ones <= 5 s); the replica that generated reports its busy time on its lease. Measured numbers are printed as `SERVE-METRIC name value` (run with -s)."""
+is given back before its 3 s grace, as soon as Serve stops it; busy ones <= 5 s); the replica that generated
+reports its busy time on its lease. Measured numbers are printed as `SERVE-METRIC name value` (run with -s)."""
 from __future__ import annotations
 
 import json
