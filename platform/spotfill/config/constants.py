@@ -158,6 +158,9 @@ COLLECTIVE_TIMEOUT_S = env_float("SPOTFILL_COLLECTIVE_TIMEOUT_S", CHECKPOINT_COM
 WARM_SPARES = env_int("SPOTFILL_WARM_SPARES", 1)
 # How long (s) a spare nobody took is kept idle above Ray's idle-worker soft limit.
 WARM_SPARE_KEEP_ALIVE_S = env_int("SPOTFILL_WARM_SPARE_KEEP_ALIVE_S", 3600)
+# A grow onto a node new to the run waits for that node's spares to warm up (train.readiness) at most this
+# long (s); then it grows cold, and the planned exit says so.
+WARM_GROW_BOUND_S = env_float("SPOTFILL_WARM_GROW_BOUND_S", 90.0)
 # Universal-checkpoint conversion runs in-process below this size (bytes), in a subprocess pool above.
 UNIVERSAL_INPROCESS_MAX_BYTES = env_int("SPOTFILL_UNIVERSAL_INPROCESS_MAX_BYTES", 1 << 30)
 

@@ -43,12 +43,13 @@ _PARTS = {
                   "unreachable_workers", "GcsCheckedPlacementGroupCleaner", "GcsCheckedPlacementGroupCleanerCallback",
                   "use_spotfill_controller", "callbacks_first", "worker_setup_hook_env", "prestart_workers",
                   "torch_train_backend"),
+    "names": ("RAY_TRAIN_WORKER_MODULE", "DYNAMO_MODULE"),
     "ray_serve": ("check_serve_hooks", "watch_running_replicas"),
     "ray_tune": ("require_sweep", "tune_force_cleanup_after", "tune_unstage_trial"),
     "torch_jit": ("guard_jit_op_builds", "StaleBuildLock"),
     "torch_dist": ("new_groups_timeout",),
     "deepspeed_engine": ("skip_deepspeed_muon", "zero_elastic_supported", "zero_load_elastic",
-                         "pipe_instruction_map"),
+                         "pipe_instruction_map", "pipe_stage_layers"),
     "catalog": ("HOOKS", "MUON_MODULES"),
 }
 _WHERE = {name: part for part, names in _PARTS.items() for name in names}

@@ -232,7 +232,9 @@ HOOKS = _hooks(
          "of a stage and fills the bubbles)",
          "train.pipeline builds a BubbleProbe for every pipeline engine; it has no path without the map; the "
          "driver checks before any worker starts",
-         checks=(_pipe_engine_file,)),
+         names=("deepspeed.runtime.pipe.module:PipelineModule",),
+         checks=(_pipe_engine_file, _sets_in_init("deepspeed.runtime.pipe.module:PipelineModule", "_local_start"),
+                 _sets_in_init("deepspeed.runtime.pipe.module:PipelineModule", "_local_stop"))),
     # -- Ray Train ---------------------------------------------------------------------------------------
     Hook("train_controller_callbacks", REQUIRED, "ray", RAY,
          "Ray Train's controller and worker-group callbacks report each controller state change to the "
@@ -311,7 +313,10 @@ HOOKS = _hooks(
          "worker processes import torch and DeepSpeed from the moment they start (spotfill.train.warm)",
          "each restart's workers import torch and DeepSpeed on the recovery critical path",
          "train.job: the worker runtime_env simply has no setup hook",
-         names=("ray._private.ray_constants:WORKER_PROCESS_SETUP_HOOK_ENV_VAR",)),
+         names=("ray._private.ray_constants:WORKER_PROCESS_SETUP_HOOK_ENV_VAR",
+                # the hook imports Ray Train's worker actor module (train.warm) and torch._dynamo (which
+                # torch's optimizers load on first use) ahead of the actor
+                "ray.train.v2._internal.execution.worker_group.worker", "torch._dynamo")),
     Hook("prestart_spare_workers", ROBUSTNESS, "ray", RAY,
          "each node's raylet starts spare worker processes for the next worker group",
          "a restart's workers start as cold processes (as with stock Ray)",

@@ -206,3 +206,9 @@ def pipe_instruction_map(engine) -> dict:
         raise RayCompatError(required_message(HOOKS["pipe_bubble_probe"], found))
     engine._INSTRUCTION_MAP = dict(table)
     return engine._INSTRUCTION_MAP
+
+
+def pipe_stage_layers(module) -> tuple[int, int]:
+    """[first, last + 1) global layer indices a PipelineModule's stage holds (its private _local_start and
+    _local_stop, set in its __init__: DeepSpeed has no public read of them). Part of pipe_bubble_probe."""
+    return int(module._local_start), int(module._local_stop)

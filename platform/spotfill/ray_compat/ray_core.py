@@ -45,9 +45,10 @@ def kv_list(prefix: str) -> list[str]:
             for k in internal_kv._internal_kv_list(prefix, namespace="spotfill")]
 
 
-def kv_del(key: str) -> None:
+def kv_del(key: str) -> int:
+    """Delete `key`; returns how many keys were deleted (1 for the one caller that took it, 0 otherwise)."""
     from ray.experimental import internal_kv
-    internal_kv._internal_kv_del(key, namespace="spotfill")
+    return int(internal_kv._internal_kv_del(key, namespace="spotfill") or 0)
 
 
 def gcs_actor_alive(actor_id: str, timeout=None) -> bool:

@@ -154,8 +154,9 @@ def worker_setup_hook_env(hook: str, env: dict[str, str], job_runtime_env: dict 
     return {**env, name: hook}
 
 
-def prestart_workers(num_workers: int, keep_alive_s: int, timeout_s: float = 5.0) -> bool:
-    """Ask this node's raylet to start `num_workers` idle worker processes now, with the runtime_env of the
+def prestart_workers(num_workers: int, keep_alive_s: int, timeout_s: float = 5.0,
+                     node_id: str | None = None) -> bool:
+    """Ask this node's raylet (node `node_id`'s, when given: a node new to the run) to start `num_workers` idle worker processes now, with the runtime_env of the
     calling worker (the exact serialized string its own task carried, so the raylet's runtime_env hash
     matches) for the calling job, kept idle for `keep_alive_s` even above Ray's idle-worker soft limit.
     Actors the next worker group creates on this node with that runtime_env land on them instead of
@@ -170,7 +171,7 @@ def prestart_workers(num_workers: int, keep_alive_s: int, timeout_s: float = 5.0
     from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
 
     ctx = ray.get_runtime_context()
-    node_id = ctx.get_node_id()
+    node_id = node_id or ctx.get_node_id()
     node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"]), None)
     if node is None:
         raise RuntimeError(f"node {node_id[:12]} is not in the cluster's node list")

@@ -56,6 +56,11 @@ class Recovery:
     first_step_s: float | None          # restored -> first step finished
     total_s: float | None
     detail: dict
+    warm: dict | None = None            # node -> its workers' processes all started before the fault
+                                        # (warm spares) or not (started cold for this restart); None:
+                                        # the start event does not list its workers
+    ready_wait_s: float | None = None   # a grow onto new nodes: how long it waited for their spares
+    sizing: str | None = None           # why the controller chose the group's size (group_sizing event)
 
     @property
     def slowest(self) -> str | None:
@@ -88,7 +93,7 @@ def recovery_breakdown(events: list[dict], faults: list[float] | None = None) ->
         elif e["kind"] == "step":
             rec.setdefault("first_step", e)
             rec["last_step"] = e
-    controller = [e for e in events if e["kind"] == "controller_state"]
+    controller = [e for e in events if e["kind"] in ("controller_state", "group_sizing")]
     last_progress: dict | None = None
     for a in sorted(by_attempt):
         rec = by_attempt[a]
@@ -112,6 +117,8 @@ def _one_recovery(a: int, rec: dict, prev: dict, began_t: float, faults: list[fl
         fault_t, source = prev_t, "last_step"
     cause = ((rec.get("attempt") or {}).get("cause") or (prev.get("planned_exit") or {}).get("reason")
              or "unplanned: no reason on record")
+    sizing = [e for e in controller if e["kind"] == "group_sizing" and fault_t <= e["t"] <= began_t]
+    controller = [e for e in controller if e["kind"] == "controller_state"]
     restart = next((e for e in controller if e["t"] >= fault_t and e["state"] in RESTART_STATES), None)
     sched = next((e for e in controller if restart and e["t"] >= restart["t"] and e["state"] == "SCHEDULING"), None)
     up = rec.get("resume") or rec.get("start")
@@ -135,7 +142,21 @@ def _one_recovery(a: int, rec: dict, prev: dict, began_t: float, faults: list[fl
         attempt=a, cause=cause, fault_t=fault_t, fault_source=source, detect_s=detect, decide_s=decide,
         workers_start_s=workers, state_load_s=load, setup_s=setup,
         first_step_s=(first["t"] - up["t"]) if (first and up) else None,
-        total_s=(first["t"] - fault_t) if first else None, detail=detail)
+        total_s=(first["t"] - fault_t) if first else None, detail=detail,
+        warm=workers_warm((up or {}).get("workers"), fault_t),
+        ready_wait_s=(prev.get("planned_exit") or {}).get("ready_wait_s") if source == "planned_exit" else None,
+        sizing=sizing[-1].get("reason") if sizing else None)
+
+
+def workers_warm(workers: list | None, fault_t: float) -> dict | None:
+    """Per node, whether every worker process of a restarted group there started before the fault: a spare
+    warmed ahead of it, not a process started cold for the restart. None without the start event's list."""
+    if not workers:
+        return None
+    out: dict[str, bool] = {}
+    for node, started in workers:
+        out[node] = out.get(node, True) and started is not None and started < fault_t
+    return out
 
 
 def _lineage_step_sums(events: list[dict], gpw: int) -> dict:

@@ -41,9 +41,13 @@ def free_resources(nodes: dict[str, NodeCapacity],
 
 def count_workers(node_resources: dict[str, dict], per_worker: dict[str, float], max_workers: int) -> int:
     """Workers that fit on these nodes (each worker on one node), capped at max_workers (pure)."""
+    return min(sum(workers_by_node(node_resources, per_worker).values()), max_workers)
+
+
+def workers_by_node(node_resources: dict[str, dict], per_worker: dict[str, float]) -> dict[str, int]:
+    """Per node, how many workers its resources hold (each worker on one node; uncapped)."""
     need = {r: v for r, v in per_worker.items() if v > 0}
-    total = sum(int(min(res.get(r, 0.0) // v for r, v in need.items())) for res in node_resources.values())
-    return min(total, max_workers)
+    return {node: int(min(res.get(r, 0.0) // v for r, v in need.items())) for node, res in node_resources.items()}
 
 
 def capacity_state(node_resources: dict[str, dict], per_worker: dict[str, float]) -> tuple:

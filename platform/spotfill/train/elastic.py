@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 
 import ray
 from ray.train.torch import TorchTrainer
 
+from spotfill.config import constants
 from spotfill.ray_compat import (ElasticScalingPolicy, available_resources_per_node, draining_node_ids,
-                                 kv_get, kv_put, usable, use_spotfill_controller)
+                                 kv_get, kv_list, kv_put, usable, use_spotfill_controller)
 from spotfill.train.capacity import (GrowDecision, GrowGate, NodeCapacity, capacity_state, count_workers,
-                                     free_resources, reachable)
+                                     free_resources, reachable, workers_by_node)
 from spotfill.train.pipe_layout import round_to_replicas
+from spotfill.train.readiness import GrowPlanner, GrowStep, ready_by_node, record_prefix, restart_size
 
 log = logging.getLogger(__name__)
 RAYLET_PROBE_S = 0.5   # a live raylet answers a local-network connect in milliseconds
@@ -45,32 +49,87 @@ def schedulable_nodes(probe_s: float | None = RAYLET_PROBE_S) -> dict[str, NodeC
             for n in nodes}
 
 
-class GrowCheck:
-    """Rank 0's periodic question during training: how many more workers would fit in free capacity now?
+def ready_spares(job_id: str | None = None) -> dict[str, int]:
+    """Ready warm spares per node of this job (train.readiness records); {} when they cannot be read."""
+    try:
+        job_id = job_id or ray.get_runtime_context().get_job_id()
+        keys = kv_list(record_prefix(job_id))
+        return ready_by_node({k: kv_get(k) for k in keys}, time.time())
+    except Exception as exc:  # noqa: BLE001 -- no readiness known: sizing treats every node as cold
+        log.warning("cannot read warm spares' readiness (%s: %s)", type(exc).__name__, exc)
+        return {}
 
-    At most one grow attempt per capacity state for the whole run: the states already tried are kept in the
-    GCS key-value store under the run's name, since every grow restarts the worker processes."""
+
+def warm_node(node_id: str, count: int) -> None:
+    """Ask node `node_id`'s raylet for `count` spare worker processes of this worker's job and runtime_env
+    (they import torch and DeepSpeed and then record their readiness: train.warm), on a thread, off the
+    step loop. Their warm-up runs in SCHED_IDLE where the node's tokens reach them (train.spares). A failure
+    is logged: the node then counts as ready only once the grow's bound passes (cold)."""
+    from spotfill.ray_compat import offer_spare_tokens, prestart_workers
+
+    def run():
+        try:
+            offer_spare_tokens(node_id, count)
+            prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S, node_id=node_id)
+            log.info("warming %d spare worker process(es) on node %s", count, node_id[:12])
+        except Exception as exc:  # noqa: BLE001 -- the grow goes cold after its bound
+            log.warning("spares not started on node %s (%s: %s)", node_id[:12], type(exc).__name__, exc)
+
+    threading.Thread(target=run, name="spotfill-warm-node", daemon=True).start()
+
+
+class GrowCheck:
+    """Rank 0's periodic question during training: how many more workers would fit in free capacity now,
+    on nodes that can take them warm?
+
+    Capacity on a node new to the run is first warmed (train.readiness.GrowPlanner: spares asked from that
+    node's raylet) and counted once its spares are ready, or cold after SPOTFILL_WARM_GROW_BOUND_S. At most
+    one grow attempt per capacity state for the whole run: the states already tried are kept in the GCS
+    key-value store under the run's name, since every grow restarts the worker processes."""
 
     def __init__(self, per_worker: dict[str, float], max_workers: int, run_key: str | None = None,
-                 multiple: int = 1):
+                 multiple: int = 1, group_nodes=(), warm=warm_node, ready=ready_spares):
         self.per_worker, self.max_workers, self.multiple = per_worker, max_workers, multiple
         self._key = f"spotfill:grow-tried:{run_key or _train_run_name()}"
+        self.group_nodes = set(group_nodes)
+        spares = constants.WARM_SPARES
+        self.planner = GrowPlanner(bound_s=constants.WARM_GROW_BOUND_S if spares > 0 else 0.0,
+                                   spares_per_worker=max(1, spares))
+        self._warm, self._ready = (warm if spares > 0 else None), (ready if spares > 0 else dict)
         self.last: GrowDecision | None = None
+        self.step: GrowStep | None = None       # the readiness decision behind the last grow
 
     def extra_workers(self, world: int, now: float) -> int:
-        """Workers beyond `world` that the free capacity of schedulable nodes holds (0 when none, or when
-        this capacity state was already tried; always 0 where Ray moved what it reads: drain_aware_restarts)."""
+        """Workers beyond `world` that the free capacity of schedulable nodes holds warm (0 when none, when
+        new nodes are still warming, or when this capacity state was already tried; always 0 where Ray moved
+        what it reads: drain_aware_restarts)."""
         if not usable("drain_aware_restarts"):
             return 0
         free = free_resources(schedulable_nodes())
-        fitting = min(self.max_workers, world + count_workers(free, self.per_worker, self.max_workers))
-        fitting = round_to_replicas(fitting, self.multiple)      # a pipeline grows by whole replicas
+        step = self.planner.decide(world, self.max_workers, workers_by_node(free, self.per_worker),
+                                   self.group_nodes, self._ready(), time.time(), self.multiple)
+        for node, count in step.warm.items():
+            if self._warm is not None:
+                self._warm(node, count)
+        if not step.extra:
+            self.last = GrowDecision(0, step.reason)
+            return 0
         gate = GrowGate(tried=self._load())
-        self.last = gate.decide(world, fitting, capacity_state(free, self.per_worker))
+        self.last = gate.decide(world, world + step.extra, capacity_state(free, self.per_worker))
         if self.last.extra:
+            self.step = step
             self._save(gate.tried)
-            log.info("grow check: %s", self.last.reason)
+            log.info("grow check: %s (%s)", self.last.reason, step.reason)
         return self.last.extra
+
+    def exit_fields(self) -> dict:
+        """What the planned exit of a grow records: how long it waited for ready nodes, which new nodes it
+        grows onto warm and which cold (bound passed)."""
+        s = self.step
+        if s is None:
+            return {}
+        return {"ready_wait_s": s.ready_wait_s, "warm_nodes": [n[:12] for n in s.warm_nodes],
+                "cold_nodes": [n[:12] for n in s.cold_nodes], "grow_reason": s.reason}
 
     def _load(self) -> set:
         raw = kv_get(self._key)
@@ -106,18 +165,41 @@ class DrainAwareElasticPolicy(ElasticScalingPolicy):
 
     _own_placement_group = None
 
-    def __init__(self, scaling_config, workers_multiple: int = 1):
+    def __init__(self, scaling_config, workers_multiple: int = 1, sink: tuple[str, str] | None = None):
         super().__init__(scaling_config)
         self.workers_multiple = workers_multiple     # pipeline stages: a group of whole replicas only
+        self.sink = sink            # (name, namespace) of the run's event sink: each sizing is reported
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         self._own_placement_group = worker_group_state.placement_group_handle.placement_group
         return super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
 
     def _count_possible_workers(self, reserved_resources) -> int:
+        """The next group's size: the workers free capacity holds on nodes that can start them warm (a
+        restart after a loss or notice goes on at once on the survivors' spares; other nodes join through a
+        warm grow), or every worker that fits when the warm ones are below training's minimum
+        (train.readiness.restart_size). Reported to the run's events with its reason."""
+        sc = self.scaling_config
         free = free_resources(schedulable_nodes(RAYLET_PROBE_S), self._own_held(), fillin_reclaimable())
-        return round_to_replicas(count_workers(free, self.scaling_config._resources_per_worker_not_none,
-                                               self.scaling_config.max_workers), self.workers_multiple)
+        by_node = workers_by_node(free, sc._resources_per_worker_not_none)
+        if constants.WARM_SPARES <= 0:
+            return round_to_replicas(count_workers(free, sc._resources_per_worker_not_none, sc.max_workers),
+                                     self.workers_multiple)
+        ready = ready_spares()
+        size, reason = restart_size(by_node, ready, sc.min_workers, sc.max_workers, self.workers_multiple)
+        self._report(size, reason, by_node, ready)
+        return size
+
+    def _report(self, size: int, reason: str, by_node: dict[str, int], ready: dict[str, int]) -> None:
+        log.info("worker group size %d: %s", size, reason)
+        if self.sink is None:
+            return
+        try:
+            sink = ray.get_actor(self.sink[0], namespace=self.sink[1])
+            sink.event.remote("group_sizing", workers=size, reason=reason,
+                              nodes={n[:12]: {"fit": k, "ready": ready.get(n, 0)} for n, k in by_node.items() if k})
+        except Exception as exc:  # noqa: BLE001 -- a report, never a reason to fail the restart
+            log.warning("group sizing not reported (%s)", exc)
 
     def _own_held(self) -> dict[str, dict[str, float]]:
         """Per node, what this run's current worker group still holds (nothing once it was removed)."""
@@ -138,14 +220,13 @@ class DrainAwareElasticPolicy(ElasticScalingPolicy):
         return held
 
 
-SpotfillTorchTrainer = use_spotfill_controller(TorchTrainer, lambda sc: DrainAwareElasticPolicy(scaling_config=sc))
-"""TorchTrainer whose elastic restarts size the group from free capacity of schedulable nodes, whose
-placement-group cleaner checks liveness through the GCS, and whose restarts are reported with a cause."""
-
-
-def spotfill_trainer(stages: int = 1):
-    """SpotfillTorchTrainer; with pipeline stages, one whose restarts size the group in whole replicas."""
-    if stages <= 1:
-        return SpotfillTorchTrainer
+def spotfill_trainer(stages: int = 1, sink: tuple[str, str] | None = None):
+    """TorchTrainer whose elastic restarts size the group from free capacity of schedulable nodes that can
+    start its workers warm (in whole replicas with pipeline stages), whose placement-group cleaner checks
+    liveness through the GCS, and whose restarts are reported with a cause and a sizing reason."""
     return use_spotfill_controller(
-        TorchTrainer, lambda sc: DrainAwareElasticPolicy(scaling_config=sc, workers_multiple=stages))
+        TorchTrainer, lambda sc: DrainAwareElasticPolicy(scaling_config=sc, workers_multiple=stages, sink=sink))
+
+
+SpotfillTorchTrainer = spotfill_trainer()
+"""spotfill_trainer() for one stage and no event sink (its sizing goes to the log only)."""

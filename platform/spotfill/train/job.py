@@ -130,7 +130,7 @@ class TrainingJob:
                                 # spotfill grows gracefully itself (checkpoint, then restart): Ray's
                                 # own running-group resize would kill the workers mid-interval.
                                 elastic_resize_monitor_interval_s=10 ** 9 if spotfill else 60.0)
-        trainer_cls = spotfill_trainer(t.pipeline_stages) if spotfill else TorchTrainer
+        trainer_cls = spotfill_trainer(t.pipeline_stages, sink=(sink_name, namespace)) if spotfill else TorchTrainer
         return trainer_cls(
             train_loop_per_worker,
             train_loop_config={"job": _as_dict(cfg), "sink": sink_name, "namespace": namespace},

@@ -102,7 +102,8 @@ def build_pipeline_module(cfg: GPTConfig, stages: int, replicas: int, seed: int 
 
 def stage_layers(module) -> tuple[int, int]:
     """[first, last + 1) global layer indices this rank's stage holds."""
-    return int(module._local_start), int(module._local_stop)
+    from spotfill.ray_compat import pipe_stage_layers
+    return pipe_stage_layers(module)
 
 
 def pipeline_ds_config(config: dict) -> dict:

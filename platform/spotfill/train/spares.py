@@ -73,6 +73,33 @@ def claim(node_id: str, now: float | None = None, directory: str | None = None) 
     return False
 
 
+# Tokens for a node that is not the requester's (a node new to the run, warmed before a grow: train.elastic)
+# live in the GCS key-value store, where the spares starting there find them; each is taken by the one process
+# whose delete removed it. `put`, `keys` and `take` are the store's operations (spotfill.ray_compat kv_*).
+KV_TOKEN_PREFIX = "spotfill:spare-token:"
+
+
+def offer_kv(node_id: str, count: int, put, now: float | None = None) -> list[str]:
+    now = time.time() if now is None else now
+    keys = [f"{KV_TOKEN_PREFIX}{node_id}:{now:.3f}:{uuid.uuid4().hex[:8]}" for _ in range(max(0, int(count)))]
+    for key in keys:
+        put(key, "1")
+    return keys
+
+
+def claim_kv(node_id: str, keys, take, now: float | None = None) -> bool:
+    """Take one of node `node_id`'s tokens (`keys`: the store's keys under its prefix); stale ones removed."""
+    now = time.time() if now is None else now
+    for key in sorted(keys(f"{KV_TOKEN_PREFIX}{node_id}:")):
+        try:
+            offered = float(key.rsplit(":", 2)[1])
+        except (ValueError, IndexError):
+            continue
+        if take(key) and now - offered <= TOKEN_TTL_S:
+            return True
+    return False
+
+
 def _round_trip_allowed() -> bool:
     """Can a thread of this process enter SCHED_IDLE and leave it again? Tried on a throwaway thread."""
     if not hasattr(os, "SCHED_IDLE"):

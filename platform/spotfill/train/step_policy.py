@@ -80,6 +80,17 @@ class StepPolicy:
                                 if f.upload_in_flight else "")
         return StepDecision(CONTINUE)
 
+    def before_first_step(self, f: StepFacts) -> StepDecision | None:
+        """A group that holds a preemption notice before its first step (it arrived while the group started
+        or restored) leaves at once: its state is the checkpoint it restored, so nothing is lost, and the
+        restart sizes the next group without the draining node. None: step on."""
+        if f.preempt_votes > 0 and f.done < self.total_steps:
+            return StepDecision(EXIT, "preemption", None, notice_deadline_unix_s=f.deadline_unix_s,
+                                detail="notice before this group's first step: its state is the checkpoint "
+                                       "it restored, nothing to save; leaving so the restart leaves out the "
+                                       "draining node")
+        return None
+
     def _finish(self, f: StepFacts) -> StepDecision:
         flags = [name for name, raised in (("preemption notice", f.preempt_votes > 0),
                                            ("grow", f.grow_workers > 0)) if raised]

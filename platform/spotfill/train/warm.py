@@ -28,15 +28,14 @@ def _load() -> None:
         import torch  # noqa: F401
         import torch.distributed  # noqa: F401
         import deepspeed  # noqa: F401
-        import torch._dynamo  # noqa: F401
+
+        from spotfill.ray_compat.names import DYNAMO_MODULE
+        importlib.import_module(DYNAMO_MODULE)
     except Exception:  # noqa: BLE001 -- surfaced by the training function's own import
         pass
     marks["warm_done_t"] = round(time.time(), 3)
 
 
-# Ray Train's worker actor class lives here; the actor's creation imports it on the process's main thread.
-# It imports no torch (so it never waits on the thread's import of torch).
-RAY_TRAIN_WORKER_MODULE = "ray.train.v2._internal.execution.worker_group.worker"
 # What the worker's main thread imports next, all after torch: the training function's module, the run
 # config's callbacks Ray Train unpickles into every worker's train context, Ray Train's torch backend.
 AFTER_TORCH = ("ray.train.torch", "spotfill.train.worker_loop", "spotfill.train.sink", "spotfill.train.teardown",
@@ -55,6 +54,7 @@ def start() -> None:
         return
     _started.set()
     marks["warm_hook_t"] = round(time.time(), 3)
+    from spotfill.ray_compat.names import RAY_TRAIN_WORKER_MODULE
     from spotfill.train.spares import idle_while
     with idle_while(_is_spare()) as idle:     # a spare warms up on CPU time its node's group leaves unused
         marks["warm_idle"] = idle
@@ -66,17 +66,56 @@ def start() -> None:
         for name in AFTER_TORCH:
             _import(name)
     marks["warm_after_t"] = round(time.time(), 3)
+    _record_ready()
 
 
 def _is_spare() -> bool:
-    """Did a training worker on this node leave a token for this process (train.spares)?"""
+    """Did a training worker on this node (a file token) or a grow warming this node from elsewhere (a token
+    in the GCS key-value store) leave a token for this process (train.spares)?"""
     try:
         import ray
 
-        from spotfill.train.spares import claim
-        return claim(ray.get_runtime_context().get_node_id())
+        from spotfill.ray_compat import kv_del, kv_list
+        from spotfill.train.spares import claim, claim_kv
+        node = ray.get_runtime_context().get_node_id()
+        return claim(node) or claim_kv(node, kv_list, kv_del)
     except Exception:  # noqa: BLE001 -- not known: warm up as a process started for an actor
         return False
+
+
+def _record_key() -> str:
+    import os
+
+    import ray
+
+    from spotfill.train.readiness import record_key
+    ctx = ray.get_runtime_context()
+    return record_key(ctx.get_job_id(), ctx.get_node_id(), os.getpid())
+
+
+def _record_ready() -> None:
+    """Record in the GCS key-value store that this process finished its warm-up (train.readiness): the
+    resize check and the restart sizing count a node's ready spares from these records. The training
+    function removes it when a worker group takes the process (`withdraw`)."""
+    try:
+        from spotfill.config import constants
+        from spotfill.ray_compat import kv_put
+        from spotfill.train.readiness import record_value
+        now = time.time()
+        kv_put(_record_key(), record_value(now, now + constants.WARM_SPARE_KEEP_ALIVE_S))
+    except Exception:  # noqa: BLE001 -- unrecorded: this node counts as cold, as without readiness
+        pass
+
+
+def withdraw() -> None:
+    """This process is a worker group's now: its readiness record goes (it is no spare any more)."""
+    if not _started.is_set():
+        return
+    try:
+        from spotfill.ray_compat import kv_del
+        kv_del(_record_key())
+    except Exception:  # noqa: BLE001 -- a stale record ends with its keep-alive
+        pass
 
 
 def _import(name: str) -> None:

@@ -102,8 +102,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
     node_id = ray.get_runtime_context().get_node_id()
     t_start = time.time()
     comms = _Comms(world)
+    from spotfill.train.warm import withdraw
+    withdraw()          # this process is the group's now, no spare: its readiness record goes (train.readiness)
 
     info = comms.bcast(ray.get(sink.begin_attempt.remote(world)) if rank == 0 else None)
+    placed = comms.gather_objects((node_id, _process_start_time()))     # per rank: its node, process start
     if info["give_up"]:
         return _finish(sink, rank, {"ok": False, "reason": info.get("reason") or f"{info['unplanned_failures']} "
                                     f"unplanned failures exceed training.max_failures={t.max_failures}"})
@@ -152,13 +155,14 @@ def train_loop_per_worker(loop_config: dict) -> None:
             from_world_size=plan.world_size or None, universal=plan.universal, zero_elastic=plan.elastic,
             restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
             startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision, **flops, **device,
+            workers=[[n[:12], started] for n, started in placed],
             **(pipe.start_fields() if pipe else {}), **_start_marks(t_start, t_restored, t_imported, t_engine))
         ckpt = Checkpointer(store, local_root, rank, world, attempt=f"{attempt}",
                             meta=pipe.checkpoint_meta() if pipe else None)
         try:
             verdict = run_attempt(job, sink, comms, engine, reader, ckpt, rank=rank, world=world, attempt=attempt,
                                   shape=shape, vocab=vocab, flops=flops, device=device, client_state=client_state,
-                                  start_event=start_event, pipe=pipe)
+                                  start_event=start_event, pipe=pipe, group_nodes={n for n, _ in placed})
         finally:
             if pipe:
                 pipe.close()
@@ -171,7 +175,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
 def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, *, rank: int, world: int,
                 attempt: int, shape: BatchShape, vocab: int, flops: dict, device: dict, client_state: dict | None,
-                start_event: dict, pipe=None) -> dict:
+                start_event: dict, pipe=None, group_nodes=frozenset()) -> dict:
     """One attempt's steps, from the state its checkpoint gave (`client_state`; None: a fresh start) to the
     last step or a planned exit (PlannedExit): the data path (feed.py: rows read, checked against the
     schedule, their positions recorded in the ledger) and the executor; `pipe` (train/pipeline.py) runs the
@@ -190,7 +194,8 @@ def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, 
     spares = t.elastic_restarts == "spotfill" and constants.WARM_SPARES > 0
     spare_step = start_step + 1
 
-    run = _Executor(job, sink, comms, engine, rank, world, attempt, ledger, ckpt, data=identity)
+    run = _Executor(job, sink, comms, engine, rank, world, attempt, ledger, ckpt, data=identity,
+                    group_nodes=group_nodes)
     prefetch = Prefetcher(StepFeed(reader, shape, rank, job.data.seed, positions=pipe.positions if pipe else None),
                           start_step, t.steps,
                           depth=job.data.prefetch)
@@ -198,6 +203,9 @@ def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, 
     gpus = world * job.cluster.gpus_per_worker
     timer = run.timer        # rank 0 only (None elsewhere): phases of the step
     try:
+        early = run.policy.before_first_step(run.gather(start_step, 0.0)[0])   # a notice while it started
+        if early is not None:
+            run.apply(early, start_step)
         for step in range(start_step, t.steps):
             ts = time.perf_counter()
             batch = prefetch.get(step)
@@ -308,10 +316,12 @@ def _warm_imports():
     import threading
 
     def load():
-        from spotfill.ray_compat import skip_deepspeed_muon
+        import importlib
+
+        from spotfill.ray_compat import DYNAMO_MODULE, skip_deepspeed_muon
         skip_deepspeed_muon()
         import deepspeed  # noqa: F401
-        import torch._dynamo  # noqa: F401
+        importlib.import_module(DYNAMO_MODULE)
 
     thread = threading.Thread(target=load, name="spotfill-warm-imports", daemon=True)
     thread.start()
@@ -422,7 +432,7 @@ class _Executor:
     """Gathers a step's facts and applies the policy's decisions for one rank of one attempt."""
 
     def __init__(self, job: JobConfig, sink, comms: _Comms, engine, rank: int, world: int, attempt: int,
-                 ledger: SampleLedger, ckpt: Checkpointer, data: dict | None = None):
+                 ledger: SampleLedger, ckpt: Checkpointer, data: dict | None = None, group_nodes=frozenset()):
         t = job.training
         self.data = data         # what the ledger's positions refer to (feed.data_identity), saved with it
         self.sink, self.comms, self.engine, self.ckpt = sink, comms, engine, ckpt
@@ -439,7 +449,7 @@ class _Executor:
             from spotfill.train.elastic import GrowCheck
             self._grow = GrowCheck({job.cluster.gpu_resource: job.cluster.gpus_per_worker,
                                     "CPU": job.cluster.cpus_per_worker}, t.max_workers,
-                                   multiple=t.pipeline_stages)
+                                   multiple=t.pipeline_stages, group_nodes=group_nodes)
         self._grow_every, self._last_grow = t.resize_check_s, time.monotonic()
         self._steps: list[dict] = []
         self._steps_sent = time.monotonic()
@@ -513,8 +523,9 @@ class _Executor:
         if d.leaves:
             if self.rank == 0:
                 import ray
+                grown = self._grow.exit_fields() if (self._grow and d.reason == "grow") else {}
                 ray.get(self.sink.planned_exit.remote(d.reason, step=done, world_size=self.world,
-                                                      detail=d.detail, budget_s=d.budget_s))
+                                                      detail=d.detail, budget_s=d.budget_s, **grown))
             raise PlannedExit(f"{d.reason} at step {done} ({d.detail}); restarting the worker group")
 
     def _save(self, d: StepDecision, done: int) -> None:

@@ -1,0 +1,127 @@
+"""Warm grows and warm restarts (train.readiness, train.spares' store tokens, the recovery's warm flags):
+pure decisions on a fake clock, no Ray."""
+from __future__ import annotations
+
+from spotfill.telemetry.diagnosis import recovery_breakdown, workers_warm
+from spotfill.train.readiness import (GrowPlanner, ready_by_node, record_key, record_value, restart_size)
+from spotfill.train.spares import claim_kv, offer_kv
+from spotfill.train.step_policy import EXIT, StepFacts, StepPolicy
+
+A, B, C = "a" * 56, "b" * 56, "c" * 56
+
+
+def _records(now, **ready):
+    out = {}
+    for node, n in ready.items():
+        for pid in range(n):
+            out[record_key("01000000", {"A": A, "B": B, "C": C}[node], 100 + pid)] = record_value(now - 5, now + 60)
+    return out
+
+
+def test_ready_records_count_per_node_until_their_keep_alive_ends():
+    recs = _records(1000.0, A=2, B=1)
+    recs[record_key("01000000", C, 7)] = record_value(900.0, 990.0)      # keep-alive over: not a spare
+    recs[record_key("01000000", C, 8)] = "not json"
+    assert ready_by_node(recs, 1000.0) == {A: 2, B: 1}
+
+
+def test_a_grow_onto_a_new_node_waits_until_its_spares_are_ready():
+    """The fault this guards: a grow onto a node whose workers are not ready, while readiness was reachable."""
+    plan = GrowPlanner(bound_s=60.0)
+    step = plan.decide(world=2, max_workers=4, fitting_by_node={B: 2}, group_nodes={A}, ready={}, now=0.0)
+    assert step.extra == 0 and step.warm == {B: 2}            # asked to warm, no grow yet
+    assert "waiting for warm spares" in step.reason
+    step = plan.decide(2, 4, {B: 2}, {A}, {B: 1}, now=5.0)
+    assert step.extra == 0 and step.warm == {}                # asked once; half ready is not ready
+    step = plan.decide(2, 4, {B: 2}, {A}, {B: 2}, now=8.0)
+    assert step.extra == 2 and step.warm_nodes == (B,) and step.cold_nodes == ()
+    assert step.ready_wait_s == 8.0
+
+
+def test_a_grow_goes_cold_after_the_bound_and_says_so():
+    plan = GrowPlanner(bound_s=30.0)
+    plan.decide(1, 4, {B: 1}, {A}, {}, now=0.0)
+    assert plan.decide(1, 4, {B: 1}, {A}, {}, now=29.0).extra == 0
+    step = plan.decide(1, 4, {B: 1}, {A}, {}, now=30.0)
+    assert step.extra == 1 and step.cold_nodes == (B,) and "growing cold" in step.reason
+
+
+def test_capacity_on_the_groups_own_nodes_counts_at_once_and_new_nodes_join_when_ready():
+    plan = GrowPlanner(bound_s=60.0)
+    step = plan.decide(1, 4, {A: 1, B: 2}, {A}, {}, now=0.0)
+    assert step.extra == 1 and step.warm == {B: 2}            # A's slot now, B warming meanwhile
+    assert "still warming" in step.reason
+
+
+def test_a_node_that_left_is_asked_again_when_it_comes_back():
+    plan = GrowPlanner(bound_s=60.0)
+    assert plan.decide(1, 4, {B: 1}, {A}, {}, now=0.0).warm == {B: 1}
+    assert plan.decide(1, 4, {}, {A}, {}, now=1.0).warm == {}
+    assert plan.decide(1, 4, {B: 1}, {A}, {}, now=2.0).warm == {B: 1}
+
+
+def test_pipeline_grows_by_whole_replicas():
+    plan = GrowPlanner(bound_s=0.0)
+    step = plan.decide(2, 8, {B: 3}, {A}, {}, now=0.0, multiple=2)
+    assert step.extra == 2
+
+
+def test_restart_goes_on_at_once_on_warm_survivors():
+    # after a notice: A (survivor, its spares warm) holds 2, the replacement C holds 2 but is cold
+    size, why = restart_size({A: 2, C: 2}, {A: 2}, min_workers=1, max_workers=4)
+    assert size == 2 and "start warm now" in why
+
+
+def test_restart_below_the_minimum_counts_cold_capacity():
+    size, why = restart_size({A: 1, C: 2}, {A: 1}, min_workers=2, max_workers=4)
+    assert size == 3 and "below training's minimum" in why
+    assert restart_size({A: 2}, {}, 1, 4)[0] == 2                # a first start: nothing warm anywhere
+
+
+def test_restart_with_every_node_warm_takes_them_all():
+    assert restart_size({A: 2, B: 2}, {A: 2, B: 3}, 1, 3) == (3, "3 workers, all on warm spares")
+
+
+def test_store_tokens_are_taken_once_each_and_stale_ones_removed():
+    store: dict[str, str] = {}
+
+    def take(key):
+        return 1 if store.pop(key, None) is not None else 0
+
+    def keys(prefix):
+        return [k for k in store if k.startswith(prefix)]
+
+    offer_kv(B, 2, store.__setitem__, now=100.0)
+    offer_kv(C, 1, store.__setitem__, now=100.0)
+    assert claim_kv(B, keys, take, now=101.0)
+    assert claim_kv(B, keys, take, now=101.0)
+    assert not claim_kv(B, keys, take, now=101.0)
+    assert not claim_kv(C, keys, take, now=1000.0)              # stale: removed, not claimed
+    assert store == {}
+
+
+def test_a_notice_before_the_first_step_leaves_without_stepping():
+    policy = StepPolicy(total_steps=100, checkpoint_every=10)
+    d = policy.before_first_step(StepFacts(done=40, now=0.0, preempt_votes=1, deadline_unix_s=15.0))
+    assert d is not None and d.action == EXIT and not d.saves
+    assert policy.before_first_step(StepFacts(done=40, now=0.0)) is None
+
+
+def test_each_restart_says_per_node_whether_its_workers_started_warm():
+    assert workers_warm([["n1", 5.0], ["n1", 6.0], ["n2", 12.0]], fault_t=10.0) == {"n1": True, "n2": False}
+    assert workers_warm(None, 10.0) is None
+    events = [
+        {"t": 1.0, "kind": "attempt", "attempt": 1}, {"t": 2.0, "kind": "start", "attempt": 1, "startup_s": 1.0},
+        {"t": 3.0, "kind": "step", "attempt": 1, "step": 1},
+        {"t": 9.0, "kind": "planned_exit", "attempt": 1, "reason": "grow", "ready_wait_s": 4.5},
+        {"t": 9.5, "kind": "group_sizing", "workers": 2, "reason": "2 workers, all on warm spares"},
+        {"t": 10.0, "kind": "attempt", "attempt": 2},
+        {"t": 11.0, "kind": "resume", "attempt": 2, "startup_s": 1.0,
+         "workers": [["n1", 8.0], ["n2", 8.5]]},
+        {"t": 12.0, "kind": "step", "attempt": 2, "step": 2},
+    ]
+    (r,) = recovery_breakdown(events)
+    assert r.warm == {"n1": True, "n2": True}
+    assert r.ready_wait_s == 4.5 and r.sizing == "2 workers, all on warm spares"
+    d = r.as_dict()
+    assert d["warm"] == {"n1": True, "n2": True} and d["ready_wait_s"] == 4.5
