@@ -114,6 +114,29 @@ def test_the_group_after_a_hard_loss_starts_on_warm_spares(scenario_run):
     assert resume["warm_idle"] is True and resume["idle_threads"] == 0, resume
 
 
+def test_the_grow_onto_the_added_node_waits_for_its_warm_spares(scenario_run):
+    """Capacity returns on a node new to the run: rank 0 warms spares there (train.readiness) and the grow
+    comes once they are ready, so every worker of the grown group -- the new node's too -- runs on a
+    process that existed before the grow's planned exit. A grow made as soon as the capacity appeared
+    (readiness not waited for) starts the new node's workers cold and fails here."""
+    report, out = scenario_run
+    grows = [r for r in report["recoveries"] if r["cause"] == "planned: grow"]
+    assert grows, report["recoveries"]
+    r = grows[0]
+    assert r["ready_wait_s"] is not None and r["ready_wait_s"] >= 0, r
+    assert r["warm"] and len(r["warm"]) == 2 and all(r["warm"].values()), r
+    exits = [e for e in read_events(str(out / "events.jsonl"), {"planned_exit"}) if e["reason"] == "grow"]
+    assert exits[0]["warm_nodes"] and not exits[0]["cold_nodes"], exits[0]
+
+
+def test_every_restart_reports_its_sizing_and_warm_nodes(scenario_run):
+    """Each restart says why the group has its size (group_sizing) and, per node, warm or cold."""
+    report, _ = scenario_run
+    for r in report["recoveries"]:
+        assert r["sizing"], r
+        assert r["warm"] is not None, r
+
+
 def test_workers_run_as_many_torch_threads_as_cpus_they_asked_for(scenario_run):
     """The warm hook imports torch before Ray sets OMP_NUM_THREADS for the worker's task: without spotfill
     setting it first, every worker ran one intra-op thread per core of the machine (2 here)."""

@@ -49,3 +49,19 @@ def test_summary_says_a_notice_that_restarted_nothing():
     assert ("announced (drain_node node 2, the node fill-in used most): training did not restart after it "
             "(1 step(s) ran after it, then training finished)") in lines
     assert not any("stepping again after n/a" in ln for ln in lines)
+
+
+def test_the_summary_prints_each_restart_with_its_time_and_warm_or_cold():
+    from spotfill.cli.demo import restart_lines
+    report = {"recoveries": [
+        {"attempt": 2, "cause": "planned: grow", "total_s": 6.25, "warm": {"aaaaaaaaaaaa": True}, "ready_wait_s": 12.0},
+        {"attempt": 3, "cause": "unplanned: worker died or node lost", "total_s": 14.0,
+         "warm": {"aaaaaaaaaaaa": True, "bbbbbbbbbbbb": False}, "ready_wait_s": None},
+        {"attempt": 4, "cause": "planned: preemption", "total_s": None, "warm": None}],
+        "goodput": 0.61, "gpu_seconds": {"total": 1000.0, "recovering": 120.0}}
+    lines = restart_lines(report)
+    assert lines[0] == ("restart (attempt 2, planned: grow): stepping again after 6.2s, warm, waited 12.0s for "
+                        "warm spares")
+    assert lines[1].endswith("warm on aaaaaa; cold on bbbbbb")
+    assert "warm/cold not recorded" in lines[2]
+    assert lines[3] == "goodput 0.61; recovery held 120 of 1000 GPU-seconds (12%)"

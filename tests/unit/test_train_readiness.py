@@ -28,41 +28,50 @@ def test_ready_records_count_per_node_until_their_keep_alive_ends():
 def test_a_grow_onto_a_new_node_waits_until_its_spares_are_ready():
     """The fault this guards: a grow onto a node whose workers are not ready, while readiness was reachable."""
     plan = GrowPlanner(bound_s=60.0)
-    step = plan.decide(world=2, max_workers=4, fitting_by_node={B: 2}, group_nodes={A}, ready={}, now=0.0)
+    step = plan.decide(world=2, max_workers=4, fitting_by_node={B: 2}, group={A: 2}, ready={A: 2}, now=0.0)
     assert step.extra == 0 and step.warm == {B: 2}            # asked to warm, no grow yet
     assert "waiting for warm spares" in step.reason
-    step = plan.decide(2, 4, {B: 2}, {A}, {B: 1}, now=5.0)
+    step = plan.decide(2, 4, {B: 2}, {A: 2}, {A: 2, B: 1}, now=5.0)
     assert step.extra == 0 and step.warm == {}                # asked once; half ready is not ready
-    step = plan.decide(2, 4, {B: 2}, {A}, {B: 2}, now=8.0)
+    step = plan.decide(2, 4, {B: 2}, {A: 2}, {A: 2, B: 2}, now=8.0)
     assert step.extra == 2 and step.warm_nodes == (B,) and step.cold_nodes == ()
     assert step.ready_wait_s == 8.0
 
 
 def test_a_grow_goes_cold_after_the_bound_and_says_so():
     plan = GrowPlanner(bound_s=30.0)
-    plan.decide(1, 4, {B: 1}, {A}, {}, now=0.0)
-    assert plan.decide(1, 4, {B: 1}, {A}, {}, now=29.0).extra == 0
-    step = plan.decide(1, 4, {B: 1}, {A}, {}, now=30.0)
+    plan.decide(1, 4, {B: 1}, {A: 1}, {}, now=0.0)
+    assert plan.decide(1, 4, {B: 1}, {A: 1}, {}, now=29.0).extra == 0
+    step = plan.decide(1, 4, {B: 1}, {A: 1}, {}, now=30.0)
     assert step.extra == 1 and step.cold_nodes == (B,) and "growing cold" in step.reason
 
 
-def test_capacity_on_the_groups_own_nodes_counts_at_once_and_new_nodes_join_when_ready():
+def test_a_grow_on_the_groups_own_node_needs_a_spare_for_each_worker_there():
+    """A's one worker asked for its one spare after its first step; a second worker there needs another."""
     plan = GrowPlanner(bound_s=60.0)
-    step = plan.decide(1, 4, {A: 1, B: 2}, {A}, {}, now=0.0)
-    assert step.extra == 1 and step.warm == {B: 2}            # A's slot now, B warming meanwhile
-    assert "still warming" in step.reason
+    step = plan.decide(1, 4, {A: 1, B: 2}, {A: 1}, {A: 1}, now=0.0)
+    assert step.extra == 0 and step.warm == {A: 1, B: 2}
+    step = plan.decide(1, 4, {A: 1, B: 2}, {A: 1}, {A: 2}, now=3.0)
+    assert step.extra == 1 and step.warm == {} and "still warming" in step.reason   # A now, B later
+    assert step.warm_nodes == ()                                # A is no new node
+
+
+def test_spares_the_group_asked_for_itself_are_not_asked_again():
+    plan = GrowPlanner(bound_s=60.0, spares_per_worker=2)
+    # A runs 1 worker whose 2 spares are still warming: a second worker there needs 2 processes -> no ask
+    assert plan.decide(1, 4, {A: 1}, {A: 1}, {}, now=0.0).warm == {}
 
 
 def test_a_node_that_left_is_asked_again_when_it_comes_back():
     plan = GrowPlanner(bound_s=60.0)
-    assert plan.decide(1, 4, {B: 1}, {A}, {}, now=0.0).warm == {B: 1}
-    assert plan.decide(1, 4, {}, {A}, {}, now=1.0).warm == {}
-    assert plan.decide(1, 4, {B: 1}, {A}, {}, now=2.0).warm == {B: 1}
+    assert plan.decide(1, 4, {B: 1}, {A: 1}, {}, now=0.0).warm == {B: 1}
+    assert plan.decide(1, 4, {}, {A: 1}, {}, now=1.0).warm == {}
+    assert plan.decide(1, 4, {B: 1}, {A: 1}, {}, now=2.0).warm == {B: 1}
 
 
 def test_pipeline_grows_by_whole_replicas():
     plan = GrowPlanner(bound_s=0.0)
-    step = plan.decide(2, 8, {B: 3}, {A}, {}, now=0.0, multiple=2)
+    step = plan.decide(2, 8, {B: 3}, {A: 2}, {}, now=0.0, multiple=2)
     assert step.extra == 2
 
 

@@ -39,6 +39,7 @@ def summarize(report: dict) -> str:
         if e["action"] == "add_node" and e.get("fired"):
             lines.append(f"capacity returned: grew to {e.get('world_size_after')} workers "
                          f"after {e.get('seconds_to_grow')}s, lost {e.get('lost_steps', 0)} steps")
+    lines += restart_lines(report)
     fill = report.get("fillin") or {}
     if fill.get("serve"):
         sv = fill["serve"]
@@ -78,6 +79,25 @@ def summarize(report: dict) -> str:
         lines.append(f"{'PASS' if inv['ok'] else 'FAIL'} {name}: {inv['detail']}")
     lines.append(f"{'OK' if report['ok'] else 'FAILED'} in {report.get('seconds', 0):.0f}s")
     return "\n".join(lines)
+
+
+def restart_lines(report: dict) -> list[str]:
+    """One line per worker-group restart: cause, fault -> next step seconds, warm or cold per node (and how
+    long a grow waited for warm spares), then goodput and the recovery share of the GPU-seconds."""
+    lines = []
+    for r in report.get("recoveries") or []:
+        warm = r.get("warm")
+        how = ("warm" if all(warm.values()) else "cold" if not any(warm.values()) else
+               "warm on " + ", ".join(n[:6] for n, w in warm.items() if w) + "; cold on " +
+               ", ".join(n[:6] for n, w in warm.items() if not w)) if warm else "warm/cold not recorded"
+        took = f"{r['total_s']:.1f}s" if r.get("total_s") is not None else "n/a"
+        wait = f", waited {r['ready_wait_s']:.1f}s for warm spares" if r.get("ready_wait_s") is not None else ""
+        lines.append(f"restart (attempt {r['attempt']}, {r['cause']}): stepping again after {took}, {how}{wait}")
+    gs = report.get("gpu_seconds") or {}
+    if gs.get("total"):
+        lines.append(f"goodput {report.get('goodput', 'n/a')}; recovery held {gs.get('recovering', 0):.0f} of "
+                     f"{gs['total']:.0f} GPU-seconds ({gs.get('recovering', 0) / gs['total']:.0%})")
+    return lines
 
 
 def reclaims_by_workload(leases: list[dict]) -> str:

@@ -82,16 +82,17 @@ class GrowCheck:
     """Rank 0's periodic question during training: how many more workers would fit in free capacity now,
     on nodes that can take them warm?
 
-    Capacity on a node new to the run is first warmed (train.readiness.GrowPlanner: spares asked from that
-    node's raylet) and counted once its spares are ready, or cold after SPOTFILL_WARM_GROW_BOUND_S. At most
+    Free capacity on a node is first warmed (train.readiness.GrowPlanner: spares asked from that node's
+    raylet) and counted once it has a ready spare for each worker the grown group runs there, or cold after
+    SPOTFILL_WARM_GROW_BOUND_S. At most
     one grow attempt per capacity state for the whole run: the states already tried are kept in the GCS
     key-value store under the run's name, since every grow restarts the worker processes."""
 
     def __init__(self, per_worker: dict[str, float], max_workers: int, run_key: str | None = None,
-                 multiple: int = 1, group_nodes=(), warm=warm_node, ready=ready_spares):
+                 multiple: int = 1, group: dict | None = None, warm=warm_node, ready=ready_spares):
         self.per_worker, self.max_workers, self.multiple = per_worker, max_workers, multiple
         self._key = f"spotfill:grow-tried:{run_key or _train_run_name()}"
-        self.group_nodes = set(group_nodes)
+        self.group = dict(group or {})           # this group's workers per node
         spares = constants.WARM_SPARES
         self.planner = GrowPlanner(bound_s=constants.WARM_GROW_BOUND_S if spares > 0 else 0.0,
                                    spares_per_worker=max(1, spares))
@@ -107,7 +108,7 @@ class GrowCheck:
             return 0
         free = free_resources(schedulable_nodes())
         step = self.planner.decide(world, self.max_workers, workers_by_node(free, self.per_worker),
-                                   self.group_nodes, self._ready(), time.time(), self.multiple)
+                                   self.group, self._ready(), time.time(), self.multiple)
         for node, count in step.warm.items():
             if self._warm is not None:
                 self._warm(node, count)

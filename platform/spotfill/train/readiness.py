@@ -6,10 +6,10 @@ its warm-up leaves a readiness record in the GCS key-value store (`record_key`, 
 it is taken by a worker group's actor (its record removed as the training function starts) or its keep-alive
 runs out. This module reads those records and makes the two decisions that depend on them:
 
-- `GrowPlanner.decide` (rank 0, every resize check): capacity that appears on a node new to the run is first
-  WARMED (spares asked from that node's raylet), and the run grows onto it only once the node has a ready
-  spare for every worker it would hold there -- or after `bound_s` with no readiness, when it grows cold and
-  says so. Capacity on the group's own nodes (their spares are warm) counts at once.
+- `GrowPlanner.decide` (rank 0, every resize check): capacity that appears on a node -- new to the run, or
+  one the group runs on -- is first WARMED (spares asked from that node's raylet), and the run grows onto
+  it only once the node has a ready spare for every worker the grown group runs there -- or after `bound_s`
+  with no readiness, when it grows cold and says so.
 - `restart_size` (the controller, at a restart after a loss or notice): the group restarts at once on the
   workers it can start warm; nodes that are not ready join later through a grow. Only when the warm workers
   are fewer than training's minimum does it count cold capacity too (waiting is then cheaper than nothing).
@@ -31,9 +31,10 @@ def record_key(job_id: str, node_id: str, pid: int) -> str:
     return f"{record_prefix(job_id, node_id)}{int(pid)}"
 
 
-def record_value(ready_t: float, until_t: float) -> str:
-    """A record's value: when the spare became ready, and until when its keep-alive holds it idle."""
-    return json.dumps({"ready_t": round(ready_t, 3), "until_t": round(until_t, 3)})
+def record_value(ready_t: float, until_t: float, idle: bool | None = None) -> str:
+    """A record's value: when the spare became ready, until when its keep-alive holds it idle, and whether it
+    warmed up in SCHED_IDLE (on CPU time nothing else on its node wanted)."""
+    return json.dumps({"ready_t": round(ready_t, 3), "until_t": round(until_t, 3), "idle": idle})
 
 
 def node_of(key: str) -> str | None:
@@ -75,43 +76,47 @@ class GrowStep:
 class GrowPlanner:
     """Rank 0's readiness state for one worker group: the nodes it asked to warm and since when.
 
-    `decide(world, fitting_by_node, group_nodes, ready, now)`:
-      fitting_by_node  workers that free capacity holds per node (beyond this group's own workers)
-      group_nodes      nodes this group's workers run on (their spares are warm already)
+    `decide(world, max_workers, fitting_by_node, group, ready, now)`:
+      fitting_by_node  workers that free capacity holds per node, beyond this group's own workers there
+      group            this group's workers per node (each asked its node for spares after its first step)
       ready            ready spares per node (ready_by_node)
-    A new node is asked to warm once (`warm`), counted when it has a ready spare for each worker it would
-    hold (partly ready: the ready ones), and counted cold once `bound_s` passed since it was asked.
+    A grown group needs a process on a node for each worker it will run there: the group's own workers'
+    (now) plus the new ones. A node counts once it has a ready spare for each of them, cold once `bound_s`
+    passed since it was asked; it is asked once (`warm`) for the spares beyond those ready or already on
+    their way (the group's own workers asked for `spares_per_worker` each).
     """
     bound_s: float = 60.0
     spares_per_worker: int = 1
     asked: dict = field(default_factory=dict)       # node -> when it was asked to warm
 
-    def decide(self, world: int, max_workers: int, fitting_by_node: dict[str, int], group_nodes: set,
+    def decide(self, world: int, max_workers: int, fitting_by_node: dict[str, int], group: dict[str, int],
                ready: dict[str, int], now: float, multiple: int = 1) -> GrowStep:
         for node in list(self.asked):       # a node that left (lost, draining, full) is asked again later
             if fitting_by_node.get(node, 0) <= 0:
                 del self.asked[node]
-        own = sum(n for node, n in fitting_by_node.items() if node in group_nodes)
         warm_ask: dict[str, int] = {}
-        counted, waiting, cold, warm_new, waited = own, [], [], [], []
+        counted, waiting, cold, warm_new, waited = 0, [], [], [], []
         for node, n in sorted(fitting_by_node.items()):
-            if node in group_nodes or n <= 0:
+            if n <= 0:
                 continue
+            own = group.get(node, 0)
+            need, have = own + n, ready.get(node, 0)
             if node not in self.asked:
                 self.asked[node] = now
-                warm_ask[node] = n * self.spares_per_worker
-            have = min(n, ready.get(node, 0))
-            if have >= n:
+                coming = max(have, own * self.spares_per_worker)
+                if need > coming:
+                    warm_ask[node] = need - coming
+            if have >= need:
                 counted += n
-                warm_new.append(node)
                 waited.append(now - self.asked[node])
+                if not own:
+                    warm_new.append(node)
             elif now - self.asked[node] >= self.bound_s:
                 counted += n
                 cold.append(node)
                 waited.append(now - self.asked[node])
             else:
-                counted += 0
-                waiting.append(f"{node[:8]} ({have}/{n} ready)")
+                waiting.append(f"{node[:8]} ({have}/{need} ready)")
         fitting = min(max_workers, world + counted)
         fitting -= (fitting - world) % multiple if fitting > world else 0       # whole pipeline replicas
         extra = max(0, fitting - world)
@@ -126,7 +131,7 @@ class GrowPlanner:
             return GrowStep(extra, "; ".join(why), warm_ask, round(max(waited), 3) if waited else None,
                             tuple(cold), tuple(warm_new))
         if waiting:
-            return GrowStep(0, f"waiting for warm spares on new node(s): {', '.join(waiting)}", warm_ask)
+            return GrowStep(0, f"waiting for warm spares: {', '.join(waiting)}", warm_ask)
         return GrowStep(0, f"no free capacity for more than {world} workers", warm_ask)
 
 

@@ -102,7 +102,7 @@ def _record_ready() -> None:
         from spotfill.ray_compat import kv_put
         from spotfill.train.readiness import record_value
         now = time.time()
-        kv_put(_record_key(), record_value(now, now + constants.WARM_SPARE_KEEP_ALIVE_S))
+        kv_put(_record_key(), record_value(now, now + constants.WARM_SPARE_KEEP_ALIVE_S, marks.get("warm_idle")))
     except Exception:  # noqa: BLE001 -- unrecorded: this node counts as cold, as without readiness
         pass
 

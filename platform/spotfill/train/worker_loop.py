@@ -14,6 +14,7 @@ which travels in the checkpoint with the model state and the identity of the dat
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -155,14 +156,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
             from_world_size=plan.world_size or None, universal=plan.universal, zero_elastic=plan.elastic,
             restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
             startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision, **flops, **device,
-            workers=[[n[:12], started] for n, started in placed],
+            workers=[[n[:12], round(started, 3) if started else None] for n, started in placed],
             **(pipe.start_fields() if pipe else {}), **_start_marks(t_start, t_restored, t_imported, t_engine))
         ckpt = Checkpointer(store, local_root, rank, world, attempt=f"{attempt}",
                             meta=pipe.checkpoint_meta() if pipe else None)
         try:
             verdict = run_attempt(job, sink, comms, engine, reader, ckpt, rank=rank, world=world, attempt=attempt,
                                   shape=shape, vocab=vocab, flops=flops, device=device, client_state=client_state,
-                                  start_event=start_event, pipe=pipe, group_nodes={n for n, _ in placed})
+                                  start_event=start_event, pipe=pipe,
+                                  group=collections.Counter(n for n, _ in placed))
         finally:
             if pipe:
                 pipe.close()
@@ -175,7 +177,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
 def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, *, rank: int, world: int,
                 attempt: int, shape: BatchShape, vocab: int, flops: dict, device: dict, client_state: dict | None,
-                start_event: dict, pipe=None, group_nodes=frozenset()) -> dict:
+                start_event: dict, pipe=None, group: dict | None = None) -> dict:
     """One attempt's steps, from the state its checkpoint gave (`client_state`; None: a fresh start) to the
     last step or a planned exit (PlannedExit): the data path (feed.py: rows read, checked against the
     schedule, their positions recorded in the ledger) and the executor; `pipe` (train/pipeline.py) runs the
@@ -195,7 +197,7 @@ def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, 
     spare_step = start_step + 1
 
     run = _Executor(job, sink, comms, engine, rank, world, attempt, ledger, ckpt, data=identity,
-                    group_nodes=group_nodes)
+                    group=group)
     prefetch = Prefetcher(StepFeed(reader, shape, rank, job.data.seed, positions=pipe.positions if pipe else None),
                           start_step, t.steps,
                           depth=job.data.prefetch)
@@ -432,7 +434,7 @@ class _Executor:
     """Gathers a step's facts and applies the policy's decisions for one rank of one attempt."""
 
     def __init__(self, job: JobConfig, sink, comms: _Comms, engine, rank: int, world: int, attempt: int,
-                 ledger: SampleLedger, ckpt: Checkpointer, data: dict | None = None, group_nodes=frozenset()):
+                 ledger: SampleLedger, ckpt: Checkpointer, data: dict | None = None, group: dict | None = None):
         t = job.training
         self.data = data         # what the ledger's positions refer to (feed.data_identity), saved with it
         self.sink, self.comms, self.engine, self.ckpt = sink, comms, engine, ckpt
@@ -449,7 +451,7 @@ class _Executor:
             from spotfill.train.elastic import GrowCheck
             self._grow = GrowCheck({job.cluster.gpu_resource: job.cluster.gpus_per_worker,
                                     "CPU": job.cluster.cpus_per_worker}, t.max_workers,
-                                   multiple=t.pipeline_stages, group_nodes=group_nodes)
+                                   multiple=t.pipeline_stages, group=group)
         self._grow_every, self._last_grow = t.resize_check_s, time.monotonic()
         self._steps: list[dict] = []
         self._steps_sent = time.monotonic()
