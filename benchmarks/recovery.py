@@ -30,11 +30,18 @@ SIDES = ("spotfill", "stock", "stock-tuned")
 _DETECT_STATES = ("RESTARTING", "RESCHEDULING", "PREEMPTING", "RESIZING")
 
 
-def _scenario(event: dict, restarts: str, steps: int) -> dict:
+# The "with fill-in" row: the same training and node loss on nodes of 3 GPUs, the 2 that training's 4
+# workers leave lent to a Ray Serve app under load (the restart takes back what it needs from it).
+FILLIN = {"serve": {"enabled": True, "load_rps": 2, "max_replicas": 2}}
+
+
+def _scenario(event: dict, restarts: str, steps: int, fillin: bool = False) -> dict:
+    gpus = 3 if fillin else 2
     return {
-        "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}]},
+        "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": gpus}, {"gpus": gpus}]},
         "training": {"model": "tiny", "workers": [1, 4], "steps": steps, "global_batch": 12,
                      "max_micro_batch": 3, "checkpoint_every": 20, "elastic_restarts": restarts},
+        **({"fillin": FILLIN} if fillin else {}),
         "events": [event],
     }
 
@@ -104,17 +111,19 @@ def _worker_marks(ready: dict, decided: float | None, attempt_t: float) -> dict:
     return out
 
 
-def _one(event: dict, restarts: str, steps: int, say: Callable[[str], None]) -> dict:
+def _one(event: dict, restarts: str, steps: int, say: Callable[[str], None], fillin: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"spotfill-bench-{restarts}-") as out:
-        report = run_scenario(parse_scenario(_scenario(event, restarts, steps), f"bench-{restarts}"), out,
+        report = run_scenario(parse_scenario(_scenario(event, restarts, steps, fillin), f"bench-{restarts}"), out,
                               quiet=True)
         events = [e for e in read_events(os.path.join(out, "events.jsonl")) if e["kind"] != "samples"]
     p = report["preemptions"][0]
     breakdown = recovery_breakdown(events, p["at"])
-    say(f"{restarts}: {event['action']} -> stepping again after {p['recovery_seconds']}s, "
-        f"lost {p['lost_steps']} steps, ok={report['ok']}; {breakdown}")
+    say(f"{restarts}{' with fill-in' if fillin else ''}: {event['action']} -> stepping again after "
+        f"{p['recovery_seconds']}s, lost {p['lost_steps']} steps, ok={report['ok']}; {breakdown}")
+    warm = [r.get("warm") for r in report.get("recoveries") or [] if r.get("fault_t", 0) >= p["at"] - 1e-3]
     return {"recovery_s": p["recovery_seconds"], "lost_steps": p["lost_steps"], "ok": report["ok"],
-            "samples": report["training"]["samples"], "breakdown": breakdown}
+            "samples": report["training"]["samples"], "breakdown": breakdown,
+            "warm": warm[0] if warm else None, "world_size_after": p.get("world_size_after")}
 
 
 def _sides(event: dict, quick: bool, progress) -> dict[str, dict]:
@@ -136,7 +145,16 @@ def bench_recovery(quick: bool, progress: Callable[[str], None] | None = None) -
             "lost_steps": ours["lost_steps"], "stock_lost_steps": stock["lost_steps"],
             "stock_tuned_lost_steps": tuned["lost_steps"],
             "recovery_breakdown": {side: r["breakdown"] for side, r in runs.items()},
+            "warm": ours["warm"],
+            # the same hard loss with Serve fill-in on the GPUs training does not use (spotfill side only)
+            "with_fillin": with_fillin({"at_step": 40, "action": "kill_node", "node": 1}, quick, progress),
             "invariants_ok": all(r["ok"] for r in runs.values())}
+
+
+def with_fillin(event: dict, quick: bool, progress) -> dict:
+    r = _one(event, "spotfill", 100 if quick else 200, progress or (lambda m: None), fillin=True)
+    return {"spotfill_s": r["recovery_s"], "lost_steps": r["lost_steps"], "world_size_after": r["world_size_after"],
+            "warm": r["warm"], "breakdown": r["breakdown"], "ok": r["ok"]}
 
 
 def bench_preemption(quick: bool, progress: Callable[[str], None] | None = None) -> dict:

@@ -161,6 +161,10 @@ def summary(result: dict) -> str:
             lines.append(f"  vs stock Ray with spotfill's Ray timeouts {r['stock_tuned_s']}s -> "
                          f"{r['speedup_vs_tuned']}x {mark('recovery.speedup_vs_tuned')}")
         lines += _breakdown_lines(r)
+        f = r.get("with_fillin")
+        if f:
+            lines.append(f"  with Serve fill-in on the other GPUs: spotfill {f['spotfill_s']}s, lost {f['lost_steps']} "
+                         f"steps, world size after {f['world_size_after']}, warm {f['warm']}")
     p = result.get("preemption")
     if p:
         lines.append(f"preemption  drain with {p['deadline_s']}s deadline: lost {p['lost_steps']} steps "

@@ -102,3 +102,7 @@ def test_recovery_summary_shows_stock_tuned_side_targets_and_breakdown():
     text = summary(fake)
     assert "stock Ray with spotfill's Ray timeouts 6.0s -> 1.5x (target >= 2: MISSED)" in text
     assert "spotfill     detect_s 0.5, decide_s 0.6" in text and "stock-tuned  detect_decide" in text
+    fake["recovery"]["with_fillin"] = {"spotfill_s": 5.5, "lost_steps": 2, "world_size_after": 2,
+                                       "warm": {"n1": True}, "breakdown": {}, "ok": True}
+    assert ("with Serve fill-in on the other GPUs: spotfill 5.5s, lost 2 steps, world size after 2, warm "
+            "{'n1': True}") in summary(fake)
