@@ -197,3 +197,24 @@ def test_a_checkpoint_from_before_data_identities_resumes_and_says_the_data_was_
     start = next(e for e in sink.events if e["kind"] == "resume")
     assert start["data_check"].startswith("not checked: the checkpoint records no data identity")
     assert ckpt.saves[-1]["ledger"].summary(owed=STEPS * G).missing == 0
+
+
+def test_a_notice_held_before_the_first_step_leaves_without_a_step_or_a_save(tmp_path, monkeypatch):
+    """A spot notice that reached the group while it started or restored: the group leaves before its first
+    step (its state is the checkpoint it restored: nothing to save, nothing lost), instead of stepping into
+    a deadline it may no longer save within."""
+    import ray
+
+    data = _dataset(tmp_path / "data")
+    notice = type("Notice", (), {"deadline_ms": 4_000_000_000_000})()
+    monkeypatch.setattr(worker_loop, "local_preemption_info", lambda: notice)
+    monkeypatch.setattr(ray, "get", lambda value, **_: value)     # the stand-in sink answers at once
+    sink = Sink()
+    sink.planned_exit = _Remote(lambda reason, **f: sink.events.append({"kind": "planned_exit", "reason": reason, **f}))
+    ckpt, engine = Checkpointer(), Engine()
+    with pytest.raises(worker_loop.PlannedExit):
+        _attempt(tmp_path, data, engine, ckpt, None, attempt=0, sink=sink)
+    assert engine.fed == [] and ckpt.saves == []
+    (exit_event,) = [e for e in sink.events if e["kind"] == "planned_exit"]
+    assert exit_event["reason"] == "preemption" and exit_event["step"] == 0
+    assert "before this group's first step" in exit_event["detail"]
