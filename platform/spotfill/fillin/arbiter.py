@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import replace
 
-from spotfill.fillin.arbiter_state import read_state, restore, state_text, write_atomically
+from spotfill.fillin.arbiter_state import load, state_text, write_atomically
 from spotfill.fillin.busy import check_busy
 from spotfill.fillin.cluster_view import READ_WAIT_S, HoldingsReads, View, read_demand, read_nodes
 from spotfill.fillin.hosts import RESOURCE_VIEW_LAG_S, HostTracker
@@ -96,22 +96,10 @@ class Arbiter:
         self.let_go = LetGo()                                 # holders whose GPU is free while still listed
         self.started = time.time()
         self._saved: str | None = None                        # the state file's text as last written
-        self.restored = self._load()
+        self.restored = load(self, self._keep, self._record)     # the state a previous arbiter wrote
         threading.Thread(target=self._loop, name="arbiter-tick", daemon=True).start()
 
     # -- persistence -----------------------------------------------------------------------------------
-    def _load(self) -> bool:
-        state = read_state(self.state_path)
-        if state is None:
-            return False
-        restore(self, state)
-        self.tenants = {k: self._keep(t) for k, t in self.tenants.items()}
-        self._record([Decision("adopt", "arbiter", 0, at=time.time(), reason=(
-            f"arbiter restarted: {len(self.jobs)} training job(s), {len(self.tenants)} tenant(s) and "
-            f"{len(self.leases)} lease record(s) read from {self.state_path}; leases re-checked against "
-            f"what the tenants hold"))])
-        return True
-
     def _keep(self, tenant):
         """A Serve tenant is kept as Scaled: its scale calls go out off the lock."""
         if isinstance(tenant, ServeTenant):
@@ -174,19 +162,27 @@ class Arbiter:
         self.tick()
         return {"tenant": tenant.tenant, "target": tenant.target or 0}
 
-    def tenant_target(self, tenant: str, demand: int | None = None) -> dict:
-        """What a job tenant may hold now ({"target": units, "known": bool}); `demand` updates how many
-        units it could use (fewer as its work runs out). An unknown tenant (the arbiter lost its state,
-        or the tenant was unregistered) gets target 0 and known False: it must register again."""
+    def tenant_target(self, tenant: str) -> dict:
+        """What a job tenant may hold now ({"target": units, "known": bool}); a read, it changes nothing. An
+        unknown tenant (the arbiter lost its state, or the tenant was unregistered) gets target 0 and known
+        False: it must register again."""
+        with self.lock:
+            t = self.tenants.get(tenant)
+            return {"target": t.target or 0, "known": True} if isinstance(t, JobTenant) else {"target": 0,
+                                                                                                "known": False}
+
+    def set_demand(self, tenant: str, demand: int) -> bool:
+        """How many units job tenant `tenant` could use now (fewer as its work runs out): a target above it
+        comes down to it, not below what the tenant still holds. False: the tenant is unknown."""
         with self.lock:
             t = self.tenants.get(tenant)
             if not isinstance(t, JobTenant):
-                return {"target": 0, "known": False}
-            if demand is not None and demand != t.spec.demand:
+                return False
+            if int(demand) != t.spec.demand:
                 t.spec = replace(t.spec, demand=max(0, int(demand)))
                 if t.target is not None and t.target > t.wanted_units:
                     t.target = max(t.wanted_units, sum(1 for le in self.leases if le.tenant == tenant))
-            return {"target": t.target or 0, "known": True}
+            return True
 
     def unregister_tenant(self, tenant: str) -> None:
         """The tenant is done: its leases end as it lets go of them (release events)."""
@@ -244,7 +240,7 @@ class Arbiter:
     # -- applying what was read (lock held) ----------------------------------------------------------------
     def _apply(self, view: View, now: float) -> Snapshot:
         if view.seq < self.applied_seq:        # a newer view was applied meanwhile: this one is stale
-            return self._current(now)
+            return self._current()
         self.applied_seq = view.seq
         nodes = list(view.nodes)
         self.last_nodes = view.nodes
@@ -280,18 +276,20 @@ class Arbiter:
             tuple(n for n in nodes if n.alive), (), self.leases)).values())
         current = {le.lease_id for le in self.leases}
         self.turns.ended(set(before) - current)
-        return self._current(now, [le.node_id for le in before.values() if le.lease_id not in current])
+        if self.autoscaled and not self.launch_nodes:        # the hosts fill-in may lend on (fillin/hosts.py)
+            between = self.training_gpus == 0 or any(self._still_pending(j) for j in self.jobs)
+            self.hosts.update(self._current(hosts=False), [le.node_id for le in before.values()
+                                                            if le.lease_id not in current],
+                              jobs=bool(self.jobs), between=between, now=now)
+        return self._current()
 
-    def _current(self, now: float, ended_on: list | None = None) -> Snapshot:
+    def _current(self, hosts: bool = True) -> Snapshot:
+        """The snapshot of what was last applied (a read: it changes nothing); on an autoscaled cluster that
+        must not launch nodes, with the hosts found when it was applied (unless `hosts` is False)."""
         jobs = tuple(replace(j, pending_gpus=self._still_pending(j.job)) for j in self.jobs.values())
         snap = Snapshot(self.last_nodes, jobs, self.leases)
-        if self.autoscaled and not self.launch_nodes:
-            if ended_on is None:
-                return replace(snap, hosts=self.hosts.last_hosts)
-            between = self.training_gpus == 0 or any(self._still_pending(j) for j in self.jobs)
-            snap = replace(snap, hosts=self.hosts.update(snap, ended_on, jobs=bool(self.jobs), between=between,
-                                                         now=now))
-        return snap
+        return replace(snap, hosts=self.hosts.last_hosts) if hosts and self.autoscaled and not self.launch_nodes \
+            else snap
 
     def _lent_holdings(self, holdings: list, known: tuple[Lease, ...], now: float) -> list:
         """A holding with no lease yet took the oldest unit lent to its tenant (Serve places a replica on a

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
 from spotfill.fillin.journal import Journal, ReclaimOrder
@@ -39,6 +40,21 @@ def restore(arb, state: dict) -> None:
     arb.journal = Journal(seq=int(state.get("journal_seq", 0)), items=state.get("journal", []))
     arb.nodes_seen = dict(state.get("nodes_seen", {}))
     arb.orders = [ReclaimOrder(**o) for o in state.get("orders", [])]
+
+
+def load(arb, keep, record) -> bool:
+    """Put the state file's contents back into the arbiter `arb` -- each tenant as `keep(tenant)` keeps it --
+    and `record` a decision saying so. False: there is no state to read back."""
+    state = read_state(arb.state_path)
+    if state is None:
+        return False
+    restore(arb, state)
+    arb.tenants = {k: keep(t) for k, t in arb.tenants.items()}
+    record([Decision("adopt", "arbiter", 0, at=time.time(), reason=(
+        f"arbiter restarted: {len(arb.jobs)} training job(s), {len(arb.tenants)} tenant(s) and "
+        f"{len(arb.leases)} lease record(s) read from {arb.state_path}; leases re-checked against "
+        f"what the tenants hold"))])
+    return True
 
 
 def state_text(arb) -> str:

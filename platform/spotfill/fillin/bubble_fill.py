@@ -8,8 +8,9 @@ units whose index is its rank modulo the world size, and evaluates their rows a 
 unit is written and committed by a background thread, in order, off the step.
 
 Training state does not change: the work runs on its own copy of the model, in inference mode (no autograd),
-with the RNG states forked around it (`torch.random.fork_rng`: the training's CPU and device generators come
-back as they were), touches none of the engine's tensors and runs no collective. A chunk is sized to the
+with the RNG states forked around it and around building that model (`torch.random.fork_rng`: the training's
+CPU and device generators come back as they were), touches none of the engine's tensors and runs no
+collective. A chunk is sized to the
 bubble measured at its point in the last steps (train/bubble.py); what ran past that estimate is kept as
 its overrun.
 """
@@ -94,7 +95,6 @@ class EvalUnitsWork:
         units = [u for u in units_of(self.plan) if u.kind == "eval" and u.index % world == rank]
         done = committed(self.out, units)
         self.todo = [u for u in units if u.unit_id not in done]
-        self.model = plan_model(self.out, self.plan).to(device or "cpu")
         self._devices = [torch.device(device)] if device is not None and torch.device(device).type == "cuda" else []
         import os
         import tempfile
@@ -106,7 +106,10 @@ class EvalUnitsWork:
         self._count: list[int] = []
         self._writer: threading.Thread | None = None
         self._queue: queue.Queue = queue.Queue()
-        self._warm_up()
+        # building the model draws from the generators (its initialisation, before the pinned weights load)
+        with torch.random.fork_rng(devices=self._devices):
+            self.model = plan_model(self.out, self.plan).to(device or "cpu")
+            self._warm_up()
         self._load_next()
 
     def _warm_up(self) -> None:

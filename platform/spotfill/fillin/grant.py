@@ -91,7 +91,10 @@ class ArbiterGrant:
         import ray
         while not self._stop.wait(self.poll_s):
             try:
-                answer = ray.get(self.arbiter.tenant_target.remote(self.tenant, self._demand), timeout=5)
+                demand = self._demand
+                if demand is not None:      # told before the target is read: a lower demand lowers the target
+                    ray.get(self.arbiter.set_demand.remote(self.tenant, demand), timeout=5)
+                answer = ray.get(self.arbiter.tenant_target.remote(self.tenant), timeout=5)
                 if not answer.get("known"):
                     self._register()        # the arbiter restarted without our record: ask again
                 else:
