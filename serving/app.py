@@ -41,6 +41,7 @@ from spotfill.generation.relay import GenerationFailed, Lost, NotAdmitted, Relay
 log = logging.getLogger("spotfill.serving")
 APP_NAME = "spotfill-serve"
 GENERATOR = "Generator"
+FLOOR = "GeneratorFloor"       # replicas on capacity the app owns (ServeArgs.floor_replicas): never lent
 MODEL_ID = "spotfill"
 GRACEFUL = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 3.0}
 # running-request metrics from the replicas, not the Ingress's handle: a stopping replica's requests in
@@ -79,20 +80,21 @@ def _metric(kind: str, name: str, description: str, tags: tuple[str, ...] = (), 
 
 @serve.deployment(name=GENERATOR, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64, **GRACEFUL)
 class Generator:
-    def __init__(self, args: ServeArgs):
+    def __init__(self, args: ServeArgs, floor: bool = False):
         from spotfill.fillin.cpu_priority import lower_cpu_priority
         lower_cpu_priority(args.cpu_nice, idle=args.cpu_idle)    # fill-in: the CPU time training leaves
         from spotfill.generation.replica import replica_device
         from spotfill.storage.base import open_storage
         from spotfill.storage.checkpoint_store import CheckpointStore
 
-        self.args = args
+        self.args, self.floor = args, floor
         self.device, self.dtype = replica_device()             # what Ray assigned: cuda:0, or the CPU
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id
-        # busy time for the fill-in ledger: each engine step is the lent GPU computing (fillin/busy.py)
+        # busy time for the fill-in ledger: each engine step is the lent GPU computing (fillin/busy.py); a
+        # floor replica computes on capacity the app owns, which is no fill-in and reports nothing
         from spotfill.fillin.busy import serve_reporter
-        self.busy_meter = serve_reporter(ctx.app_name, GENERATOR, gpu_resource=args.gpu_resource)
+        self.busy_meter = None if floor else serve_reporter(ctx.app_name, GENERATOR, gpu_resource=args.gpu_resource)
         self.store = CheckpointStore(open_storage(args.checkpoint))
         self.work = tempfile.mkdtemp(prefix="spotfill-serve-")
         self.loaded, self.engine, self.draft_loaded = None, None, None
@@ -146,7 +148,8 @@ class Generator:
     def _watch(self) -> None:
         while True:
             time.sleep(self.args.reload_s)
-            self.busy_meter.flush()     # what an engine measured before it went idle (no-op when nothing)
+            if self.busy_meter is not None:
+                self.busy_meter.flush()     # what an engine measured before it went idle (no-op when nothing)
             self._reload()
             with self.lock:       # not one a stream() took and has not submitted to yet (busy 0 there)
                 for eng in [e for e in self.draining if not e.busy and not self.holding[e]]:
@@ -161,7 +164,8 @@ class Generator:
 
     def info(self) -> dict:
         m = self.loaded
-        out = {"replica": self.replica, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+        out = {"replica": self.replica, "floor": self.floor, "device": str(self.device),
+               "dtype": str(self.dtype).replace("torch.", ""),
                "draft": str(self.args.draft_spec) or None, "reloads": self.reloads[-10:]}
         out["busy"] = self.engine.busy if self.engine is not None else 0
         if m is None:
@@ -194,7 +198,7 @@ class Generator:
             if self.args.max_tokens:
                 from dataclasses import replace
                 req.params = replace(req.params, max_tokens=min(req.params.max_tokens, self.args.max_tokens))
-            yield {"admitted": True, "replica": self.replica, "model": MODEL_ID,
+            yield {"admitted": True, "replica": self.replica, "floor": self.floor, "model": MODEL_ID,
                    "checkpoint": {"tag": loaded.tag, "step": loaded.step}}
             async for chunk in stream_job(engine, req, on_finish=self._finished):
                 yield chunk
@@ -220,7 +224,7 @@ def result_of(relay, chunks: list[dict]) -> dict:
     out = {"text": "".join(c.get("text") or "" for c in chunks), "finish_reason": last.get("finish_reason"),
            "prompt_tokens": last.get("prompt_tokens", 0), "completion_tokens": last.get("completion_tokens", 0),
            "model": relay.info.get("model", MODEL_ID), "checkpoint": relay.info.get("checkpoint"),
-           "replica": relay.replica, "continued": len(relay.continuations)}
+           "replica": relay.replica, "served_by": "floor" if relay.info.get("floor") else "lent", "continued": len(relay.continuations)}
     if relay.counts["verify_steps"]:
         out["spec_decode"] = {"drafted": relay.counts["drafted"], "accepted": relay.counts["accepted"]}
     return out
@@ -229,10 +233,11 @@ def result_of(relay, chunks: list[dict]) -> dict:
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256, **GRACEFUL)
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, generator, args: ServeArgs, app_name: str = APP_NAME):
+    def __init__(self, generator, args: ServeArgs, app_name: str = APP_NAME, floor=None):
         from spotfill.fillin.cpu_priority import lower_cpu_priority
         lower_cpu_priority(args.cpu_nice, idle=args.cpu_idle)
         self.generator, self.args, self.app_name = generator, args, app_name
+        self.floor = floor                   # the floor deployment's handle (None: no floor)
         self.n_running = 0                   # running Generator replicas
         self.running: list[str] | None = []  # their ids (None: the watch polls serve.status(), which names none)
         self.ever_ran = False
@@ -267,10 +272,11 @@ class Ingress:
     def _migrate_off_stopped(self) -> None:
         """Requests on a replica that left the running set (told to stop: its GPU was reclaimed, or lost)
         continue on another now -- when another runs; else they keep their replica for its grace."""
-        if not self.n_running or self.running is None:
+        if self.running is None or (not self.n_running and self.floor is None):
             return
         for relay in list(self.relays):
-            if relay.replica is not None and relay.replica not in self.running and relay.migrate():
+            if (relay.replica is not None and not relay.info.get("floor") and relay.replica not in self.running
+                    and relay.migrate()):          # to a running lent replica, else to the floor
                 self.continued.inc(tags={"why": "replica_stopped"})
 
     def _watch_replicas(self) -> None:
@@ -311,8 +317,9 @@ class Ingress:
         return states
 
     async def state(self) -> str:
-        """"ready" | STARTING | RECLAIMED | NOT_LENT."""
-        if self.live > 0:
+        """"ready" | STARTING | RECLAIMED | NOT_LENT. With a floor, always ready: the floor answers while no
+        lent replica runs."""
+        if self.live > 0 or self.floor is not None:
             return "ready"
         states = await self._replica_states()
         if any(states.get(s) for s in ("STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION")):
@@ -338,8 +345,12 @@ class Ingress:
                                  retry_after_s=self.args.retry_after_s)
 
     # -- one request ------------------------------------------------------------------------------------
+    def _target(self):
+        """Where a request (or its continuation) goes: a running lent replica, else the floor (if any)."""
+        return self.generator if (self.live > 0 or self.floor is None) else self.floor
+
     def _open(self, job: dict):
-        return self.generator.options(stream=True).stream.remote(job)
+        return self._target().options(stream=True).stream.remote(job)
 
     async def _start(self, call: protocol.Call):
         """(relay, its iterator, the first chunk) once a replica took the request; raises ApiError."""
@@ -355,7 +366,8 @@ class Ingress:
         async def ready() -> bool:
             return await self._await_replica(new=False) is None
         relay = Relay(job, self._open, is_lost=lambda exc: isinstance(exc, REPLICA_LOST), replica_ready=ready,
-                      placeable=lambda: self.live > 0, admit_timeout_s=self.admit_timeout_s)
+                      placeable=lambda: self.live > 0 or self.floor is not None,
+                      admit_timeout_s=self.admit_timeout_s)
         self.relays.add(relay)
         it = relay.__aiter__()
         try:
@@ -485,12 +497,13 @@ class Ingress:
         info = None
         if state == "ready":
             try:
-                info = await self.generator.info.remote()
+                info = await self._target().info.remote()
             except REPLICA_LOST:
                 info = None
         if state == "ready" and (info is None or info.get("tag") is None):
             state = NO_CHECKPOINT if info is not None else STARTING
-        return {"state": state, "replicas": self.live, "checkpoint": info}
+        return {"state": state, "replicas": self.live, "floor_replicas": self.args.floor_replicas,
+                "checkpoint": info}
 
     @api.get("/v1/models")
     async def models(self):
@@ -548,7 +561,21 @@ def build(args: ServeArgs):
     ingress_actor = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001},
                      "runtime_env": {"env_vars": dict(env)}}
     ingress = Ingress.options(ray_actor_options=ingress_actor)
-    return ingress.bind(generator, args)
+    return ingress.bind(generator, args, floor=floor_deployment(args, ongoing))
+
+
+def floor_deployment(args: ServeArgs, ongoing: int):
+    """The floor: `floor_replicas` Generator replicas on capacity the app owns (the head node's CPU by
+    default), a deployment the arbiter neither lends nor reclaims; None without one."""
+    if args.floor_replicas <= 0:
+        return None
+    actor = {"num_cpus": args.floor_cpus, "runtime_env": {"env_vars": dict(QUIET_METRICS)}}
+    if args.floor_device == "gpu":
+        actor["num_gpus"] = 1
+    if args.floor_node == "head":
+        actor["resources"] = {"node:__internal_head__": 0.001}
+    return Generator.options(name=FLOOR, num_replicas=args.floor_replicas, ray_actor_options=actor,
+                             max_ongoing_requests=ongoing).bind(args, floor=True)
 
 
 def app(args: dict):

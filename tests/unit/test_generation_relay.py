@@ -45,7 +45,8 @@ class Stream:
             await asyncio.sleep(3600)
         engine = build_engine(r.model).start()
         try:
-            yield {"admitted": True, "replica": r.name, "checkpoint": {"tag": "t"}}
+            yield {"admitted": True, "replica": r.name, "checkpoint": {"tag": "t"},
+                   **({"floor": True} if getattr(r, "floor", False) else {})}
             n = 0
             async for c in stream_job(engine, job_request(self.job, engine.tokenizer, r.model.cfg.seq_len)):
                 if self.cancelled:

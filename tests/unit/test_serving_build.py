@@ -41,3 +41,23 @@ def test_the_policy_keeps_the_external_target():
 def test_bad_args_name_the_field(args, field):
     with pytest.raises(ConfigError, match=f"^serving.app args {field}"):
         ServeArgs.parse({"checkpoint": "file:///x", **args})
+
+
+def test_a_floor_is_a_deployment_of_its_own_on_the_head_with_no_gpu():
+    deps = _deployments(ServeArgs.parse({"checkpoint": "file:///x", "replicas": 0, "floor_replicas": 2,
+                                         "floor_cpus": 0.5}))
+    floor = deps["GeneratorFloor"]
+    opts = floor.ray_actor_options
+    assert floor.num_replicas == 2 and opts["num_cpus"] == 0.5 and "num_gpus" not in opts
+    assert opts["resources"] == {"node:__internal_head__": 0.001}
+    assert "GeneratorFloor" not in _deployments(ServeArgs.parse({"checkpoint": "file:///x"}))
+    gpu_floor = _deployments(ServeArgs.parse({"checkpoint": "file:///x", "floor_replicas": 1, "floor_device": "gpu",
+                                              "floor_node": "any"}))["GeneratorFloor"]
+    assert gpu_floor.ray_actor_options["num_gpus"] == 1 and "resources" not in gpu_floor.ray_actor_options
+
+
+@pytest.mark.parametrize("args, field", [({"floor_replicas": -1}, "floor_replicas"), ({"floor_device": "tpu"}, "floor_device"),
+                                         ({"floor_node": "x"}, "floor_node"), ({"floor_cpus": -1}, "floor_cpus")])
+def test_bad_floor_args_name_the_field(args, field):
+    with pytest.raises(ConfigError, match=f"^serving.app args {field}"):
+        ServeArgs.parse({"checkpoint": "file:///x", **args})

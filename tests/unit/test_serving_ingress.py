@@ -74,15 +74,17 @@ def model():
     return GPT(preset("tiny")).eval()
 
 
-def ingress(replicas, running=("a",), states=None, wait_s=2.0, ever_ran=True):
+def ingress(replicas, running=("a",), states=None, wait_s=2.0, ever_ran=True, floor=None):
     ing = object.__new__(Ingress.func_or_class)
-    ing.args = ServeArgs.parse({"checkpoint": "file:///x", "max_queue_wait_s": wait_s})
+    ing.args = ServeArgs.parse({"checkpoint": "file:///x", "max_queue_wait_s": wait_s,
+                                "floor_replicas": len(floor or [])})
     ing.app_name, ing.running, ing.ever_ran, ing.relays, ing.loop = "app", list(running), ever_ran, set(), None
     ing.n_running = len(running)
     ing._states = (0.0, {})
     ing.admit_timeout_s = wait_s + 1
     ing.requests, ing.continued = Counter(), Counter()
     ing.generator = Handle(replicas, ing)
+    ing.floor = Handle(floor, ing) if floor else None
 
     async def states_now():
         return dict(states or {})
@@ -246,3 +248,65 @@ def test_without_replica_ids_the_count_still_serves_and_nothing_moves(model):
     assert text == whole["choices"][0]["text"] and state == "ready" and ing.live == 1
     replicas = {json.loads(e[6:]).get("replica") for e in events[:-1]} - {None}
     assert replicas == {"a"} and not ing.continued.seen, (replicas, ing.continued.seen)
+
+
+def FloorReplica(model, name):
+    r = Replica(model, name)
+    r.floor = True
+    return r
+
+
+def test_with_a_floor_a_request_while_no_lent_replica_runs_is_answered_by_the_floor(model):
+    """Training took every lent GPU back (no lent replica runs): the floor answers at once instead of a 503."""
+    ing = ingress([], running=(), states={}, floor=[FloorReplica(model, "f")])
+    out = asyncio.run(ing.completions(Req({"prompt": "x", "max_tokens": 3})))
+    assert out["object"] == "text_completion" and out["served_by"] == "floor"
+    assert outcomes(ing) == {"ok:": 1}
+    ready = asyncio.run(ing.ready())
+    assert ready["ready"] is True and ready["floor_replicas"] == 1
+
+
+def test_with_a_floor_a_request_goes_to_a_running_lent_replica_first(model):
+    ing = ingress([Replica(model, "a")], running=("a",), floor=[FloorReplica(model, "f")])
+    out = asyncio.run(ing.completions(Req({"prompt": "x", "max_tokens": 3})))
+    assert out["served_by"] == "lent" and ing.floor.replicas and not ing.floor.replicas[0].jobs
+
+
+def test_a_request_on_a_reclaimed_lent_replica_continues_on_the_floor(model):
+    """The lent replica was told to stop (training claimed its GPU) and none other runs: the request moves
+    to the floor and its text is the one it would have been."""
+    body = {"prompt": "abc", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stream": True}
+    whole = asyncio.run(ingress([Replica(model, "z")]).completions(Req({**body, "stream": False})))
+    floor = FloorReplica(model, "f")
+    ing = ingress([Replica(model, "a")], running=("a",), floor=[floor])
+
+    async def run():
+        resp = await ing.completions(Req(body))
+        events = []
+        async for piece in resp.body_iterator:
+            events.append(piece)
+            if len(events) == 2:
+                ing._set_running(0, [])           # replica a was told to stop; no lent replica left
+        return events
+    events = asyncio.run(run())
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    assert text == whole["choices"][0]["text"]
+    assert ing.continued.seen[(("why", "replica_stopped"),)] == 1 and len(floor.jobs) == 1
+
+
+def test_a_request_on_the_floor_stays_there_when_lent_replicas_come_and_go(model):
+    body = {"prompt": "abc", "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True}
+    ing = ingress([Replica(model, "a")], running=(), states={}, floor=[FloorReplica(model, "f")])
+
+    async def run():
+        resp = await ing.completions(Req(body))
+        events = []
+        async for piece in resp.body_iterator:
+            events.append(piece)
+            if len(events) == 2:
+                ing._set_running(1, ["a"])        # a lent replica came up meanwhile
+            if len(events) == 4:
+                ing._set_running(0, [])
+        return events
+    asyncio.run(run())
+    assert not ing.continued.seen

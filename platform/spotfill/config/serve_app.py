@@ -37,6 +37,13 @@ class ServeArgs:
     cpu_nice: int = 19                   # CPU priority of the replicas' processes: 19 lowest, 0 off
     cpu_idle: bool = True                # ... and the SCHED_IDLE policy (spotfill/fillin/cpu_priority.py:
                                          # training's host work first)
+    floor_replicas: int = 0              # replicas on capacity the app owns, not lent (FLOOR deployment):
+                                         # they answer while no lent replica runs (training restarting or
+                                         # growing, nothing lent yet); lent replicas add throughput above
+    floor_device: str = "cpu"            # what a floor replica computes on: cpu, or gpu (Ray's GPU resource
+                                         # on a node the app owns, e.g. an on-demand node type)
+    floor_cpus: float = 1.0              # Ray CPUs a floor replica asks for (0: none reserved)
+    floor_node: str = "head"             # head (the head node: on-demand in cluster.yaml) or any
 
     @classmethod
     def parse(cls, args: dict | None) -> "ServeArgs":
@@ -86,6 +93,10 @@ class ServeArgs:
         need(1 <= self.num_draft_tokens <= 16, "num_draft_tokens", "an integer from 1 to 16")
         need(self.reload_s >= 0.5, "reload_s", "seconds >= 0.5 (each look lists the storage)")
         need(self.retry_after_s >= 1, "retry_after_s", "whole seconds >= 1")
+        need(0 <= self.floor_replicas <= 64, "floor_replicas", "an integer from 0 to 64")
+        need(self.floor_device in ("cpu", "gpu"), "floor_device", "cpu, gpu")
+        need(0 <= self.floor_cpus <= 256, "floor_cpus", "a number of CPUs from 0 to 256")
+        need(self.floor_node in ("head", "any"), "floor_node", "head, any")
         from spotfill.fillin.cpu_priority import configured_nice
         configured_nice(self.cpu_nice, f"{FIELD} cpu_nice")
         from spotfill.generation.replica import DraftSpec

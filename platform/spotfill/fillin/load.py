@@ -59,6 +59,9 @@ def summarize_requests(results: list[dict], rps: float | None = None, skipped: i
            "rejected_503_max_ms": round(max(r["latency_s"] for r in rejected) * 1000, 1) if rejected else None,
            "rejected_503_reasons": rejection_reasons(rejected),
            "skipped_client_busy": skipped,
+           # which replicas answered: lent (fill-in, on GPUs training left) or the app's floor
+           "answered_by": {k: sum(1 for r in results if r.get("status") == 200 and r.get("served_by") == k)
+                           for k in ("lent", "floor")},
            "failures": [{"t": round(r["t"], 3), "status": r.get("status"),
                          "error": r.get("error") or r.get("reason")} for r in failed[:10]]}
     if rps is not None:
@@ -132,8 +135,12 @@ class ServeLoad:
         rec: dict = {"t": t}
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                resp.read()
+                answer = resp.read()
                 rec["status"] = resp.status
+                try:
+                    rec["served_by"] = json.loads(answer or b"{}").get("served_by")
+                except ValueError:
+                    pass
         except urllib.error.HTTPError as exc:
             rec["status"] = exc.code
             rec["retry_after"] = exc.headers.get("Retry-After")

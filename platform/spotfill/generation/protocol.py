@@ -175,7 +175,8 @@ def response(call: Call, result: dict, created: int | None = None) -> dict:
         choice = {"index": 0, "text": result["text"], "finish_reason": result["finish_reason"], "logprobs": None}
         head = {"id": f"cmpl-{call.request_id}", "object": "text_completion"}
     return {**head, "created": created, "model": call.model or result["model"], "choices": [choice],
-            "usage": usage(result), "checkpoint": result.get("checkpoint")}
+            "usage": usage(result), "checkpoint": result.get("checkpoint"),
+            **({"served_by": result["served_by"]} if result.get("served_by") else {})}
 
 
 def chunk(call: Call, model: str, created: int, text: str | None = None, finish_reason: str | None = None,

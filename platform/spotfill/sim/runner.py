@@ -329,17 +329,17 @@ class ServeFillin:
     def _start(self) -> None:
         from spotfill.fillin.load import ServeLoad
         from spotfill.fillin.wiring import deploy_serve
-        spec = self.scenario.fillin.serve
-        total = sum(n.get("gpus", 1) for n in self.scenario.cluster.nodes) + sum(   # + what may be launched
-            t.gpus * t.max_workers for t in self.scenario.cluster.node_types())
+        spec, c = self.scenario.fillin.serve, self.scenario.cluster      # total: + what may be launched
+        total = sum(n.get("gpus", 1) for n in c.nodes) + sum(t.gpus * t.max_workers for t in c.node_types())
         self.ready()
         if self.error:
             return
         try:
             out = deploy_serve(self.uri, port=self.port, gpu_resource=self.scenario.cluster.gpu_resource,
                                max_replicas=spec["max_replicas"] or total, max_tokens=16, fillin="true",
-                               replicas=0 if self.scenario.cluster.autoscaler else 1,
-                               cpu_nice=self.scenario.fillin.cpu_nice, cpu_idle=self.scenario.fillin.cpu_idle)
+                               replicas=0 if self.scenario.cluster.autoscaler else 1, floor_cpus=0,
+                               floor_replicas=spec["floor_replicas"], cpu_nice=self.scenario.fillin.cpu_nice,
+                               cpu_idle=self.scenario.fillin.cpu_idle)
             self.serving_since = time.time()
             self.load = ServeLoad(out["url"], spec["load_rps"], nice=LOAD_NICE).start()
             self.say(f"serve fill-in: generation app on {out['url']} (replicas only on GPUs training leaves "

@@ -133,7 +133,7 @@ class ClusterSpec:
                 raise ConfigError(f"{path}.nodes[{i}].gpus", gpus, accepted="an integer >= 1")
 
 
-SERVE_KEYS = {"enabled": False, "load_rps": 2.0, "max_replicas": None, "launch_nodes": False}
+SERVE_KEYS = {"enabled": False, "load_rps": 2.0, "max_replicas": None, "launch_nodes": False, "floor_replicas": 0}
 
 
 @dataclass
@@ -141,7 +141,8 @@ class FillinSpec:
     """`fillin.serve`: Ray Serve generation on the GPUs training leaves spare, under a steady HTTP load of
     `load_rps` requests per second for the whole scenario (0: Serve deployed, no load; `max_replicas`:
     default every GPU slot). `launch_nodes` (autoscaled clusters only, default false): let fill-in make the
-    autoscaler launch nodes for Serve; by default it never does (docs/cluster-lifecycle.md).
+    autoscaler launch nodes for Serve; by default it never does (docs/cluster-lifecycle.md). `floor_replicas`
+    (default 0): replicas on the head node's CPU that answer while no lent replica runs (serving/app.py).
     `fillin.batch`, `fillin.sweep` and `fillin.reclaim_order`: sim/fillin_spec.py. `cpu_nice` (default 19,
     0 off) and `cpu_idle` (default true: SCHED_IDLE): fill-in processes run at this CPU priority, so
     training's host-side work is not slowed by them (fillin/cpu_priority.py). `turn_s` (default: the
@@ -173,6 +174,9 @@ class FillinSpec:
         mr = serve["max_replicas"]
         if mr is not None and (isinstance(mr, bool) or not isinstance(mr, int) or mr < 1):
             raise ConfigError(f"{path}.serve.max_replicas", mr, accepted="an integer >= 1")
+        fl = serve["floor_replicas"]
+        if isinstance(fl, bool) or not isinstance(fl, int) or not 0 <= fl <= 4:
+            raise ConfigError(f"{path}.serve.floor_replicas", fl, accepted="an integer from 0 to 4")
         if not isinstance(serve["launch_nodes"], bool):
             raise ConfigError(f"{path}.serve.launch_nodes", serve["launch_nodes"], accepted="true or false")
         self.serve = serve
@@ -369,7 +373,8 @@ DEFAULT_SCENARIO = {
     "training": {"model": "tiny", "workers": [1, 4], "steps": 240, "global_batch": 12,
                  "max_micro_batch": 3, "checkpoint_every": 20, "zero_stage": 2, "warmup_steps": 10},
     # batch (evaluation + generation over the run's checkpoint) and a 2-trial sweep share what Serve leaves
-    "fillin": {"serve": {"enabled": True, "load_rps": 2, "max_replicas": 2},
+    # serve's floor: one replica on the head's CPU answers while training holds every GPU (its restarts)
+    "fillin": {"serve": {"enabled": True, "load_rps": 2, "max_replicas": 2, "floor_replicas": 1},
                "batch": {"enabled": True, "rows": 96, "prompts": 16},
                "sweep": {"enabled": True, "trials": 2, "steps": 20},
                # the GPU slots are logical here: Serve generates on the CPUs training keeps busy, and in
