@@ -153,8 +153,26 @@ def test_pipeline_bubbles_from_step_events():
     ev = dying_group_log()
     for e in ev:
         if e["kind"] == "step" and e["attempt"] == 1:
-            e["bubble_s"] = 0.25                     # per GPU of the step; group 2 has 2 GPUs, 30 steps
-    assert compute_ledger(ev).gpu_seconds["bubble"] == pytest.approx(0.25 * 2 * 30)
+            # a step event's bubble_s is already summed over the group's ranks (train/pipeline.py): group
+            # 2's 2 GPUs each idle 0.25 s of the step give 0.5 GPU-s; 30 steps
+            e["bubble_s"] = 0.5
+    assert compute_ledger(ev).gpu_seconds["bubble"] == pytest.approx(0.5 * 30)
+
+
+def test_ledger_bubble_equals_the_pipeline_sections_on_the_same_events():
+    """Two step events of a 2-worker group, 2 GPUs per worker configured: each event's bubble_s (1.0 GPU-s,
+    summed over the ranks by the pipeline) counts once in both places -- 2.0, never x world_size x GPUs."""
+    from spotfill.train.pipeline_summary import pipeline_section
+    ev = [{"t": 0.0, "kind": "job_start", "name": "j", "workers": [2, 2], "gpus_per_worker": 2},
+          {"t": 0.0, "kind": "attempt", "attempt": 0, "world_size": 2}]
+    steps = [step(float(t), t, 0, 2, step_s=1.0, stages=2, micro_batches=4, bubble_s=1.0, bubble_fraction=0.25)
+             for t in (1, 2)]
+    ev += steps + [{"t": 2.0, "kind": "finish", "ok": True, "attempt": 0}, {"t": 2.0, "kind": "job_end"}]
+    ledger_bubble = compute_ledger(ev).gpu_seconds["bubble"]
+    section_bubble = pipeline_section(steps)["bubble_gpu_s"]
+    assert ledger_bubble == pytest.approx(2.0)
+    assert section_bubble == pytest.approx(2.0)
+    assert ledger_bubble == pytest.approx(section_bubble)
 
 
 # ---- the older hand-made logs -----------------------------------------------------------------------

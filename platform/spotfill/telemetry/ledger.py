@@ -127,7 +127,7 @@ def compute_ledger(events: list[dict], nodes: list[NodeSpan] | None = None,
         notes.append(f"job_start does not say training.workers: goodput is over the largest group ({wanted} GPUs)")
     return acc.result(start, end, source, notes + busy_notes, has_leases=bool(lease_list),
                       busy=busy if any(e["kind"] == "fillin_busy" for e in events) else None,
-                      bubble=bubble_gpu_seconds(events, gpw), job_gpus=wanted)
+                      bubble=bubble_gpu_seconds(events), job_gpus=wanted)
 
 
 class _Index:
