@@ -15,6 +15,8 @@ Event shapes (docs/metrics.md, "Events the telemetry reads"):
                                                            no compute scheduled, already summed over the
                                                            group's ranks (train/pipeline.py); a span
                                                            carries their sum over its steps
+  attempt {attempt, world_size, gpus?}                     a worker group began: `gpus` is what Ray assigned
+                                                           its workers (claims.py reads it)
 """
 from __future__ import annotations
 
@@ -179,8 +181,9 @@ def bubble_gpu_seconds(events: list[dict]) -> float | None:
     return total if seen else None
 
 
-def job_gpus(events: list[dict], gpus_per_worker: int) -> int | None:
-    """The GPUs the job asked for: training.workers' maximum (job_start `workers`) x gpus_per_worker."""
+def configured_job_gpus(events: list[dict], gpus_per_worker: int) -> int | None:
+    """The GPUs the job's configuration asked for: training.workers' maximum (job_start `workers`) x
+    gpus_per_worker -- the plan, read only where the events do not record what Ray assigned (older logs)."""
     js = next((e for e in events if e["kind"] == "job_start"), {})
     w = js.get("workers")
     if isinstance(w, (list, tuple)) and w:

@@ -102,8 +102,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
     node_id = ray.get_runtime_context().get_node_id()
     t_start = time.time()
     comms = _Comms(world)
+    # the GPUs Ray assigned this group -- each worker's share of the GPU resource, summed -- go in the attempt
+    # event: the ledger counts the group's GPUs and goodput's from them, not from the configured plan
+    assigned = sum(comms.gather_objects(_assigned_gpus(job.cluster.gpu_resource)))
 
-    info = comms.bcast(ray.get(sink.begin_attempt.remote(world)) if rank == 0 else None)
+    info = comms.bcast(ray.get(sink.begin_attempt.remote(world, gpus=assigned)) if rank == 0 else None)
     if info["give_up"]:
         return _finish(sink, rank, {"ok": False, "reason": info.get("reason") or f"{info['unplanned_failures']} "
                                     f"unplanned failures exceed training.max_failures={t.max_failures}"})
@@ -357,6 +360,12 @@ def _pipeline(job: JobConfig, world: int, rank: int, saved_stages: int, node_id:
         return None
     from spotfill.train.pipeline import PipelineRun
     return PipelineRun(job, world, rank, node_id)
+
+
+def _assigned_gpus(gpu_resource: str) -> float:
+    """How much of the GPU resource (Ray's GPU, or a logical one such as GPU_SLOT) Ray assigned this worker."""
+    import ray
+    return float(ray.get_runtime_context().get_assigned_resources().get(gpu_resource, 0.0))
 
 
 def _assigned_device(gpu_resource: str):
