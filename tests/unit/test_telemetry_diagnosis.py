@@ -160,3 +160,11 @@ def test_slow_detection_of_a_planned_exit_is_not_blamed_on_health_checks():
     assert r.slowest == "detect_s" and not r.cause.startswith("unplanned")
     rec = next(f for f in diagnose(ev, compute_ledger(ev, NODES), [r]) if f.cause == "recovery")
     assert "health" not in rec.remedy and "emergency checkpoint" in rec.remedy
+
+
+def test_lost_gpu_seconds_count_the_gpus_ray_assigned():
+    from test_telemetry_ledger import assigned_log
+    ev = assigned_log()
+    findings = {f.cause: f for f in diagnose(ev, compute_ledger(ev))}
+    # 10 lineage steps with 0.5 s data wait each on the 2 GPUs Ray assigned (the plan would say 4)
+    assert findings["data_stall"].gpu_seconds == pytest.approx(10 * 0.5 * 2)

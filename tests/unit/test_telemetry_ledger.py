@@ -153,8 +153,26 @@ def test_pipeline_bubbles_from_step_events():
     ev = dying_group_log()
     for e in ev:
         if e["kind"] == "step" and e["attempt"] == 1:
-            e["bubble_s"] = 0.25                     # per GPU of the step; group 2 has 2 GPUs, 30 steps
-    assert compute_ledger(ev).gpu_seconds["bubble"] == pytest.approx(0.25 * 2 * 30)
+            # a step event's bubble_s is already summed over the group's ranks (train/pipeline.py): group
+            # 2's 2 GPUs each idle 0.25 s of the step give 0.5 GPU-s; 30 steps
+            e["bubble_s"] = 0.5
+    assert compute_ledger(ev).gpu_seconds["bubble"] == pytest.approx(0.5 * 30)
+
+
+def test_ledger_bubble_equals_the_pipeline_sections_on_the_same_events():
+    """Two step events of a 2-worker group, 2 GPUs per worker configured: each event's bubble_s (1.0 GPU-s,
+    summed over the ranks by the pipeline) counts once in both places -- 2.0, never x world_size x GPUs."""
+    from spotfill.train.pipeline_summary import pipeline_section
+    ev = [{"t": 0.0, "kind": "job_start", "name": "j", "workers": [2, 2], "gpus_per_worker": 2},
+          {"t": 0.0, "kind": "attempt", "attempt": 0, "world_size": 2}]
+    steps = [step(float(t), t, 0, 2, step_s=1.0, stages=2, micro_batches=4, bubble_s=1.0, bubble_fraction=0.25)
+             for t in (1, 2)]
+    ev += steps + [{"t": 2.0, "kind": "finish", "ok": True, "attempt": 0}, {"t": 2.0, "kind": "job_end"}]
+    ledger_bubble = compute_ledger(ev).gpu_seconds["bubble"]
+    section_bubble = pipeline_section(steps)["bubble_gpu_s"]
+    assert ledger_bubble == pytest.approx(2.0)
+    assert section_bubble == pytest.approx(2.0)
+    assert ledger_bubble == pytest.approx(section_bubble)
 
 
 # ---- the older hand-made logs -----------------------------------------------------------------------
@@ -282,3 +300,41 @@ def test_group_numbers_restart_with_each_run_in_the_same_log():
     led = compute_ledger(ev, [NodeSpan("n", 1, 0.0)])
     assert led.gpu_seconds["training"] == pytest.approx(10 + 10)
     assert led.gpu_seconds["recovering_by_cause"]["shutdown"] == pytest.approx(1 + 1)
+
+
+# ---- the GPUs Ray assigned, not the plan ----------------------------------------------------------------
+
+def assigned_log(record_gpus=True):
+    """The plan says 2 GPUs per worker and up to 4 workers (8 GPUs); Ray assigned each of the group's 2
+    workers 1 GPU, and the `attempt` event records the group's 2. One 4-GPU node, nobody observes free GPUs.
+    Steps 1-5 end at t=1..5 (1 s each, the first starts at 0), a save stalls 5->6, steps 6-10 end at
+    t=7..11, finish at 11. `record_gpus=False`: the same run logged before attempts recorded them."""
+    ev = [{"t": 0.0, "kind": "job_start", "name": "j", "workers": [1, 4], "gpus_per_worker": 2},
+          {"t": 0.0, "kind": "node_up", "node": "n", "gpus": 4},
+          {"t": 0.0, "kind": "attempt", "attempt": 0, "world_size": 2, **({"gpus": 2} if record_gpus else {})}]
+    ev += [step(float(i), i, 0, 2, step_s=1.0) for i in range(1, 6)]
+    ev += [{"t": 6.0, "kind": "checkpoint_save", "attempt": 0, "step": 5, "stall_s": 1.0}]
+    ev += [step(float(i + 1), i, 0, 2, step_s=1.0) for i in range(6, 11)]
+    return ev + [{"t": 11.0, "kind": "finish", "ok": True, "attempt": 0}, {"t": 11.0, "kind": "job_end"}]
+
+
+def test_a_group_counts_the_gpus_ray_assigned_not_the_configured_ones():
+    led = compute_ledger(assigned_log())
+    gs = led.gpu_seconds
+    # by hand: 2 GPUs train 0->5 and 6->11, stall 5->6; the node's other 2 GPUs nobody accounts for
+    assert gs["training"] == pytest.approx(2 * 10) and gs["checkpoint_stall"] == pytest.approx(2 * 1)
+    assert gs["unaccounted"] == pytest.approx(2 * 11) and gs["total"] == pytest.approx(4 * 11)
+    # goodput's GPUs: the 2 Ray assigned, not training.workers' 4 x gpus_per_worker 2
+    assert led.job_gpus == 2 and led.job_gpus_source == "assigned"
+    assert led.goodput == pytest.approx(20 / (2 * 11))
+    assert not any("training.workers" in n for n in led.notes)
+
+
+def test_an_older_log_without_assigned_gpus_falls_back_on_the_plan_and_says_so():
+    led = compute_ledger(assigned_log(record_gpus=False))
+    gs = led.gpu_seconds
+    # world_size 2 x gpus_per_worker 2 = 4 GPUs per group; goodput over training.workers' 4 x 2 = 8
+    assert gs["training"] == pytest.approx(4 * 10) and gs["checkpoint_stall"] == pytest.approx(4 * 1)
+    assert led.job_gpus == 8 and led.job_gpus_source == "configured"
+    assert led.goodput == pytest.approx(40 / (8 * 11))
+    assert any("do not record the GPUs Ray assigned" in n for n in led.notes)

@@ -110,3 +110,13 @@ def test_a_later_runs_first_group_is_not_a_restart():
     assert not [k for k in u.counters if k[0] == "spotfill_restarts_total"]
     u = lm.update({"t": 2.0, "kind": "attempt", "attempt": 4, "world_size": 1, "cause": "planned: grow"})
     assert [k for k in u.counters if k[0] == "spotfill_restarts_total"]
+
+
+def test_live_gpu_seconds_count_the_gpus_ray_assigned_as_the_ledger_does():
+    from test_telemetry_ledger import assigned_log
+    ev = assigned_log()
+    live, _ = feed(ev)
+    gs = compute_ledger(ev).gpu_seconds
+    # the attempt records 2 GPUs Ray assigned; the plan (2 workers x 2 gpus_per_worker) would say 4
+    assert live.totals["training"] == pytest.approx(2 * 10) == gs["training"]
+    assert live.totals["checkpoint_stall"] == pytest.approx(2 * 1) == gs["checkpoint_stall"]

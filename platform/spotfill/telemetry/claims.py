@@ -1,7 +1,10 @@
 """Training's hold on GPUs over time, from the worker groups' own events (pure).
 
-A worker group holds its GPUs (world_size x gpus_per_worker) from the moment it is placed until its
-teardown -- whether it steps, saves, waits or is dying:
+A worker group holds its GPUs from the moment it is placed until its teardown -- whether it steps, saves,
+waits or is dying. Its GPUs are what Ray assigned it: its `attempt` event's `gpus` (the sum over its workers
+of the GPU resource Ray assigned each, train/worker_loop.py); a log from before attempts recorded them, or a
+group that never began an attempt, falls back on the plan: world_size (or group_start `workers`) x job_start
+`gpus_per_worker`. Placed and torn down:
   placed     `group_start` {group, workers} (Ray Train started it; the sink numbers groups), else the
              attempt's `attempt` event (rank 0 began), else its start/resume minus `startup_s`
   torn down  `group_end` {group} (Ray Train shut it down), else the next group's placement, else the
@@ -35,8 +38,30 @@ class Claim:
 
 
 def gpus_per_worker(events: list[dict]) -> int:
+    """The configured GPUs per worker (job_start `gpus_per_worker`, default 1): only the fallback where
+    the events do not record what Ray assigned."""
     js = next((e for e in events if e["kind"] == "job_start"), {})
     return int(js.get("gpus_per_worker") or 1)
+
+
+def assigned_gpus(e: dict) -> int | float | None:
+    """The GPUs Ray assigned a worker group, as its `attempt` event records them (None: not recorded)."""
+    g = e.get("gpus")
+    if g is None:
+        return None
+    g = float(g)
+    return int(g) if g.is_integer() else g
+
+
+def group_gpus(rec: dict, gpw: int) -> int | float:
+    """An attempt's GPUs (`attempts()` record): what Ray assigned, else world_size x gpus_per_worker."""
+    return rec["gpus"] if rec["gpus"] is not None else rec["world_size"] * gpw
+
+
+def observed_job_gpus(events: list[dict]) -> int | float | None:
+    """The most GPUs Ray assigned any of the job's worker groups (None: no attempt event records them)."""
+    seen = [g for e in events if e["kind"] == "attempt" and (g := assigned_gpus(e)) is not None]
+    return max(seen) if seen else None
 
 
 def lineage_keys(events: list[dict]) -> set[tuple[int, int]]:
@@ -71,15 +96,16 @@ def _group_keys(events: list[dict]) -> dict[int, tuple]:
 
 
 def attempts(events: list[dict]) -> dict[int, dict]:
-    """attempt -> {world_size, placement, group, steps (by time), saves, attempt_t, ready_t, finish_t}."""
+    """attempt -> {world_size, gpus (Ray assigned; None: not recorded), placement, group, steps (by time),
+    saves, attempt_t, ready_t, finish_t}."""
     out: dict[int, dict] = {}
     keys = _group_keys(events)
     for e in events:
         a = e.get("attempt")
         if a is None or e["kind"] not in GROUP_KINDS + ("finish",):
             continue
-        rec = out.setdefault(a, {"world_size": 0, "placement": (), "steps": [], "saves": [], "group": None,
-                                 "attempt_t": None, "ready_t": None, "finish_t": None})
+        rec = out.setdefault(a, {"world_size": 0, "gpus": None, "placement": (), "steps": [], "saves": [],
+                                 "group": None, "attempt_t": None, "ready_t": None, "finish_t": None})
         if e.get("world_size"):
             rec["world_size"] = int(e["world_size"])
         if e.get("placement"):
@@ -88,6 +114,7 @@ def attempts(events: list[dict]) -> dict[int, dict]:
         if kind == "attempt":
             rec["attempt_t"] = e["t"]
             rec["group"] = keys.get(id(e))
+            rec["gpus"] = assigned_gpus(e)
         elif kind in ("start", "resume") and rec["ready_t"] is None:
             rec["ready_t"] = e["t"] - float(e.get("startup_s") or 0.0)
         elif kind == "step":
@@ -145,8 +172,8 @@ def _groups(events: list[dict], recs: dict[int, dict], gpw: int) -> list[_Group]
         if not marks:
             continue
         end = ends.get(g)
-        groups.append(_Group(min(marks), end, rec["world_size"] * gpw, a, rec["placement"], end is not None))
-    for g, e in starts.items():      # placed but never began an attempt (failed while starting)
+        groups.append(_Group(min(marks), end, group_gpus(rec, gpw), a, rec["placement"], end is not None))
+    for g, e in starts.items():      # placed but never began an attempt (failed while starting): the plan
         if g not in claimed and e.get("workers"):
             end = ends.get(g)
             groups.append(_Group(e["t"], end, int(e["workers"]) * gpw, None, (), end is not None))
@@ -201,6 +228,6 @@ def stall_claims(events: list[dict]) -> list[Claim]:
     for rec in attempts(events).values():
         for e in rec["saves"]:
             if e.get("stall_s", 0) > 0:
-                out.append(Claim(e["t"] - e["stall_s"], e["t"], rec["world_size"] * gpw, "checkpoint_stall",
+                out.append(Claim(e["t"] - e["stall_s"], e["t"], group_gpus(rec, gpw), "checkpoint_stall",
                                  "emergency" if e.get("emergency") else "periodic", rec["placement"]))
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from spotfill.config.failure_detection import CLUSTER, RAY_DEFAULT
+from spotfill.telemetry.claims import attempts, group_gpus
 from spotfill.telemetry.events import step_count, step_totals
 from spotfill.telemetry.ledger import Ledger, lineage_keys
 
@@ -162,11 +163,12 @@ def workers_warm(workers: list | None, fault_t: float) -> dict | None:
 def _lineage_step_sums(events: list[dict], gpw: int) -> dict:
     """GPU-seconds of the final lineage's steps by phase (a step event may stand for many: its span)."""
     keep = lineage_keys(events)
+    gpus = {a: group_gpus(rec, gpw) for a, rec in attempts(events).items()}    # Ray's assignment, else the plan
     sums = {"step": 0.0, "data_wait": 0.0, "collective": 0.0, "forward_backward": 0.0, "optimizer": 0.0,
             "steps": 0, "collective_measured": False}
     for e in events:
         if e["kind"] == "step" and (e["attempt"], e["step"]) in keep:
-            g = e.get("world_size", 1) * gpw
+            g = gpus[e["attempt"]] if e["attempt"] in gpus else e.get("world_size", 1) * gpw
             sums["steps"] += step_count(e)
             sums["step"] += step_totals(e, "step_s") * g
             sums["data_wait"] += step_totals(e, "data_wait_s") * g

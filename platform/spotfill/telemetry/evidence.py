@@ -11,9 +11,12 @@ Event shapes (docs/metrics.md, "Events the telemetry reads"):
   fillin_busy {tenant, workload?, node?, lease_id?, gpus, busy_s, t0, t1}
                                                            a tenant measured that its `gpus` GPUs computed
                                                            `busy_s` seconds (each) between t0 and t1
-  step {..., bubble_s}                                     pipeline bubbles of the step: seconds per GPU
-                                                           (the mean over the group's GPUs) with no compute
-                                                           scheduled; a span carries their sum
+  step {..., bubble_s}                                     pipeline bubbles of the step: GPU-seconds with
+                                                           no compute scheduled, already summed over the
+                                                           group's ranks (train/pipeline.py); a span
+                                                           carries their sum over its steps
+  attempt {attempt, world_size, gpus?}                     a worker group began: `gpus` is what Ray assigned
+                                                           its workers (claims.py reads it)
 """
 from __future__ import annotations
 
@@ -165,21 +168,22 @@ def busy_gpu_seconds(events: list[dict], start: float, end: float) -> tuple[dict
     return out, notes
 
 
-def bubble_gpu_seconds(events: list[dict], gpus_per_worker: int) -> float | None:
-    """Pipeline bubbles: Σ over step events of bubble_s x world_size x gpus_per_worker (None: no step
-    measured its bubbles)."""
+def bubble_gpu_seconds(events: list[dict]) -> float | None:
+    """Pipeline bubbles: Σ over step events of their `bubble_s` -- GPU-seconds already summed over the
+    group's ranks, so never multiplied by a GPU count again (None: no step measured its bubbles)."""
     total, seen = 0.0, False
     for e in events:
         if e["kind"] == "step":
             b = step_totals(e, "bubble_s", None)
             if b is not None:
                 seen = True
-                total += b * int(e.get("world_size") or 1) * gpus_per_worker
+                total += b
     return total if seen else None
 
 
-def job_gpus(events: list[dict], gpus_per_worker: int) -> int | None:
-    """The GPUs the job asked for: training.workers' maximum (job_start `workers`) x gpus_per_worker."""
+def configured_job_gpus(events: list[dict], gpus_per_worker: int) -> int | None:
+    """The GPUs the job's configuration asked for: training.workers' maximum (job_start `workers`) x
+    gpus_per_worker -- the plan, read only where the events do not record what Ray assigned (older logs)."""
     js = next((e for e in events if e["kind"] == "job_start"), {})
     w = js.get("workers")
     if isinstance(w, (list, tuple)) and w:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from spotfill.telemetry.claims import (Claim, gpus_per_worker, lineage_keys, stall_claims,  # noqa: F401
-                                       training_claims)
+from spotfill.telemetry.claims import (Claim, gpus_per_worker, lineage_keys, observed_job_gpus,  # noqa: F401
+                                       stall_claims, training_claims)
 from spotfill.telemetry.evidence import (LEASE_END_KINDS, FreeObservations, NodeSpan, bubble_gpu_seconds,  # noqa: F401
-                                         busy_gpu_seconds, job_gpus, leases, nodes_from_events,
+                                         busy_gpu_seconds, configured_job_gpus, leases, nodes_from_events,
                                          nodes_from_report, run_window, workload_of)
 
 STATES = ("training", "checkpoint_stall", "recovering", "fillin", "idle", "unaccounted")
@@ -54,6 +54,7 @@ class Ledger:
     harvest_ratio_reserved: float | None   # the same with reserved GPU-s (None without leases)
     productive_gpu_seconds: float
     job_gpus: int | None = None
+    job_gpus_source: str | None = None    # assigned | configured | largest_group
     slices: tuple = ()
     nodes_source: str = "given"
     notes: tuple = ()
@@ -69,7 +70,8 @@ class Ledger:
                "goodput": _r(self.goodput, 4), "time_goodput": _r(self.time_goodput, 4),
                "effective_training_time_ratio": _r(self.effective_training_time_ratio, 4),
                "ledger": {"start": _r(self.start), "end": _r(self.end), "wall_s": _r(self.wall_s),
-                          "job_gpus": self.job_gpus, "nodes_source": self.nodes_source, "notes": list(self.notes)}}
+                          "job_gpus": self.job_gpus, "job_gpus_source": self.job_gpus_source,
+                          "nodes_source": self.nodes_source, "notes": list(self.notes)}}
         if self.harvest_ratio is not None:
             out["harvest_ratio"] = _r(self.harvest_ratio, 4)
         if self.harvest_ratio_reserved is not None:
@@ -119,15 +121,30 @@ def compute_ledger(events: list[dict], nodes: list[NodeSpan] | None = None,
     if not free:
         notes.append("no gpu_free observations (they come from the fill-in arbiter): GPUs training and "
                      "fill-in did not hold are unaccounted, not idle")
-    gpw = gpus_per_worker(events)
     busy, busy_notes = busy_gpu_seconds(events, start, end)
-    wanted = job_gpus(events, gpw)
-    if wanted is None:
-        wanted = max((c.gpus for c in claims), default=0) or None
-        notes.append(f"job_start does not say training.workers: goodput is over the largest group ({wanted} GPUs)")
+    wanted, wanted_source = _job_gpus(events, claims, notes)
     return acc.result(start, end, source, notes + busy_notes, has_leases=bool(lease_list),
                       busy=busy if any(e["kind"] == "fillin_busy" for e in events) else None,
-                      bubble=bubble_gpu_seconds(events, gpw), job_gpus=wanted)
+                      bubble=bubble_gpu_seconds(events), job_gpus=wanted, job_gpus_source=wanted_source)
+
+
+def _job_gpus(events: list[dict], claims: list[Claim], notes: list[str]) -> tuple[int | None, str | None]:
+    """Goodput's GPUs: the most Ray assigned any worker group (`attempt` events' `gpus`); a log from before
+    attempts recorded them falls back on the configured training.workers x gpus_per_worker, then on the
+    largest group (each noted)."""
+    wanted = observed_job_gpus(events)
+    if wanted is not None:
+        return wanted, "assigned"
+    wanted = configured_job_gpus(events, gpus_per_worker(events))
+    if wanted is not None:
+        notes.append(f"attempt events do not record the GPUs Ray assigned: goodput is over the configured "
+                     f"training.workers x gpus_per_worker ({wanted} GPUs)")
+        return wanted, "configured"
+    wanted = max((c.gpus for c in claims), default=0) or None
+    notes.append(f"the events record neither the GPUs Ray assigned nor training.workers: goodput is over the "
+                 f"largest group ({wanted} GPUs)")
+    return wanted, "largest_group"
+
 
 
 class _Index:
@@ -259,7 +276,7 @@ class _Acc:
             fill[le.workload] = fill.get(le.workload, 0) + g
         return fill
 
-    def result(self, start, end, source, notes, has_leases, busy, bubble, job_gpus) -> Ledger:
+    def result(self, start, end, source, notes, has_leases, busy, bubble, job_gpus, job_gpus_source) -> Ledger:
         reserved = sum(self.fillin.values())
         total = sum(self.totals.values()) + reserved
         busy_total = None if busy is None else sum(busy.values())
@@ -298,5 +315,6 @@ class _Acc:
             effective_training_time_ratio=self.productive_gpu / held if held > 0 else None,
             harvest_ratio=(busy_total / spare if spare > 0 else None) if busy_total is not None else None,
             harvest_ratio_reserved=(reserved / spare if spare > 0 else None) if has_leases else None,
-            productive_gpu_seconds=self.productive_gpu, job_gpus=job_gpus, slices=tuple(self.slices),
+            productive_gpu_seconds=self.productive_gpu, job_gpus=job_gpus, job_gpus_source=job_gpus_source,
+            slices=tuple(self.slices),
             nodes_source=source, notes=tuple(notes))

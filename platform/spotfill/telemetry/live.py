@@ -3,7 +3,7 @@
 `LiveMetrics.update(event)` returns a `MetricUpdate`: gauges to set and counters to add, each keyed by
 (metric name, tags). GPU-seconds are attributed as the ledger does, incrementally: the time since the
 previous event goes to the state the new event reveals --
-  step             step_s on world_size GPUs is training; before a group's first step, the rest of the gap
+  step             step_s on the group's GPUs is training; before a group's first step, the rest of the gap
                    is recovering (startup / restart); between steps the whole gap is training
   checkpoint_save  stall_s is checkpoint_stall, the rest of the gap stays in the current state
   planned_exit / group_end   the gap is recovering on the group's GPUs (it stopped stepping: teardown)
@@ -12,6 +12,8 @@ previous event goes to the state the new event reveals --
 The live numbers cannot see a node die: a dying group's GPUs on a lost node count until its group_end,
 where the ledger (report) stops them at the node's death.
   finish           the gap since the last step is checkpoint_stall (the final save); then nothing counts
+A group's GPUs are what Ray assigned it (its `attempt` event's `gpus`), else -- a log from before attempts
+recorded them -- world_size x job_start's gpus_per_worker, as the ledger counts them (claims.py).
 Fill-in GPU-seconds accrue per workload while `lease` events are open (until reclaim / release).
 Idle needs the node timeline, which the stream may not have: the ledger (report) carries it.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from spotfill.telemetry.claims import assigned_gpus
 from spotfill.telemetry.ledger import LEASE_END_KINDS, workload_of
 
 START_KINDS = ("attempt", "start", "resume")
@@ -37,6 +40,7 @@ class LiveMetrics:
     last_t: float | None = None
     mode: str = "stopped"          # stopped | recovering | training
     gpus: int = 0
+    assigned_attempt: int | None = None    # the attempt whose `gpus` Ray's assignment gave (not the plan)
     leases: dict = field(default_factory=dict)       # key -> (workload, node, gpus)
     totals: dict = field(default_factory=dict)       # state -> GPU-seconds (for tests and status)
 
@@ -47,7 +51,10 @@ class LiveMetrics:
             self.gpus_per_worker = int(e.get("gpus_per_worker") or 1)
         g, c = {}, {}
         dt = 0.0 if (t is None or self.last_t is None) else max(0.0, t - self.last_t)
-        if kind in START_KINDS and e.get("world_size"):
+        if kind == "attempt" and assigned_gpus(e) is not None:
+            self.gpus, self.assigned_attempt = assigned_gpus(e), e.get("attempt")
+        elif kind in START_KINDS and e.get("world_size") and (
+                self.assigned_attempt is None or e.get("attempt") != self.assigned_attempt):
             self.gpus = int(e["world_size"]) * self.gpus_per_worker
         self._accrue(c, dt, kind, e)
         if t is not None and (self.last_t is None or t > self.last_t):

@@ -75,8 +75,9 @@ class EventSink:
             log.warning("cannot publish live numbers to Ray's KV store: %s", exc)
             self._live_key = None
 
-    def begin_attempt(self, world_size: int) -> dict:
-        """Called by rank 0 when a worker group starts. Counts an unplanned failure if the last attempt
+    def begin_attempt(self, world_size: int, gpus: float | None = None) -> dict:
+        """Called by rank 0 when a worker group starts, with the GPUs Ray assigned the group (`gpus`: its
+        workers' shares of the GPU resource, summed). Counts an unplanned failure if the last attempt
         ended without saying why; records the attempt's cause. Returns {"attempt", "give_up", ...}."""
         first = self._attempt < self._first_attempt
         if not first and not self._planned_exit:
@@ -86,7 +87,8 @@ class EventSink:
         self._planned_exit, self._failure = None, None
         give_up = self._fatal is not None or (self._max_failures >= 0 and self._unplanned > self._max_failures)
         self._log.write("attempt", attempt=self._attempt, world_size=world_size, group=self._group or None,
-                        unplanned_failures=self._unplanned, **cause)
+                        unplanned_failures=self._unplanned, **cause,
+                        **({} if gpus is None else {"gpus": round(float(gpus), 3)}))
         return {"attempt": self._attempt, "give_up": give_up, "unplanned_failures": self._unplanned,
                 **({"reason": self._fatal} if self._fatal else {})}
 

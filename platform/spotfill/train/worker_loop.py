@@ -105,9 +105,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
     comms = _Comms(world)
     from spotfill.train.warm import withdraw
     withdraw()          # this process is the group's now, no spare: its readiness record goes (train.readiness)
-
-    info = comms.bcast(ray.get(sink.begin_attempt.remote(world)) if rank == 0 else None)
-    placed = comms.gather_objects((node_id, _process_start_time()))     # per rank: its node, process start
+    # per rank: its node, its process's start (before the restart: a warm spare) and the GPUs Ray assigned it
+    # -- summed, the group's GPUs in the attempt event: the ledger and goodput count them, not the plan
+    placed = comms.gather_objects((node_id, _process_start_time(), _assigned_gpus(job.cluster.gpu_resource)))
+    info = comms.bcast(ray.get(sink.begin_attempt.remote(world, gpus=sum(p[2] for p in placed)))
+                       if rank == 0 else None)
     if info["give_up"]:
         return _finish(sink, rank, {"ok": False, "reason": info.get("reason") or f"{info['unplanned_failures']} "
                                     f"unplanned failures exceed training.max_failures={t.max_failures}"})
@@ -156,7 +158,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             from_world_size=plan.world_size or None, universal=plan.universal, zero_elastic=plan.elastic,
             restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
             startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision, **flops, **device,
-            workers=[[n[:12], round(started, 3) if started else None] for n, started in placed],
+            workers=[[n[:12], round(started, 3) if started else None] for n, started, _ in placed],
             **(pipe.start_fields() if pipe else {}), **_start_marks(t_start, t_restored, t_imported, t_engine))
         ckpt = Checkpointer(store, local_root, rank, world, attempt=f"{attempt}",
                             meta=pipe.checkpoint_meta() if pipe else None)
@@ -164,7 +166,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             verdict = run_attempt(job, sink, comms, engine, reader, ckpt, rank=rank, world=world, attempt=attempt,
                                   shape=shape, vocab=vocab, flops=flops, device=device, client_state=client_state,
                                   start_event=start_event, pipe=pipe,
-                                  group=collections.Counter(n for n, _ in placed))
+                                  group=collections.Counter(n for n, *_ in placed))
         finally:
             if pipe:
                 pipe.close()
@@ -369,6 +371,12 @@ def _pipeline(job: JobConfig, world: int, rank: int, saved_stages: int, node_id:
         return None
     from spotfill.train.pipeline import PipelineRun
     return PipelineRun(job, world, rank, node_id)
+
+
+def _assigned_gpus(gpu_resource: str) -> float:
+    """How much of the GPU resource (Ray's GPU, or a logical one such as GPU_SLOT) Ray assigned this worker."""
+    import ray
+    return float(ray.get_runtime_context().get_assigned_resources().get(gpu_resource, 0.0))
 
 
 def _assigned_device(gpu_resource: str):
