@@ -134,3 +134,38 @@ def test_each_restart_says_per_node_whether_its_workers_started_warm():
     assert r.ready_wait_s == 4.5 and r.sizing == "2 workers, all on warm spares"
     d = r.as_dict()
     assert d["warm"] == {"n1": True, "n2": True} and d["ready_wait_s"] == 4.5
+
+
+def test_the_grow_check_warms_a_new_node_through_its_raylet_and_grows_once_it_is_ready(monkeypatch):
+    """rank 0's GrowCheck end to end without a cluster: the node's capacity, the store and the raylet call
+    are stand-ins; warm_node's own code runs (its imports, the store's tokens, the prestart call)."""
+    import threading
+
+    from spotfill.ray_compat import ray_train
+    from spotfill.train import elastic
+    from spotfill.train.capacity import NodeCapacity
+
+    per = {"GPU": 1.0, "CPU": 1.0}
+    monkeypatch.setattr(elastic, "usable", lambda name: True)
+    monkeypatch.setattr(elastic, "schedulable_nodes", lambda *a: {
+        A: NodeCapacity({"GPU": 2, "CPU": 2}, {"GPU": 0, "CPU": 0}),
+        B: NodeCapacity({"GPU": 2, "CPU": 2}, {"GPU": 2, "CPU": 2})})
+    store: dict = {}
+    monkeypatch.setattr(elastic, "kv_put", lambda k, v: store.__setitem__(k, v))
+    monkeypatch.setattr(elastic, "kv_get", lambda k: store.get(k))
+    asked, done = [], threading.Event()
+
+    def prestart(count, keep_alive_s, timeout_s=5.0, node_id=None):
+        asked.append((node_id, count))
+        done.set()
+        return True
+    monkeypatch.setattr(ray_train, "prestart_workers", prestart)
+    ready: dict = {}
+    check = elastic.GrowCheck(per, max_workers=4, run_key="t", group={A: 2}, ready=lambda: dict(ready))
+    assert check.extra_workers(2, 0.0) == 0              # B is warming: no grow yet
+    assert done.wait(10) and asked == [(B, 2)]
+    assert sum(1 for k in store if k.startswith(f"spotfill:spare-token:{B}:")) == 2
+    ready.update({A: 2, B: 2})
+    assert check.extra_workers(2, 1.0) == 2
+    fields = check.exit_fields()
+    assert fields["warm_nodes"] == [B[:12]] and fields["cold_nodes"] == [] and fields["ready_wait_s"] >= 0

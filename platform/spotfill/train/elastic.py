@@ -65,11 +65,12 @@ def warm_node(node_id: str, count: int) -> None:
     (they import torch and DeepSpeed and then record their readiness: train.warm), on a thread, off the
     step loop. Their warm-up runs in SCHED_IDLE where the node's tokens reach them (train.spares). A failure
     is logged: the node then counts as ready only once the grow's bound passes (cold)."""
-    from spotfill.ray_compat import offer_spare_tokens, prestart_workers
+    from spotfill.ray_compat import prestart_workers
+    from spotfill.train.spares import offer_kv
 
     def run():
         try:
-            offer_spare_tokens(node_id, count)
+            offer_kv(node_id, count, kv_put)         # their warm-up in SCHED_IDLE, wherever the node is
             prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S, node_id=node_id)
             log.info("warming %d spare worker process(es) on node %s", count, node_id[:12])
         except Exception as exc:  # noqa: BLE001 -- the grow goes cold after its bound
