@@ -69,4 +69,5 @@ def test_damage_in_storage_raises_checkpoint_corrupt_with_the_faults_got_past_be
     with pytest.raises(CheckpointCorrupt, match="checksum mismatch in rank-0/b.pt") as failed:
         fetch_verified(storage, "ckpt", files, str(tmp_path / "out"), tag="t")
     assert failed.value.report is not None
-    assert all(e["file"] != "rank-0/b.pt" for e in failed.value.report.local_errors)   # damage, not local
+    # a.pt's fault came first and storage held its bytes: reported; b.pt is damage, not a local fault
+    assert [(e["file"], e["recovered"]) for e in failed.value.report.local_errors] == [("rank-0/a.pt", True)]
