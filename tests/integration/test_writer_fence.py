@@ -4,7 +4,12 @@ two writers on one store, interleaved at the worst moments. No Ray.
 
 Each test writer carries its training state as the list of (attempt, step) it went through, and writes
 that list into every checkpoint it commits: what a restore reads back is checked against the writer that
-really produced it, not against the lineage code."""
+really produced it, not against the lineage code.
+
+Without conditional writes two writers that picked the same generation number are ordered by their random
+nonces; here every new writer's nonce sorts *below* every earlier one's (the worst draw, every run), so
+only the number can make a newer writer the newest: a writer that reused its predecessor's number is
+caught deterministically, not by the draw."""
 from __future__ import annotations
 
 import json
@@ -16,8 +21,22 @@ import pytest
 from spotfill.config.errors import WriterFenced
 from spotfill.storage.base import open_storage
 from spotfill.storage.checkpoint_store import CheckpointStore, tag_for
+from spotfill.storage import fence as fence_module
 from spotfill.storage.fence import LISTING, Generation, WriterFence
 from spotfill.testing.s3local import LocalS3
+
+
+@pytest.fixture(autouse=True)
+def descending_nonces(monkeypatch):
+    """Each listing writer's nonce sorts below the previous writer's (storage/fence.py orders equal numbers
+    by nonce): the draw that makes a reused number lose to the writer it should supersede."""
+    lock, count = threading.Lock(), [0]
+
+    def nonce() -> str:
+        with lock:
+            count[0] += 1
+            return f"{0xFFFFFFFFFFFF - count[0]:012x}"
+    monkeypatch.setattr(fence_module, "_nonce", nonce)
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +225,16 @@ def test_the_mechanism_is_detected_per_endpoint(uri):
     expected = {"local": "local:", "s3": "s3: conditional writes", "s3-unconditional": "listing:"}
     kind = "local" if "://" not in uri else ("s3-unconditional" if "spotfill-plain" in uri else "s3")
     assert fence.mechanism.startswith(expected[kind]), fence.mechanism
+
+
+def test_each_new_writer_takes_a_higher_number_than_every_writer_it_listed(uri):
+    """A writer that takes its generation after another did gets a higher *number*, whatever the mechanism:
+    the nonce (listing) only orders writers that raced for the same number."""
+    taken = [WriterFence.take(open_storage(uri), "checkpoints", attempt=i) for i in range(3)]
+    numbers = [f.generation.number for f in taken]
+    assert numbers == sorted(set(numbers)) and numbers[0] >= 1, [str(f.generation) for f in taken]
+    assert [f.generation for f in taken] == sorted(f.generation for f in taken)
+    for older in taken[:-1]:
+        with pytest.raises(WriterFenced):
+            older.check("commit")
+    taken[-1].check("commit")

@@ -278,12 +278,18 @@ def test_a_local_disk_error_is_retried_from_storage_and_never_quarantines(uri, t
 
 def test_a_local_disk_that_keeps_failing_fails_the_restore_without_quarantining(uri, tmp_path):
     store = CheckpointStore(open_storage(uri), keep_last=5)
-    _save(store, tmp_path, 10)
+    tag = _save(store, tmp_path, 10)
     flaky = {"b": FlakyLocalDisk(uri, "zero_pp_rank_3_optim_states.pt", bad_writes=100)}
     results, events = _run(uri, tmp_path, ["a", "b", "b", "b"], storages=flaky)
     assert all(isinstance(r, RuntimeError) and "not the checkpoint" in str(r) for r in results), results
     assert CheckpointStore(open_storage(uri)).quarantined() == {}
     assert not [e for e in events if e["kind"] == "checkpoint_quarantined"]
+    # the failed node's fetch report reaches the events: two faults got past, then the one it gave up on
+    local = [e for e in events if e["kind"] == "checkpoint_local_error"]
+    name = "rank-3/zero_pp_rank_3_optim_states.pt"
+    assert [(e["node"], e["file"], e["recovered"]) for e in local] == \
+        [("b", name, True), ("b", name, True), ("b", name, False)], local
+    assert all(e["tag"] == tag and "checksum" in e["detail"] for e in local), local
 
 
 def test_damage_in_storage_itself_is_still_quarantined_for_every_node(uri, tmp_path):

@@ -52,11 +52,15 @@ class StorageError(SpotfillError):
 class CheckpointCorrupt(SpotfillError):
     """A checkpoint is partial or fails checksum verification."""
 
+    report = None       # raised by a verified fetch: its FetchReport (storage/verified_fetch.py)
+
 
 class LocalCopyCorrupt(SpotfillError):
     """A checkpoint file is intact in storage (its sha256 read from storage matches the manifest) but this
     node's local copy kept failing verification: a local disk or memory fault, not the checkpoint's. It is
     never quarantined for it."""
+
+    report = None       # the fetch's FetchReport (storage/verified_fetch.py): the last fault unrecovered
 
 
 class NoIntactCheckpoint(SpotfillError):

@@ -102,7 +102,7 @@ class WriterFence:
                 number += 1       # another writer took it first
             generation = Generation(number)
         else:
-            mechanism, generation = LISTING, Generation(number, uuid.uuid4().hex[:12])
+            mechanism, generation = LISTING, Generation(number, _nonce())
             storage.put_bytes(cls._key(prefix, generation), cls._body(number, body, generation))
         fence = cls(storage, prefix, generation, mechanism, info)
         fence.claim_latest()
@@ -198,6 +198,12 @@ class WriterFence:
             # another write came between our read and our write: read again and decide again
         raise StorageError(f"{op}: {key} at {self.storage.uri} kept changing under compare-and-swap "
                            f"({POINTER_TRIES} tries)")
+
+
+def _nonce() -> str:
+    """A listing writer's own key suffix: orders two writers that picked the same number (random, so which
+    of them is newer is arbitrary; a new writer is newer than every writer it listed by its number alone)."""
+    return uuid.uuid4().hex[:12]
 
 
 def _parse(raw: bytes) -> dict | None:

@@ -12,7 +12,9 @@ A downloaded file that does not match is checked again *in storage* (its sha256 
 copy) before anyone calls the checkpoint damaged: when storage holds the manifest's bytes the fault is this
 node's (disk, memory, a torn write), the file is downloaded again (LOCAL_RETRIES times) and the checkpoint is
 never quarantined for it -- LocalCopyCorrupt if the local copy keeps failing; only bytes that are wrong in
-storage raise CheckpointCorrupt. The FetchReport says how many bytes came from where, and the local faults.
+storage raise CheckpointCorrupt. The FetchReport says how many bytes came from where, and the local faults;
+a fetch that raises (LocalCopyCorrupt, CheckpointCorrupt) carries it as the exception's `report`, its last
+local fault `recovered: False` where this node's copy kept failing.
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ def hash_files(root: str, rels, threads: int = 4) -> dict[str, str]:
 def fetch_verified(storage: Storage, base_key: str, files: dict[str, dict], final: str, verify: bool = True,
                    local_copies: dict[str, str] | None = None, tag: str = "") -> FetchReport:
     """Fill `final` with `files` (see the module docstring); CheckpointCorrupt when storage's bytes are
-    wrong, LocalCopyCorrupt when only this node's copy keeps failing."""
+    wrong, LocalCopyCorrupt when only this node's copy keeps failing -- either with the FetchReport so far
+    as its `report`."""
     tag = tag or base_key
     parent = os.path.dirname(final) or "."
     os.makedirs(parent, exist_ok=True)
@@ -88,6 +91,9 @@ def fetch_verified(storage: Storage, base_key: str, files: dict[str, dict], fina
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(stage, final)
+    except (CheckpointCorrupt, LocalCopyCorrupt) as exc:
+        exc.report = report       # the local faults this fetch saw, the one it gave up on included
+        raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return report

@@ -96,6 +96,17 @@ def local_snapshot_copies(local_root: str, tag: str, files) -> dict[str, str]:
     return out
 
 
+def checkpoint_events(ckpt, attempt) -> list[dict]:
+    """The events of what rank 0's Checkpointer `ckpt` did since the last call, for the run's event sink:
+    `checkpoint` (committed), `checkpoint_skipped`, `checkpoint_fenced` (its writes refused: the report's
+    checkpoints.fenced comes from these alone). The event's own kind last: a record's fields never overwrite
+    it."""
+    events = [{**c, "kind": "checkpoint", "attempt": attempt} for c in ckpt.pop_committed()]
+    events += [{**s, "kind": "checkpoint_skipped", "attempt": attempt} for s in ckpt.pop_skipped()]
+    events += [{**f, "kind": "checkpoint_fenced", "attempt": attempt} for f in ckpt.pop_fenced()]
+    return events
+
+
 KINDS = ("periodic", "final", "grow", "emergency")
 NO_DEADLINE = 1e18   # "no deadline known" inside collectives (min over ranks)
 
@@ -244,6 +255,16 @@ class Checkpointer:
         with self._lock:
             done, self.fenced = self.fenced, []
         return done
+
+    def store_write(self, write: Callable[[CheckpointStore], object]):
+        """`write(self.store)` -- a write to the store outside a save (a `latest` move, a retention pass) --
+        as this attempt's writer; its result. A refusal (WriterFenced: a newer writer took the store) is
+        recorded as a refused commit is (pop_fenced; this attempt is stale from then on), then raised."""
+        try:
+            return write(self.store)
+        except WriterFenced as exc:
+            self._refused(exc)
+            raise
 
     def pop_skipped(self) -> list[dict]:
         """Snapshots superseded, cancelled, abandoned or failed since the last call (never committed):
@@ -419,9 +440,7 @@ class Checkpointer:
         except Cancelled:
             raise
         except WriterFenced as exc:
-            with self._lock:
-                self.fenced.append({**exc.record(), "t": time.time()})
-                self.stale = True
+            self._refused(exc)
             self._note_skipped(job, tag, step, f"refused: {exc}")
             raise
         except BaseException as exc:
@@ -444,6 +463,13 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     # -- bookkeeping ----------------------------------------------------------------------------------
+    def _refused(self, exc: WriterFenced) -> None:
+        """The one place a refused write of this writer is recorded (pop_fenced -> checkpoint_events ->
+        `checkpoint_fenced` events -> report.json checkpoints.fenced); this attempt is stale from now on."""
+        with self._lock:
+            self.fenced.append({**exc.record(), "t": time.time()})
+            self.stale = True
+
     def _cancel(self, job: UploadJob, reason: str) -> bool:
         """Cancel `job` (never commits), delete its snapshot, report it skipped. False if it could not
         be cancelled (already committing or finished)."""

@@ -163,10 +163,11 @@ def _node_universal(store: CheckpointStore, manifest: dict, node_dir: str, ds_ro
 
 def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, node: tuple[str, list[int]],
                        node_dir: str, zero_stage: int, local_root: str | None = None,
-                       stages: int = 1) -> tuple[RestorePlan | None, str | None, list]:
+                       stages: int = 1, emit=None) -> tuple[RestorePlan | None, str | None, list]:
     """Collective: every leader brings `choice` to its node -- the files its ranks read (node = (node id,
     the ranks on it)). (plan, None, per-rank info) when every node has it, (None, reason, ...) when some
-    leader found it damaged."""
+    leader found it damaged. The local faults of a fetch that failed are emitted (rank 0's `emit`) as
+    `checkpoint_local_error` before that; a successful one's are in its info's `io`."""
     manifest = choice["manifest"]
     tag, saved_world = manifest["tag"], int(manifest["world_size"])
     elastic = zero_stage in (1, 2) and bool((manifest.get("meta") or {}).get("zero_elastic"))
@@ -179,6 +180,7 @@ def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, node: 
     need_raw = leader and (not universal or (rank == 0 and not choice["has_universal"]))
     info: dict = {"node_leader": leader, "node": node[0]}
     failed = error = None
+    lost: list[dict] = []       # the local faults of a fetch that raised (its exception's report)
     if need_raw:
         shutil.rmtree(node_dir, ignore_errors=True)
         # a rigid-layout ZeRO-1/2 checkpoint loads through DeepSpeed's loader, which reads every partition
@@ -190,10 +192,10 @@ def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, node: 
             seconds, info["io"] = _fetch_raw(store, manifest, node_dir, ds_root, want, local_root)
             info["download_s"] = round(seconds, 3)
         except CheckpointCorrupt as exc:
-            error = str(exc)
+            error, lost = str(exc), _local_faults(exc, node[0])
         except Exception as exc:  # noqa: BLE001 -- e.g. storage down: raised on every rank
-            failed = f"{type(exc).__name__}: {exc}"
-    error = _outcome(comms, world, failed, error, f"downloading {tag} failed")
+            failed, lost = f"{type(exc).__name__}: {exc}", _local_faults(exc, node[0])
+    error = _outcome(comms, world, failed, error, f"downloading {tag} failed", tag, lost, emit)
     if error:
         return None, error, []
     if universal:
@@ -209,10 +211,11 @@ def _prepare_candidate(store, comms, choice: dict, rank: int, world: int, node: 
             try:
                 info.update(_node_universal(store, manifest, node_dir, ds_root, load_tag, shared, need_raw))
             except CheckpointCorrupt as exc:
-                error = str(exc)
+                error, lost = str(exc), _local_faults(exc, node[0])
             except Exception as exc:  # noqa: BLE001
-                failed = f"{type(exc).__name__}: {exc}"
-        error = _outcome(comms, world, failed, error, f"preparing the universal copy of {tag} failed")
+                failed, lost = f"{type(exc).__name__}: {exc}", _local_faults(exc, node[0])
+        error = _outcome(comms, world, failed, error, f"preparing the universal copy of {tag} failed", tag, lost,
+                         emit)
         if error:
             return None, error, []
     infos = _gather(comms, info, world)
@@ -263,13 +266,25 @@ def _convert_and_share(store, manifest: dict, node_dir: str, ds_root: str, load_
     return None, shared
 
 
-def _outcome(comms, world: int, failed: str | None, damaged: str | None, what: str) -> str | None:
-    """Collective: raise any rank's failure on every rank; else the first damage reason (or None)."""
-    outcomes = _gather(comms, (failed, damaged), world)
-    fatal = [f for f, _ in outcomes if f]
+def _local_faults(exc: BaseException, node: str) -> list[dict]:
+    """The local faults a failed verified fetch saw (its exception's FetchReport; storage/verified_fetch.py),
+    each {node, file, detail, recovered}: the last one unrecovered where this node's copy kept failing."""
+    report = getattr(exc, "report", None)
+    return [{"node": node, **e} for e in getattr(report, "local_errors", None) or []]
+
+
+def _outcome(comms, world: int, failed: str | None, damaged: str | None, what: str, tag: str | None = None,
+             lost: list[dict] | None = None, emit=None) -> str | None:
+    """Collective: raise any rank's failure on every rank; else the first damage reason (or None). First,
+    rank 0 (`emit`) records every rank's `lost` (_local_faults) as `checkpoint_local_error` events of `tag`."""
+    outcomes = _gather(comms, (failed, damaged, lost or []), world)
+    for _, _, faults in outcomes if emit else []:
+        for fault in faults:
+            emit("checkpoint_local_error", tag=tag, **fault)
+    fatal = [f for f, _, _ in outcomes if f]
     if fatal:
         raise RuntimeError(f"{what}: {fatal[0]}")
-    return next((d for _, d in outcomes if d), None)
+    return next((d for _, d, _ in outcomes if d), None)
 
 
 def _raise_everywhere(comms, failed: str | None, what: str) -> None:
@@ -326,7 +341,7 @@ def restore_on_workers(store: CheckpointStore, comms, rank: int, world: int, nod
         if choice is None:
             break
         plan, reason, infos = _prepare_candidate(store, comms, choice, rank, world, node, node_dir, zero_stage,
-                                                 local_root, stages)
+                                                 local_root, stages, emit if rank == 0 else None)
         if plan is not None:
             plan.timings = _timings(choice["manifest"].get("bytes"), infos, t0)
             plan.quarantined = comms.bcast(found)

@@ -27,7 +27,7 @@ from spotfill.storage.base import open_storage
 from spotfill.storage.checkpoint_store import CheckpointStore
 from spotfill.storage.fence import WriterFence
 from spotfill.train.batching import BatchShape, batch_shape
-from spotfill.train.checkpointing import Checkpointer
+from spotfill.train.checkpointing import Checkpointer, checkpoint_events
 from spotfill.train.data import Prefetcher, ShardReader
 from spotfill.train.engine import build_engine, ds_config, load_checkpoint, resolve_precision
 from spotfill.train.restore import restore_on_workers
@@ -558,11 +558,8 @@ class _Executor:
                 **{k: out[k] for k in ("snapshot_s", "blocked_s", "wait_s", "stall_s")}}])
 
     def _record_checkpoints(self) -> None:
-        """Send the checkpoints committed or skipped since the last call (fire-and-forget, in order)."""
-        # the event's own kind last: a record's fields never overwrite it
-        events = [{**c, "kind": "checkpoint", "attempt": self.attempt} for c in self.ckpt.pop_committed()]
-        events += [{**s, "kind": "checkpoint_skipped", "attempt": self.attempt} for s in self.ckpt.pop_skipped()]
-        events += [{**f, "kind": "checkpoint_fenced", "attempt": self.attempt} for f in self.ckpt.pop_fenced()]
+        """Send the checkpoints committed, skipped or refused since the last call (fire-and-forget, in order)."""
+        events = checkpoint_events(self.ckpt, self.attempt)
         if events:
             self.sink.log.remote(events)
 
