@@ -43,7 +43,10 @@ def summarize(report: dict) -> str:
     fill = report.get("fillin") or {}
     if fill.get("serve"):
         sv = fill["serve"]
-        lines.append(f"serve fill-in: {sv['requests_ok']} ok, {sv['requests_rejected_503']} rejected at once (503), "
+        by = sv.get("answered_by") or {}
+        lines.append(f"serve fill-in: {sv['requests_ok']} ok" + (f" ({by.get('lent', 0)} by lent replicas, "
+                     f"{by.get('floor', 0)} by the floor)" if by.get("floor") else "") +
+                     f", {sv['requests_rejected_503']} rejected at once (503), "
                      f"{sv['requests_failed']} failed; p50 {sv['p50_ms']} ms, p99 {sv['p99_ms']} ms")
     if fill.get("batch"):
         b = fill["batch"]
