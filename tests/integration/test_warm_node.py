@@ -1,7 +1,8 @@
 """Warming a node new to the run, on a real local cluster: the spares a grow asks that node's raylet for
-(train.elastic.warm_node) start, import torch and DeepSpeed in SCHED_IDLE (store tokens reach them on any
-node), record their readiness (train.readiness), and hold none of the node's Ray resources: a tenant still
-gets the node's GPU and CPU while they are there."""
+(train.elastic.warm_node) start, import torch and DeepSpeed (at normal priority on a node new to the run;
+in SCHED_IDLE, through tokens in the GCS store, on a node the group steps on), record their readiness
+(train.readiness), and hold none of the node's Ray resources: a tenant still gets the node's GPU and CPU
+while they are there."""
 from __future__ import annotations
 
 import logging
@@ -44,7 +45,7 @@ def test_warmed_spares_are_ready_idle_and_hold_no_gpu_or_cpu(cluster):
     node = cluster.node_ids[0]
     before = _node_resources(node)
     assert before.get("GPU") == 1.0 and before.get("CPU") == 1.0, before
-    warm_node(node, 2)
+    warm_node(node, 2, idle=True)
     deadline = time.time() + READY_DEADLINE_S
     while time.time() < deadline and ready_spares().get(node, 0) < 2:
         time.sleep(1.0)

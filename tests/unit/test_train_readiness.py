@@ -164,8 +164,23 @@ def test_the_grow_check_warms_a_new_node_through_its_raylet_and_grows_once_it_is
     check = elastic.GrowCheck(per, max_workers=4, run_key="t", group={A: 2}, ready=lambda: dict(ready))
     assert check.extra_workers(2, 0.0) == 0              # B is warming: no grow yet
     assert done.wait(10) and asked == [(B, 2)]
-    assert sum(1 for k in store if k.startswith(f"spotfill:spare-token:{B}:")) == 2
+    # B runs no training: its spares warm at normal priority (no SCHED_IDLE tokens)
+    assert not any(k.startswith("spotfill:spare-token:") for k in store)
     ready.update({A: 2, B: 2})
     assert check.extra_workers(2, 1.0) == 2
     fields = check.exit_fields()
     assert fields["warm_nodes"] == [B[:12]] and fields["cold_nodes"] == [] and fields["ready_wait_s"] >= 0
+
+
+def test_spares_asked_on_a_node_the_group_steps_on_warm_up_idle(monkeypatch):
+    import threading
+
+    from spotfill.ray_compat import ray_train
+    from spotfill.train import elastic
+
+    store: dict = {}
+    monkeypatch.setattr(elastic, "kv_put", lambda k, v: store.__setitem__(k, v))
+    done = threading.Event()
+    monkeypatch.setattr(ray_train, "prestart_workers", lambda *a, **k: done.set())
+    elastic.warm_node(A, 1, idle=True)
+    assert done.wait(10) and [k for k in store if k.startswith(f"spotfill:spare-token:{A}:")]

@@ -60,17 +60,21 @@ def ready_spares(job_id: str | None = None) -> dict[str, int]:
         return {}
 
 
-def warm_node(node_id: str, count: int) -> None:
+def warm_node(node_id: str, count: int, idle: bool = False) -> None:
     """Ask node `node_id`'s raylet for `count` spare worker processes of this worker's job and runtime_env
     (they import torch and DeepSpeed and then record their readiness: train.warm), on a thread, off the
-    step loop. Their warm-up runs in SCHED_IDLE where the node's tokens reach them (train.spares). A failure
-    is logged: the node then counts as ready only once the grow's bound passes (cold)."""
+    step loop. `idle`: a node this run's group steps on -- the spares warm up in SCHED_IDLE there (tokens in
+    the GCS store reach them on any node), on CPU time the steps leave unused. A node new to the run has no
+    training to slow: its spares warm up at normal priority, ahead of fill-in's (nice 19, SCHED_IDLE), so
+    the grow waits seconds, not until training leaves CPU time. A failure is logged: the node then counts as
+    ready only once the grow's bound passes (cold)."""
     from spotfill.ray_compat import prestart_workers
     from spotfill.train.spares import offer_kv
 
     def run():
         try:
-            offer_kv(node_id, count, kv_put)         # their warm-up in SCHED_IDLE, wherever the node is
+            if idle:
+                offer_kv(node_id, count, kv_put)
             prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S, node_id=node_id)
             log.info("warming %d spare worker process(es) on node %s", count, node_id[:12])
         except Exception as exc:  # noqa: BLE001 -- the grow goes cold after its bound
@@ -112,7 +116,7 @@ class GrowCheck:
                                    self.group, self._ready(), time.time(), self.multiple)
         for node, count in step.warm.items():
             if self._warm is not None:
-                self._warm(node, count)
+                self._warm(node, count, node in self.group)
         if not step.extra:
             self.last = GrowDecision(0, step.reason)
             return 0
