@@ -95,15 +95,17 @@ def pick_tag(store, run_uri: str, step: int | None) -> str | None:
     return (live or at)[0]
 
 
-def export_run(run_uri: str, out: str, step: int | None = None, verify: bool = True) -> dict:
-    """Write the Hugging Face folder of `run_uri`'s checkpoint at `step` (default: the newest intact) to
-    `out`; returns what spotfill_export.json records."""
+def export_run(run, out: str, step: int | None = None, verify: bool = True) -> dict:
+    """Write the Hugging Face folder of the run's checkpoint at `step` (default: the newest intact) to
+    `out`; returns what spotfill_export.json records. `run`: its storage URI or Storage."""
     from spotfill.storage.base import open_storage
     from spotfill.storage.checkpoint_store import CheckpointStore
 
     t0 = time.perf_counter()
     dest = check_out(out)
-    store = CheckpointStore(open_storage(run_uri))
+    storage = open_storage(run) if isinstance(run, str) else run
+    run_uri = run if isinstance(run, str) else storage.uri
+    store = CheckpointStore(storage)
     tag = pick_tag(store, run_uri, step)
     work = tempfile.mkdtemp(prefix="spotfill-export-")
     os.makedirs(os.path.dirname(dest), exist_ok=True)
