@@ -7,7 +7,7 @@ The folder: `config.json`, `model.safetensors` (fp32: the fp32 master weights De
 check below). What is written comes from the checkpoint's model card (train/model_card.py), never from
 tensor shapes -- except for a checkpoint written before cards existed, whose GPT shape is guessed and logged.
 
-* A Hugging Face model (`training.model: hf:/dir`) is saved as itself (the training adapter's `inner.` off).
+* A Hugging Face model (`training.model: hf:/dir`) is saved as itself (the training adapter's inner model).
 * spotfill's GPT presets map onto GPT-2 exactly (GPT2LMHeadModel): pre-LayerNorm blocks (eps 1e-5) with
   bias, exact-erf GELU (`activation_function: gelu`), learned positions, one fused qkv projection split
   q, k, v (GPT-2's c_attn), 4x MLP, a final LayerNorm, and an output head of its own
@@ -33,7 +33,7 @@ import tempfile
 import time
 
 from spotfill.config.errors import ConfigError, JobFailed
-from spotfill.train.model_card import MODEL_DIR, card_of, gpt_config, guess_card, hf_state
+from spotfill.train.model_card import MODEL_DIR, card_of, gpt_config, guess_card
 
 log = logging.getLogger(__name__)
 ATOL = 1e-4                # largest |logit difference| allowed between the export and spotfill's module (fp32)

@@ -117,11 +117,6 @@ def guess_card(state: dict, model: str = "auto", where: str = "checkpoint") -> d
             "tokenizer": tokenizer_card("bytes")[0]}
 
 
-def hf_state(state: dict) -> dict:
-    """A Hugging Face model's weights as transformers names them (the training adapter's `inner.` off)."""
-    return {k[len("inner."):] if k.startswith("inner.") else k: v for k, v in state.items()}
-
-
 def build_module(card: dict):
     """The untrained module a card describes: spotfill's GPT, or the Hugging Face causal LM of its config
     (in train/model.py's adapter, so it has `.cfg` and `forward(idx) -> logits` like GPT)."""
