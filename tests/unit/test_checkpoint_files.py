@@ -43,3 +43,10 @@ def test_a_rigid_zero12_checkpoint_is_read_whole_by_deepspeeds_loader():
 ])
 def test_a_layout_it_does_not_know_means_every_file(odd):
     assert node_files(zero2(2) + [odd], [0], 2, 2) is None
+
+
+def test_the_model_cards_files_are_read_by_no_rank():
+    """rank 0's part carries the tokenizer's files (train/model_card.py): a node brings only what its ranks
+    load, not them, and not everything."""
+    card = ["rank-0/spotfill-model/tokenizer.json", "rank-0/spotfill-model/tokenizer_config.json"]
+    assert node_files(zero2(2) + card, [1], 2, 2) == {MODEL, "rank-1/zero_pp_rank_1_mp_rank_00_optim_states.pt"}

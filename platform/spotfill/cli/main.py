@@ -36,6 +36,7 @@ def usage_error(prog: str, message: str) -> ConfigError:
 def build_parser() -> OneLineParser:
     from spotfill.cli import bench as bench_cli
     from spotfill.cli import demo as demo_cli
+    from spotfill.cli import export as export_cli
     from spotfill.cli import plan as planner_cli
     from spotfill.cli import report as report_cli
     from spotfill.cli import serve as serve_cli
@@ -46,7 +47,7 @@ def build_parser() -> OneLineParser:
         "Elastic DeepSpeed training on Ray across spot GPUs, with spare-GPU fill-in."))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
-    for module in (planner_cli, demo_cli, report_cli, status_cli, spot_cli, bench_cli, serve_cli):
+    for module in (planner_cli, demo_cli, report_cli, status_cli, spot_cli, bench_cli, serve_cli, export_cli):
         module.register(sub)
     return parser
 

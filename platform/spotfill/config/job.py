@@ -177,6 +177,9 @@ class TrainingConfig:
     # A batch job's output (fillin/batch.py: its plan and pinned model): its evaluation units run in the
     # pipeline's bubbles, inside the training processes (fillin/bubble_fill.py). "" = no bubble fill.
     bubble_fill: str = ""
+    # When the job finishes, `spotfill export` its final checkpoint into this local folder (new or empty):
+    # a Hugging Face folder (docs/export.md). "" = no export.
+    export_on_finish: str = ""
 
     @property
     def min_workers(self) -> int:
@@ -215,6 +218,8 @@ class TrainingConfig:
                               accepted="none or full with an hf: model")
         check_positive(path, "pipeline_stages", self.pipeline_stages)
         check_positive(path, "micro_batches", self.micro_batches, allow_zero=True)
+        if self.export_on_finish:
+            check_export_dir(join_path(path, "export_on_finish"), self.export_on_finish, self.pipeline_stages)
         if self.pipeline_stages == 1:
             if self.bubble_fill:
                 raise ConfigError(join_path(path, "bubble_fill"), self.bubble_fill,
@@ -240,6 +245,20 @@ class TrainingConfig:
                               accepted=f"1..{layers}")
         check_pipeline_range(self.global_batch, self.pipeline_stages, self.min_workers, self.max_workers,
                              self.micro_batches, self.max_micro_batch)
+
+
+def check_export_dir(field: str, value: Any, stages: int = 1) -> None:
+    """training.export_on_finish: a local folder that is new or empty (train/export.py checks it again when
+    it writes), for a run without pipeline stages."""
+    import os
+    if not isinstance(value, str) or ("://" in value and not value.startswith("file://")):
+        raise ConfigError(field, value, accepted="a local folder path (new or empty), or \"\" for no export")
+    local = value[7:] if value.startswith("file://") else value
+    if os.path.exists(local) and (not os.path.isdir(local) or os.listdir(local)):
+        raise ConfigError(field, value, reason="exists and is not an empty folder", accepted="a new or empty folder")
+    if stages > 1:
+        raise ConfigError(field, value, reason="export reads checkpoints saved without pipeline stages",
+                          accepted="training.pipeline_stages: 1 with export_on_finish")
 
 
 @dataclass

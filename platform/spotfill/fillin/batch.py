@@ -117,19 +117,21 @@ def load_or_make_plan(cfg, out) -> tuple[dict, bool]:
             raise ConfigError("output", out.uri, reason=f"holds the plan of a different job (differs in "
                               f"{', '.join(diff)})", accepted="the same inputs to resume, or a new output")
         return plan, True
-    state, tag, step = _pinned_checkpoint(cfg)
+    state, tag, step, card = _pinned_checkpoint(cfg)
     buf = io.BytesIO()
     import torch
     torch.save(state, buf)
     out.put_bytes(bp.MODEL_KEY, buf.getvalue())
     plan = {**new, "checkpoint": cfg.checkpoint, "checkpoint_tag": tag, "checkpoint_step": step,
-            "model": cfg.model, "created": time.time(), "name": cfg.name}
+            "model": cfg.model, "model_card": card, "created": time.time(), "name": cfg.name}
     out.put_bytes(bp.PLAN_KEY, json.dumps(plan).encode())
     return plan, False
 
 
-def _pinned_checkpoint(cfg) -> tuple[dict, str, int]:
+def _pinned_checkpoint(cfg) -> tuple[dict, str, int, dict | None]:
+    """(weights, tag, step, the model card its manifest carries or None) of the checkpoint to pin."""
     from spotfill.fillin.generate import consolidate
+    from spotfill.train.model_card import card_of
     from spotfill.storage.base import open_storage
     from spotfill.storage.checkpoint_store import CheckpointStore
     store = CheckpointStore(open_storage(cfg.checkpoint))
@@ -141,7 +143,8 @@ def _pinned_checkpoint(cfg) -> tuple[dict, str, int]:
         manifest = store.restore(work, tag=cfg.checkpoint_tag, resume=False)   # a reader, never training's
         if manifest is None:
             raise ConfigError("checkpoint", cfg.checkpoint, reason="no committed checkpoint in it")
-        return consolidate(manifest["path"], manifest["tag"]), manifest["tag"], int(manifest["step"])
+        return (consolidate(manifest["path"], manifest["tag"]), manifest["tag"], int(manifest["step"]),
+                card_of(manifest.get("meta")))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -229,15 +232,15 @@ class UnitWorker:
 
 def plan_model(out, plan: dict, device=None, dtype=None):
     """The job's pinned model (`<output>/_plan/model.pt`) on `device` (default: the CPU) in `dtype`, in eval
-    mode."""
+    mode: the model its checkpoint's card describes (the plan keeps it; a plan or checkpoint from before
+    cards: the logged guess from the weights, `model` naming the preset)."""
     import torch
 
-    from spotfill.fillin.generate import config_from_state
-    from spotfill.train.model import GPT
+    from spotfill.train.model_card import model_from_state
     device = device or torch.device("cpu")
     state = torch.load(io.BytesIO(out.get_bytes(bp.MODEL_KEY)), map_location=device, weights_only=False)
-    model = GPT(config_from_state(state, plan.get("model", "auto")))
-    model.load_state_dict(state)
+    model, _ = model_from_state(state, {"model": plan.get("model_card")}, plan.get("model", "auto"),
+                                where=f"batch plan of checkpoint {plan.get('checkpoint_tag')}")
     return model.to(device, dtype).eval()
 
 

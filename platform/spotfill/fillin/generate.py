@@ -5,20 +5,19 @@ rank folder holding that rank's DeepSpeed files. Loading consolidates them into 
   * ZeRO partitions (zero_pp_rank_*_optim_states.pt present): DeepSpeed's zero_to_fp32 merges the fp32
     master weights from every rank's shard (stages 1-3, any world size);
   * otherwise the module weights in mp_rank_00_model_states.pt.
-The model shape is read from the weights (vocabulary, width, depth, context); heads come from the preset
-with that shape (or `model=` names the preset). The byte-level tokenizer of spotfill's presets is used.
+The model is the one the checkpoint's manifest carries (train/model_card.py: a GPT preset's config or a
+Hugging Face config); only a checkpoint written before manifests carried it has its GPT shape guessed from
+the weights (logged; `model=` names the preset then). generate() uses the byte-level tokenizer of
+spotfill's presets.
 """
 from __future__ import annotations
 
-import glob
 import logging
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 
-from spotfill.config.errors import ConfigError
+from spotfill.train.export import consolidate  # noqa: F401 - re-exported (fillin/batch.py, benchmarks)
 
 log = logging.getLogger(__name__)
 EOD = 256
@@ -31,47 +30,7 @@ class Loaded:
     step: int
     load_s: float
     loaded_at: float
-
-
-def consolidate(tag_dir: str, tag: str) -> dict:
-    """One full fp32 state dict from a restored checkpoint tag folder (rank-*/ inside)."""
-    import torch
-
-    from spotfill.train.restore import flatten_ranks
-    flat_root = tempfile.mkdtemp(prefix="spotfill-serve-ds-")
-    try:
-        flatten_ranks(tag_dir, os.path.join(flat_root, tag))
-        files = os.listdir(os.path.join(flat_root, tag))
-        if any(f.endswith("optim_states.pt") for f in files):
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-            state = get_fp32_state_dict_from_zero_checkpoint(flat_root, tag=tag)
-        else:
-            (path,) = glob.glob(os.path.join(flat_root, tag, "mp_rank_*_model_states.pt"))[:1] or [None]
-            if path is None:
-                raise ConfigError("checkpoint", tag_dir, reason="no DeepSpeed model states in it")
-            state = torch.load(path, map_location="cpu", weights_only=False)["module"]
-        return {k: v.float() for k, v in state.items()}
-    finally:
-        shutil.rmtree(flat_root, ignore_errors=True)
-
-
-def config_from_state(state: dict, model: str = "auto"):
-    """The GPTConfig these weights were trained with."""
-    from dataclasses import replace
-
-    from spotfill.train.presets import PRESETS, GPTConfig, preset
-    vocab, width = state["wte.weight"].shape
-    seq_len = state["wpe.weight"].shape[0]
-    layers = len({k.split(".")[1] for k in state if k.startswith("blocks.")})
-    if model != "auto":
-        return preset(model, seq_len=seq_len, vocab_size=vocab)
-    for cfg in PRESETS.values():
-        if (cfg.n_embd, cfg.n_layer) == (width, layers):
-            return replace(cfg, seq_len=seq_len, vocab_size=vocab)
-    heads = next(h for h in (width // 64, 8, 4, 2, 1) if h and width % h == 0)
-    log.warning("no preset has width %d and %d layers; assuming %d heads (pass model=<preset>)", width,
-                layers, heads)
-    return GPTConfig(vocab_size=vocab, seq_len=seq_len, n_layer=layers, n_head=heads, n_embd=width)
+    card: dict | None = None      # the model card the checkpoint carries (train/model_card.py)
 
 
 def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | None = None, device=None,
@@ -79,7 +38,7 @@ def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | Non
     """The newest intact committed checkpoint as a ready model on `device` in `dtype` (default: the CPU,
     fp32); None when there is none (or none newer than `newer_than`)."""
     from spotfill.storage.checkpoint_store import tag_key
-    from spotfill.train.model import GPT
+    from spotfill.train.model_card import model_from_state
 
     t0 = time.perf_counter()
     latest = store.latest_tag()
@@ -92,11 +51,9 @@ def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | Non
         state = consolidate(manifest["path"], manifest["tag"])
     finally:
         shutil.rmtree(manifest["path"], ignore_errors=True)
-    net = GPT(config_from_state(state, model))
-    net.load_state_dict(state)
+    net, card = model_from_state(state, manifest.get("meta"), model, where=f"checkpoint {manifest['tag']}")
     net.to(device=device or "cpu", dtype=dtype)
-    net.eval()
-    return Loaded(net, manifest["tag"], int(manifest["step"]), time.perf_counter() - t0, time.time())
+    return Loaded(net, manifest["tag"], int(manifest["step"]), time.perf_counter() - t0, time.time(), card)
 
 
 def generate(model, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0,

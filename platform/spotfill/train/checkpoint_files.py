@@ -14,9 +14,9 @@ DeepSpeed's own load without `elastic_checkpoint` (ZeRO-0/3). DeepSpeed's own lo
 in the rigid layout, with the engine's `elastic_checkpoint` on (spotfill configures it), reads every rank's
 file (`own_only=False`); so does any load at another world size (the partitions are merged). A file this
 does not know (pipeline layer files, model parallel ranks, anything newer) makes the answer None: download
-everything, correct by construction. These names are DeepSpeed's (ray_compat hook restore_node_files:
-where the installed DeepSpeed names its files otherwise, train/restore.py does not call this and every node
-downloads everything).
+everything, correct by construction. The model card's files (`rank-0/spotfill-model/...`) are read by no
+rank. These names are DeepSpeed's (ray_compat hook restore_node_files: where the installed DeepSpeed names its
+files otherwise, train/restore.py does not call this and every node downloads everything).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from typing import Iterable
 # no DeepSpeed)
 from spotfill.ray_compat.deepspeed_engine import DS_MODEL_FILE as _MODEL
 from spotfill.ray_compat.deepspeed_engine import DS_PARTITION_FILE as _PARTITION
+from spotfill.train.model_card import MODEL_DIR
 
 
 def node_files(files: Iterable[str], node_ranks: Iterable[int], saved_world: int, world: int,
@@ -38,6 +39,8 @@ def node_files(files: Iterable[str], node_ranks: Iterable[int], saved_world: int
     out: set[str] = set()
     for rel in files:
         folder, _, name = rel.partition("/")
+        if re.fullmatch(r"rank-\d+", folder) and name.startswith(MODEL_DIR + "/"):
+            continue            # the model card's tokenizer files (train/model_card.py): no rank loads them
         if not re.fullmatch(r"rank-\d+", folder) or "/" in name:
             return None
         if _MODEL.match(name):

@@ -188,9 +188,12 @@ class Checkpointer:
     """
 
     def __init__(self, store: CheckpointStore, local_root: str, rank: int, world_size: int, attempt: str,
-                 all_max: Callable[[list[float]], list[float]] | None = None, meta: dict | None = None):
+                 all_max: Callable[[list[float]], list[float]] | None = None, meta: dict | None = None,
+                 part_files: dict[str, str] | None = None):
         self.store, self.rank, self.world_size, self.attempt = store, rank, world_size, attempt
-        self.meta = dict(meta or {})     # more of the manifest's meta (a pipeline's stage count)
+        self.meta = dict(meta or {})     # more of the manifest's meta (a pipeline's stage count, the model card)
+        # more files of this rank's part, {path inside the part: local file} (the model card's tokenizer)
+        self.part_files = dict(part_files or {})
         self._roots = snapshot_roots(local_root, rank)
         self.disk_root, self.shm_root = self._roots[:2]
         self.snap_root = self.disk_root
@@ -394,6 +397,10 @@ class Checkpointer:
         self._zero_elastic = zero_elastic_layout(engine)
         with _no_zip_crc32():
             engine.save_checkpoint(self.snap_root, tag=tag, client_state=state, save_latest=False)
+        for rel, src in self.part_files.items():
+            dst = os.path.join(self.snap_root, tag, *rel.split("/"))
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copyfile(src, dst)
         self._snapshot_s = time.perf_counter() - t0
         return tag, self._snapshot_s, os.path.join(self.snap_root, tag)
 

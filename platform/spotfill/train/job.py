@@ -70,7 +70,7 @@ class TrainingJob:
 
     def __init__(self, config: JobConfig, runtime_env: dict | None = None, live: bool = False):
         # Ray Train workers chdir into their own run folder: local paths must be absolute.
-        for section, key in ((config, "storage"), (config.data, "path")):
+        for section, key in ((config, "storage"), (config.data, "path"), (config.training, "export_on_finish")):
             value = getattr(section, key)
             if value and "://" not in value:
                 setattr(section, key, os.path.abspath(value))
@@ -227,8 +227,28 @@ class TrainingJob:
         ray.get(sink.close.remote())
         ray.kill(sink)
         report = self.report(verdict=verdict, error=error)
+        if report["ok"] and self.config.training.export_on_finish:
+            report = self._export(report)
         if not report["ok"]:
             raise JobFailed(report.get("error") or "training did not finish")
+        return report
+
+    def _export(self, report: dict) -> dict:
+        """training.export_on_finish: the final checkpoint as a Hugging Face folder (train/export.py), in
+        report.json's `export`; a failed export fails the job (exit 1) with its reason."""
+        from spotfill.config.errors import CheckpointCorrupt, ConfigError
+        from spotfill.train.export import export_run
+
+        cfg = self.config
+        try:
+            report["export"] = {"ok": True, **export_run(open_storage(cfg.storage).child(cfg.name),
+                                                         cfg.training.export_on_finish)}
+        except (ConfigError, JobFailed, CheckpointCorrupt) as exc:
+            log.error("training.export_on_finish failed: %s", exc)
+            report["export"] = {"ok": False, "out": cfg.training.export_on_finish, "error": str(exc)}
+            report.update(ok=False, error=f"training.export_on_finish: {exc}")
+        with open(os.path.join(self.run_dir, "report.json"), "w") as f:
+            json.dump(report, f, indent=2)
         return report
 
     def _init_ray(self) -> None:

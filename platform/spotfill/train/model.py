@@ -136,17 +136,19 @@ class GPT(nn.Module):
 class HFCausalLM(nn.Module):
     """Adapter so a Hugging Face causal LM looks like GPT: `forward(idx) -> logits`."""
 
-    def __init__(self, path: str, recompute: str = "none"):
+    def __init__(self, path: str | None, recompute: str = "none", inner: nn.Module | None = None):
         super().__init__()
-        try:
-            from transformers import AutoModelForCausalLM
-        except ImportError as exc:  # pragma: no cover - depends on optional extra
-            raise ConfigError("training.model", f"hf:{path}",
-                              reason="needs the `transformers` package (pip install spotfill[hf])") from exc
-        import os
-        if not os.path.isdir(path):
-            raise ConfigError("training.model", f"hf:{path}", reason="not a local directory")
-        self.inner = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        if inner is None:
+            try:
+                from transformers import AutoModelForCausalLM
+            except ImportError as exc:  # pragma: no cover - depends on optional extra
+                raise ConfigError("training.model", f"hf:{path}",
+                                  reason="needs the `transformers` package (pip install spotfill[hf])") from exc
+            import os
+            if not os.path.isdir(path):
+                raise ConfigError("training.model", f"hf:{path}", reason="not a local directory")
+            inner = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        self.inner = inner
         conf = self.inner.config
         self.cfg = GPTConfig(vocab_size=conf.vocab_size,
                              seq_len=getattr(conf, "max_position_embeddings", 2048),
@@ -155,6 +157,14 @@ class HFCausalLM(nn.Module):
         self.recompute = recompute
         if recompute == "full":      # its decoder layers' forward runs again in backward
             self.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    @classmethod
+    def from_config(cls, config: dict) -> "HFCausalLM":
+        """The untrained model of a config.json's contents (a checkpoint's model card: no folder needed)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        conf = dict(config)
+        return cls(None, inner=AutoModelForCausalLM.from_config(AutoConfig.for_model(conf.pop("model_type"), **conf)))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.inner(input_ids=idx).logits

@@ -31,6 +31,7 @@ from spotfill.train.checkpointing import Checkpointer, checkpoint_events
 from spotfill.train.data import Prefetcher, ShardReader
 from spotfill.train.engine import build_engine, ds_config, load_checkpoint, resolve_precision
 from spotfill.train.restore import restore_on_workers
+from spotfill.train.model_card import for_checkpoints
 from spotfill.train.feed import DATA_KEY, LEDGER_KEY, StepFeed, data_identity, resume_point
 from spotfill.train.sample_ledger import FeedRecorder, SampleLedger
 from spotfill.train.step_policy import CONTINUE, FINISH, StepDecision, StepFacts, StepPolicy
@@ -160,8 +161,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
             startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision, **flops, **device,
             workers=[[n[:12], round(started, 3) if started else None] for n, started, _ in placed],
             **(pipe.start_fields() if pipe else {}), **_start_marks(t_start, t_restored, t_imported, t_engine))
+        card, card_files = for_checkpoints(t.model, reader.manifest, rank)    # checkpoints carry their model
         ckpt = Checkpointer(store, local_root, rank, world, attempt=f"{attempt}",
-                            meta=pipe.checkpoint_meta() if pipe else None)
+                            meta={**(pipe.checkpoint_meta() if pipe else {}), "model": card}, part_files=card_files)
         try:
             verdict = run_attempt(job, sink, comms, engine, reader, ckpt, rank=rank, world=world, attempt=attempt,
                                   shape=shape, vocab=vocab, flops=flops, device=device, client_state=client_state,
