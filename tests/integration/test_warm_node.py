@@ -21,7 +21,7 @@ def cluster():
     from spotfill.sim.cluster import EmbeddedCluster, worker_env
     from spotfill.train.warm import HOOK
     c = EmbeddedCluster("GPU")
-    c.add_node(1)
+    c.add_node(2)       # 2 GPUs, 2 CPUs: its raylet starts 2 processes at once (one per CPU, Ray's default)
     # the job's processes run spotfill's warm hook, as a training run's worker_runtime_env gives them
     ray.init(address=c.address, runtime_env={"env_vars": worker_setup_hook_env(HOOK, worker_env())},
              logging_level=logging.WARNING, log_to_driver=False)
@@ -44,7 +44,7 @@ def test_warmed_spares_are_ready_idle_and_hold_no_gpu_or_cpu(cluster):
     from spotfill.train.elastic import ready_spares, warm_node
     node = cluster.node_ids[0]
     before = _node_resources(node)
-    assert before.get("GPU") == 1.0 and before.get("CPU") == 1.0, before
+    assert before.get("GPU") == 2.0 and before.get("CPU") == 2.0, before
     warm_node(node, 2, idle=True)
     deadline = time.time() + READY_DEADLINE_S
     while time.time() < deadline and ready_spares().get(node, 0) < 2:
@@ -62,12 +62,12 @@ def test_warmed_spares_are_ready_idle_and_hold_no_gpu_or_cpu(cluster):
     assert _node_resources(node) == before
     pin = NodeAffinitySchedulingStrategy(node, soft=False)
 
-    @ray.remote(num_gpus=1, num_cpus=1)
+    @ray.remote(num_gpus=2, num_cpus=2)
     def tenant():
         import os
         return os.environ.get("CUDA_VISIBLE_DEVICES")
 
-    assert ray.get(tenant.options(scheduling_strategy=pin).remote(), timeout=120) == "0"
+    assert ray.get(tenant.options(scheduling_strategy=pin).remote(), timeout=120) == "0,1"
 
 
 def test_a_process_taken_by_a_worker_group_withdraws_its_record(cluster):

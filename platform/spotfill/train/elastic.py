@@ -66,7 +66,9 @@ def warm_node(node_id: str, count: int, idle: bool = False) -> None:
     step loop. `idle`: a node this run's group steps on -- the spares warm up in SCHED_IDLE there (tokens in
     the GCS store reach them on any node), on CPU time the steps leave unused. A node new to the run has no
     training to slow: its spares warm up at normal priority, ahead of fill-in's (nice 19, SCHED_IDLE), so
-    the grow waits seconds, not until training leaves CPU time. A failure is logged: the node then counts as
+    the grow waits seconds, not until training leaves CPU time. A raylet starts at most as many processes at
+    once as its node has CPUs and drops what it cannot start (Ray 2.60): the grow planner never asks a node
+    for more spares than the workers it would hold there. A failure is logged: the node then counts as
     ready only once the grow's bound passes (cold)."""
     from spotfill.ray_compat import prestart_workers
     from spotfill.train.spares import offer_kv
