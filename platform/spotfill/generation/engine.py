@@ -9,7 +9,9 @@ and verifies them in one target pass.
 
 Rows: running requests occupy cache rows 0..n-1; when one leaves, the last row moves into its place, so a
 step runs on a contiguous slice of the cache. Each row's cache holds every token of its request but the
-last (the next step's input).
+last (the next step's input). A draft with a cache of its own (a run's URI, a Hugging Face model) falls
+behind on plain steps, which run the target alone: each row counts the tokens the draft has seen, and a
+speculative step first feeds it the rest, in one pass.
 
 Threads: `submit` and `cancel` may be called from any thread; `step` runs on one (`start()` runs it in a
 daemon thread until `stop()`). Updates go to each request's `sink(update)` on the engine's thread.
