@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from spotfill.generation.decoders import GPTDecoder
+from spotfill.generation.decoders import GPTDecoder, RecomputeDecoder
 from spotfill.generation.engine import Engine, GenerationRequest
 from spotfill.generation.sampling import SamplingParams
 from spotfill.generation.spec_policy import FixedK, SpecPolicy
@@ -180,3 +180,83 @@ def test_the_chi_square_check_rejects_a_wrong_distribution():
     for toks, _ in out.values():
         counts[tuple(toks)] += 1
     assert chi_square_p(counts, expected_probs()) < 1e-6
+
+
+# -- a draft with its own cache, after plain steps ----------------------------------------------------------
+class StepClock:
+    """A clock that advances one second per reading: every pass the engine times takes 1 s, so the adaptive
+    policy's decisions follow from the acceptance rate alone (no timing in the test)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+
+class Scripted:
+    """The policy interface with k taken from a script (0: a plain step), the script repeating; records each
+    speculative step's batch size, k, judged and accepted drafts."""
+
+    def __init__(self, script):
+        self.script, self.i, self.spec_steps = list(script), 0, []
+        self.acceptance, self.last_reason = None, "scripted"
+
+    def record_plain(self, batch, seconds):
+        pass
+
+    def record_speculative(self, batch, k, draft_s, verify_s, checked, accepted):
+        self.spec_steps.append((batch, k, checked, accepted))
+
+    def decide(self, batch):
+        k = self.script[self.i % len(self.script)]
+        self.i += 1
+        return k
+
+
+def own_cache_draft(kind, model):
+    """A draft that keeps its own cache: spotfill's GPT cached (a run's URI), or recomputed as a Hugging Face
+    draft is (RecomputeDecoder)."""
+    if kind == "gpt":
+        return GPTDecoder(model)
+    return RecomputeDecoder(model, model.cfg.seq_len, model.cfg.vocab_size)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "recompute"])
+def test_a_disagreeing_draft_with_its_own_cache_under_the_adaptive_policy_keeps_every_request(model, plain, kind):
+    """The draft's proposals are mostly rejected, so the adaptive policy switches speculation off and probes
+    after plain steps; the draft's cache must catch up on the tokens it did not see (its probe once failed
+    every running request: IndexError from a recomputed draft's empty context)."""
+    policy = SpecPolicy(max_k=4)
+    eng = Engine(GPTDecoder(model), ByteTokenizer(), max_batch=4, draft=own_cache_draft(kind, other_model(model)),
+                 policy=policy, clock=StepClock())
+    got: dict = {}
+    for i, p in enumerate(PROMPTS):
+        eng.submit(GenerationRequest(str(i), list(p.encode()), SamplingParams(max_tokens=40, ignore_eos=True)),
+                   lambda u: got.setdefault(u.request_id, []).append(u))
+    while eng.step():
+        pass
+    assert {k: v[-1].finish_reason for k, v in got.items()} == {str(i): "length" for i in range(len(PROMPTS))}
+    assert {k: [t for u in v for t in u.ids] for k, v in got.items()} == plain
+    assert eng.stats["speculative_steps"] >= 3 and eng.stats["plain_steps"] >= 20     # off, then probes
+    assert eng.stats["draft_catch_up"] > 0
+
+
+@pytest.mark.parametrize("kind", ["gpt", "recompute"])
+def test_a_draft_equal_to_the_target_with_its_own_cache_accepts_everything_after_plain_steps(model, kind):
+    """The same weights in a separate model object (its own cache): every drafted token is accepted on every
+    speculative step, including those after one, two and five plain steps in a row and after a step that
+    kept all k drafts."""
+    policy = Scripted([0, 0, 3, 0, 2, 2, 0, 0, 0, 0, 0, 4, 1, 1, 0])
+    eng = Engine(GPTDecoder(model), ByteTokenizer(), max_batch=4,
+                 draft=own_cache_draft(kind, copy.deepcopy(model)), policy=policy)
+    got: dict = {}
+    for i, p in enumerate(PROMPTS):
+        eng.submit(GenerationRequest(str(i), list(p.encode()), SamplingParams(max_tokens=60, ignore_eos=True)),
+                   lambda u: got.setdefault(u.request_id, []).append(u))
+    while eng.step():
+        pass
+    assert len(policy.spec_steps) >= 10 and eng.stats["plain_steps"] >= 10
+    assert [(c, a) for _, _, c, a in policy.spec_steps] == [(n * k, n * k) for n, k, _, _ in policy.spec_steps]
+    assert eng.stats["accepted"] == eng.stats["drafted"]

@@ -72,3 +72,50 @@ def test_a_misspelled_gpu_resource_or_an_unreadable_checkpoint_is_refused_at_dep
     with pytest.raises(ConfigError, match="checkpoint: its committed checkpoint cannot be read"):
         check_deployable(ServeArgs.parse({"checkpoint": f"{runs}/alpha"}))
     assert check_deployable(ServeArgs.parse({"checkpoint": f"{runs}/beta"}))["tag"] == "step-00000001"
+
+
+def test_a_port_in_use_exits_2_naming_the_flag_and_a_free_one(runs):
+    """A second `spotfill serve` on the same --port (or any server there): one line before anything starts."""
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        res = spotfill("--checkpoint", f"{runs}/alpha", "--port", str(port), "--duration", "1")
+    assert res.returncode == 2 and res.stdout == "" and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(f"spotfill: error: --port: in use on 127.0.0.1"), res.stderr
+    assert "accepted: a free port, e.g. --port " in res.stderr and "Traceback" not in res.stderr
+
+
+def test_port_free_says_whether_a_server_could_listen_there():
+    import socket
+
+    from spotfill.cli.serve import port_free
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        assert port_free(held.getsockname()[1]) == 0
+    assert port_free(0) > 0
+
+
+def test_the_embedded_cluster_leaves_the_dashboards_ports_to_ray(monkeypatch):
+    """Ray's dashboard finds a free port itself (8265, else one of the 50 after it) only when none is given:
+    a port given -- even one checked free a moment before -- is refused when another local Ray took it in
+    between (two `spotfill serve` started together: the second died with a traceback on 8265)."""
+    import ray.cluster_utils
+
+    from spotfill.sim import cluster as sim_cluster
+    seen = {}
+
+    class FakeCluster:
+        def __init__(self, initialize_head, head_node_args):
+            seen.update(head_node_args)
+            self.head_node = type("Head", (), {"node_id": "head"})()
+
+    monkeypatch.setattr(ray.cluster_utils, "Cluster", FakeCluster)
+    monkeypatch.setattr(sim_cluster.os, "environ", dict(os.environ))
+    c = sim_cluster.EmbeddedCluster()
+    from spotfill.ray_compat import single_host_loopback
+    single_host_loopback(c._loopback_before)
+    assert seen["include_dashboard"] is True
+    assert seen["dashboard_port"] is None and seen["dashboard_agent_listen_port"] is None

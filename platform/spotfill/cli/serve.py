@@ -80,6 +80,9 @@ def check(args: argparse.Namespace) -> dict | None:
     from spotfill.config.serve_app import ServeArgs, check_deployable
     if not 1 <= args.port <= 65535:
         raise ConfigError("--port", args.port, accepted="1..65535")
+    if not port_free(args.port):
+        raise ConfigError("--port", args.port, reason="in use on 127.0.0.1 (another spotfill serve, or another "
+                          "server, listens there)", accepted=f"a free port, e.g. --port {port_free(0) or 8001}")
     for name in ("nodes", "gpus_per_node"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), accepted="an integer >= 1")
@@ -97,6 +100,20 @@ def check(args: argparse.Namespace) -> dict | None:
                                                        "; none found nearby"),
                           accepted="a run's storage URI with a committed checkpoint, or add --wait-for-checkpoint")
     return latest
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> int:
+    """`port` (0: one the system picks) when a server can listen on it at `host` now, else 0. SO_REUSEADDR as
+    a server sets it (Serve's proxy does): a port whose last connections are closing counts as free. The
+    local cluster's own ports need no such check: Ray picks free ones (sim/cluster.py HEAD_DASHBOARD)."""
+    import socket
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return 0
+        return s.getsockname()[1]
 
 
 def _stop_on_signals() -> None:

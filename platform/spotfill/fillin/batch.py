@@ -12,7 +12,8 @@ resumes on what remains. The next wave starts when the grant allows, on what rem
 then its commit marker; a unit without a valid marker is redone under the same name. An actor computes on
 the GPU Ray assigned it, in bf16 where the GPU has it (fp16 before Ampere), on the CPU in fp32 when Ray
 assigned none or CUDA is absent (spotfill.devices); its commit markers say where (`device`, `dtype`,
-`gpu_ids`).
+`gpu_ids`). A generation unit's rows run together on the actor's KV-cached engine (spotfill/generation,
+continuous batching), greedy rows giving what one-at-a-time decoding gives.
 
 `read_back` computes the report's `fillin.batch` from the output itself.
 """
@@ -33,6 +34,7 @@ from spotfill.fillin import batch_plan as bp
 
 log = logging.getLogger("spotfill.fillin.batch")
 REGROW_AFTER_S = 2.0     # a grant larger than the wave for this long: start a wave on it
+GENERATE_MAX_BATCH = 16  # prompts an actor generates for at once (its KV cache: this many rows)
 
 
 # -- inputs -------------------------------------------------------------------------------------------
@@ -185,6 +187,7 @@ class UnitWorker:
         self.where = {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                       "gpu_ids": [str(g) for g in ray_gpu_ids()]}
         self.model = plan_model(self.out, plan, self.device, self.dtype)
+        self.engine = None             # generation's KV-cached engine, made by the first generation unit
         self.reader = None
         if plan["eval_rows"]:
             from spotfill.train.data import ShardReader
@@ -214,14 +217,20 @@ class UnitWorker:
         return eval_table(unit, nll, count)
 
     def _generate(self, unit: bp.Unit):
+        """The unit's rows together on the actor's KV-cached engine (continuous batching, up to
+        GENERATE_MAX_BATCH rows at once: fillin/generate.py generate_rows)."""
         import pyarrow as pa
 
-        from spotfill.fillin.generate import generate
+        from spotfill.fillin.generate import batch_engine, generate_rows
+        if self.engine is None:        # its cache is allocated once, for the rows of a unit
+            self.engine = batch_engine(self.model, min(GENERATE_MAX_BATCH, self.plan["generate_rows_per_unit"]))
+        rows = range(unit.start, unit.stop)
+        results = generate_rows(self.model, [self.prompts[r] for r in rows], self.plan["max_tokens"],
+                                self.plan["temperature"], seeds=[self.plan["seed"] + r for r in rows],
+                                engine=self.engine)
         cols = {"id": [], "prompt_id": [], "prompt": [], "text": [], "tokens": [], "finish_reason": []}
-        for r in range(unit.start, unit.stop):
+        for r, (text, n, reason) in zip(rows, results):
             pid = self.plan["prompt_ids"][r]
-            text, n, reason = generate(self.model, self.prompts[r], self.plan["max_tokens"],
-                                       self.plan["temperature"], seed=self.plan["seed"] + r)
             for k, v in zip(cols, (f"generate/{pid}", pid, self.prompts[r], text, n, reason)):
                 cols[k].append(v)
         return pa.table(cols)

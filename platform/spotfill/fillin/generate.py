@@ -61,8 +61,9 @@ def generate(model, prompt: str, max_tokens: int, temperature: float = 0.0, seed
     """(text, tokens generated, finish_reason: "stop" | "length" | "time"). Byte-level tokens; stops at
     end-of-document, after `max_tokens`, or when `deadline_s` (seconds from now) runs out.
 
-    No KV cache, one request at a time: the batch job's generation and the baseline `spotfill bench --only
-    serve` compares spotfill/generation's engine (what the Serve app runs) with."""
+    No KV cache, one request at a time: the window of the last `seq_len` tokens slides as the text grows.
+    The baseline `spotfill bench --only serve` compares spotfill/generation's engine (what the Serve app
+    runs) with, and the batch job's path for a row that needs the sliding window (generate_rows)."""
     import torch
 
     t_end = None if deadline_s is None else time.monotonic() + deadline_s
@@ -87,3 +88,47 @@ def generate(model, prompt: str, max_tokens: int, temperature: float = 0.0, seed
                 break
             out.append(nxt)
     return bytes(out).decode("utf-8", errors="replace"), len(out), reason
+
+
+def fits_engine(prompt_ids: list[int], max_tokens: int, context: int) -> bool:
+    """Whether a prompt and its max_tokens fit the model's context without sliding the window: then the
+    KV-cached engine computes exactly what `generate` does (a cache holds absolute positions, so a sliding
+    window cannot reuse it)."""
+    return len(prompt_ids) + max_tokens <= context
+
+
+def generate_rows(model, prompts: list[str], max_tokens: int, temperature: float = 0.0,
+                  seeds: list[int] | None = None, engine=None) -> list[tuple[str, int, str]]:
+    """`generate` for many prompts at once: (text, tokens generated, finish_reason) per prompt, in order.
+    The prompts that fit the context with max_tokens run together on `engine` (spotfill/generation: KV
+    cache, continuous batching; default: a new one over `model`, a row per prompt), greedy giving exactly
+    `generate`'s tokens; sampled rows draw from (seed, token index) as the engine does. A prompt that needs
+    the sliding window runs alone through `generate` (its seed seeding its generator as there)."""
+    from spotfill.generation.offline import complete_all
+    from spotfill.generation.sampling import SamplingParams
+    seeds = list(seeds) if seeds is not None else [0] * len(prompts)
+    ids = [list(p.encode("utf-8")) or [EOD] for p in prompts]
+    out: list[tuple[str, int, str] | None] = [None] * len(prompts)
+    fit = [i for i, p in enumerate(ids) if fits_engine(p, max_tokens, model.cfg.seq_len)]
+    if fit and max_tokens > 0:
+        if engine is None:
+            engine = batch_engine(model, len(fit))
+        done = complete_all(engine, [ids[i] for i in fit],
+                            [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seeds[i])
+                             for i in fit])
+        for i, c in zip(fit, done):
+            if c.finish_reason == "error":
+                raise RuntimeError(f"generation of prompt {i} failed: {c.error}")
+            out[i] = (bytes(c.ids).decode("utf-8", errors="replace"), len(c.ids), c.finish_reason)
+    for i in range(len(prompts)):
+        if out[i] is None:
+            out[i] = generate(model, prompts[i], max_tokens, temperature, seed=seeds[i])
+    return out
+
+
+def batch_engine(model, max_batch: int):
+    """A KV-cached engine over a loaded model for offline batches (no draft; stepped by its caller)."""
+    from spotfill.generation.decoders import decoder_for
+    from spotfill.generation.engine import Engine
+    from spotfill.generation.text import ByteTokenizer
+    return Engine(decoder_for(model), ByteTokenizer(), max_batch=max(1, int(max_batch)))

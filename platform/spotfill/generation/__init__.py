@@ -8,6 +8,7 @@ decoding (pure torch, no Ray; the Serve app in serving/app.py is a thin layer ov
   speculative.py  draft -> verify: the acceptance rule (greedy-exact; sampled: Leviathan et al. 2023)
   spec_policy.py  how many tokens to draft now, or none (pure: measured costs and acceptance)
   engine.py       the scheduler: requests join the running batch at the next step and leave when done
+  offline.py      a list of prompts through an engine stepped in the caller's thread (the batch job)
   protocol.py     the OpenAI-compatible request/response shapes (pure)
   relay.py        a request that outlives its replica: continue elsewhere from the tokens generated
 """

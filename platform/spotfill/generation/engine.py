@@ -9,7 +9,9 @@ and verifies them in one target pass.
 
 Rows: running requests occupy cache rows 0..n-1; when one leaves, the last row moves into its place, so a
 step runs on a contiguous slice of the cache. Each row's cache holds every token of its request but the
-last (the next step's input).
+last (the next step's input). A draft with a cache of its own (a run's URI, a Hugging Face model) falls
+behind on plain steps, which run the target alone: each row counts the tokens the draft has seen, and a
+speculative step first feeds it the rest, in one pass.
 
 Threads: `submit` and `cancel` may be called from any thread; `step` runs on one (`start()` runs it in a
 daemon thread until `stop()`). Updates go to each request's `sink(update)` on the engine's thread.
@@ -68,6 +70,7 @@ class _Row:
         self.generated = len(req.generated)
         self.text = IncrementalText(tokenizer, self.params.stop, req.generated, req.emitted)
         self.drafted, self.accepted, self.verify_steps = req.drafted, req.accepted, req.verify_steps
+        self.draft_seen = 0      # leading tokens the draft's own cache holds (unused by a draft sharing the target's)
         self.finish: str | None = None
         self.new: list[int] = []
         self.delta = ""
@@ -201,6 +204,7 @@ class Engine:
         logits = self.target.forward(self.cache, r, [ctx], [0])[:, -1]
         if self.draft is not None and not self.shared:
             self.draft.forward(self.draft_cache, r, [ctx], [0])
+            row.draft_seen = len(ctx)
         tokens, _ = sampling.choose(logits, [row.params], [row.generated])
         self.stats["prefill_tokens"] += len(ctx)
         self._append(row, tokens.tolist())
@@ -234,13 +238,12 @@ class Engine:
         drafts: list[list[int]] = [[] for _ in rows]
         q = []                                   # the draft's distributions, per drafted position
         for j in range(k):
-            if j == 0 and not self.shared:       # the draft's cache may lack the previous token: redo it
-                inputs = [r.tokens[-2:] for r in rows]
-                starts = [len(r.tokens) - 2 for r in rows]
+            if j == 0 and not self.shared:
+                logits = self._draft_catch_up(rows)
             else:
                 inputs = [[r.tokens[-1]] if j == 0 else [d[-1]] for r, d in zip(rows, drafts)]
                 starts = [len(r.tokens) - 1 + j for r in rows]
-            logits = self.draft.forward(self.draft_cache, 0, inputs, starts)[:, -1]
+                logits = self.draft.forward(self.draft_cache, 0, inputs, starts)[:, -1]
             tokens, probs = sampling.choose(logits, params, [r.generated + j for r in rows], sampling.DRAFT)
             q.append(probs)
             for d, tok in zip(drafts, tokens.tolist()):
@@ -265,6 +268,9 @@ class Engine:
             row.drafted += k
             row.accepted += len(out) - 1
             row.verify_steps += 1
+            # the draft's own cache now holds the tokens before the drafts and the accepted drafts it was fed
+            # (all but the k-th: drafting it needed no pass over it)
+            row.draft_seen = len(row.tokens) + min(len(out) - 1, k - 1)
             self._append(row, out)
         t2 = self.clock()
         self.policy.record_speculative(n, k, t1 - t0, t2 - t1, checked_total, accepted_total)
@@ -275,6 +281,21 @@ class Engine:
         self.stats["accepted"] += accepted_total
         for row in rows:
             self._emit(row)
+
+    def _draft_catch_up(self, rows: list[_Row]):
+        """The draft's logits after each row's last token, its own cache first fed every token it has not
+        seen: plain steps run the target alone, and a verify step that kept all k drafts leaves the k-th and
+        the target's token unseen. One pass of t tokens per row (t: the most any row lacks); a row that
+        lacks fewer starts earlier (tokens it has are computed again, giving the same keys and values), one
+        shorter than t runs from position 0 and is padded after its last token (positions the next pass or
+        verify step overwrites, which its own tokens never attend to)."""
+        t = max(len(r.tokens) - r.draft_seen for r in rows)
+        starts = [max(0, len(r.tokens) - t) for r in rows]
+        inputs = [r.tokens[s:] + [r.tokens[-1]] * (t - len(r.tokens) + s) for r, s in zip(rows, starts)]
+        logits = self.draft.forward(self.draft_cache, 0, inputs, starts)
+        self.stats["draft_catch_up"] += sum(len(r.tokens) - 1 - r.draft_seen for r in rows)
+        last = [len(r.tokens) - 1 - s for r, s in zip(rows, starts)]
+        return logits[list(range(len(rows))), last]
 
     # -- bookkeeping ------------------------------------------------------------------------------------
     def _append(self, row: _Row, tokens: list[int]) -> None:

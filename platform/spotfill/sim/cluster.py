@@ -25,17 +25,15 @@ LOOPBACK_CLIENT_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # Node arguments that keep a node on loopback (Ray would otherwise use the machine's network address).
 LOOPBACK_NODE = {"node_ip_address": LOOPBACK, "dashboard_host": LOOPBACK}
 # The head runs the dashboard (Serve's scale endpoint and the job API live there; with node_ip_address set,
-# Ray leaves it off unless asked).
-HEAD_DASHBOARD = {"include_dashboard": True}
+# Ray leaves it off unless asked). Its port is left to Ray (None): the dashboard binds 8265, else the first
+# free one of the 50 after it, itself -- so a cluster starts beside another local Ray, also one started at the
+# same moment (a port given explicitly is checked once before the dashboard binds it, and a head whose port
+# was taken in between dies). The dashboard agent's HTTP port likewise (Ray's fixed 52365 on every head).
+# Where the dashboard ended up: the address the head registers (ray_compat.dashboard_url).
+HEAD_DASHBOARD = {"include_dashboard": True, "dashboard_port": None, "dashboard_agent_listen_port": None}
 # GCS health checks on loopback (config/failure_detection.py EMBEDDED): a frozen node is declared dead within
 # 6 s, a killed one within 3 s. Real clusters get theirs from cluster.yaml / deploy/kuberay (CLUSTER).
 FAST_FAILURE_DETECTION = EMBEDDED_HEALTH_CHECK.system_config()
-
-
-def dashboard_port(preferred: int = 8265) -> int:
-    """Ray's usual dashboard port when it is free on 127.0.0.1, else any free one: Ray refuses to start a
-    head whose dashboard port is taken (another local cluster, a dashboard left behind)."""
-    return free_port(preferred)
 
 
 def free_port(preferred: int = 0) -> int:
@@ -75,7 +73,7 @@ class EmbeddedCluster:
         self._env_before = {k: os.environ.get(k) for k in LOOPBACK_CLIENT_ENV}
         os.environ.update(LOOPBACK_CLIENT_ENV)
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            **LOOPBACK_NODE, **HEAD_DASHBOARD, "dashboard_port": dashboard_port(), "num_cpus": head_cpus,
+            **LOOPBACK_NODE, **HEAD_DASHBOARD, "num_cpus": head_cpus,
             "num_gpus": 0, "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})
         self.nodes: list = []          # index -> ray node handle (None once removed)
         self.frozen: list = []         # processes freeze_node stopped (killed at shutdown)
