@@ -47,7 +47,7 @@ from benchmarks.gpu_sections import caps, run_process_group, share  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # in this order, each with its weight: its cap is its weight's share of the budget left (gpu_sections.share);
 # with the default budget and every section running to its cap, the caps are these seconds
-SECTIONS = {"env": 20, "pytest_gpu": 55, "bench_gpu": 120, "ray_train": 135, "tenants": 50, "serve": 70}
+SECTIONS = {"env": 30, "pytest_gpu": 50, "bench_gpu": 120, "ray_train": 135, "tenants": 45, "serve": 70}
 DEFAULT_BUDGET_S = 450     # sections only; the wheels' install (~40 s) before: one 600 s device command in all
 GPU_FREE_WAIT_S = 30       # before a section: wait this long at most for the last one's GPU processes to end
 RAY_TRAIN_STEPS = 30

@@ -117,13 +117,13 @@ def import_check() -> dict:
 
 def image_venv(venv: str, image: set[str]) -> dict:
     """A venv (no system site-packages) whose site-packages links to every file of each installed
-    distribution the image lists, so it imports what the image has and nothing else (versions: this
-    machine's). Returns {"linked": distributions, "absent": image packages not installed here}."""
+    distribution the image lists (pip included: no venv pip or setuptools of its own), so it imports what
+    the image has and nothing else (versions: this machine's). Returns {"linked": distributions, "absent": image packages not installed here}."""
     import subprocess
     import sysconfig
     from importlib.metadata import distributions
 
-    subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", venv], check=True)
     site = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
                            "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
@@ -131,7 +131,7 @@ def image_venv(venv: str, image: set[str]) -> dict:
     linked, seen = [], set()
     for dist in distributions():
         name = normalize(dist.metadata["Name"] or "")
-        if name not in image or name in seen or name == "pip" or not dist.files:
+        if name not in image or name in seen or not dist.files:
             continue
         seen.add(name)
         root = os.path.realpath(str(dist.locate_file("")))
@@ -147,7 +147,7 @@ def image_venv(venv: str, image: set[str]) -> dict:
             if not os.path.lexists(dst):
                 os.symlink(src, dst)
         linked.append(name)
-    return {"site": site, "linked": sorted(linked), "absent": sorted(image - seen - {"pip"})}
+    return {"site": site, "linked": sorted(linked), "absent": sorted(image - seen)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--python", default="3.12")
     v = sub.add_parser("image-venv")
     v.add_argument("venv")
-    sub.add_parser("imports")
+    i = sub.add_parser("imports")
+    i.add_argument("--json", help="also write the result here (DeepSpeed prints to stdout at import)")
     args = parser.parse_args(argv)
     if args.cmd == "requirements":
         paths = sorted(glob.glob(os.path.join(args.wheels, "*.whl")))
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.path[:0] = [os.path.join(REPO, "platform"), REPO]
     res = import_check()
     print(json.dumps(res, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
     return 1 if res["failed"] or res["hooks_unresolved"] or not res["hooks"] else 0
 
 

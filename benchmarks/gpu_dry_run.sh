@@ -42,7 +42,7 @@ rm -rf "$WORK/site" && mkdir -p "$WORK/site"
 "$WORK/image-venv/bin/python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$WORK/site" "$HERE_WHEELS"/*.whl
 PYTHONPATH="$WORK/site:$REPO/platform:$REPO" "$WORK/image-venv/bin/python" -m benchmarks.gpu_dry_run imports \
-    > "$WORK/imports.json"
+    --json "$WORK/imports.json" > "$WORK/imports.log" 2>&1 || { tail -40 "$WORK/imports.log"; exit 1; }
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"modules imported: {d['modules']}, failed: \
 {d['failed']}; hooks: {d['hooks']}, unresolved: {d['hooks_unresolved']}\")" "$WORK/imports.json"
 
