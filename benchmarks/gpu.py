@@ -179,9 +179,12 @@ def train_throughput(preset: str, device: str, precision: str, steps: int, warmu
     on_cuda = device == "cuda"
     runner = runner or _engine_run
 
+    allocated: list[float] = []           # at the start of each try: what the earlier ones left behind
+
     def attempt(micro: int) -> dict:
         if on_cuda:
             torch.cuda.reset_peak_memory_stats()
+            allocated.append(round(torch.cuda.memory_allocated() / 1e9, 3))
         return runner(preset, micro, torch.device(device), precision, steps, warmup)
 
     with scoped_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
@@ -201,7 +204,7 @@ def train_throughput(preset: str, device: str, precision: str, steps: int, warmu
     return {**r, "preset": preset, "precision": precision, "micro_batch": micro, "steps": steps,
             "step_s": r["seconds"] / steps, "tokens_s": micro * r["seq_len"] * steps / r["seconds"],
             "oom_at": [o["micro_batch"] for o in ooms], "oom_errors": [o["error"] for o in ooms],
-            "max_memory_gb": max_mem}
+            "allocated_at_try_gb": allocated, "max_memory_gb": max_mem}
 
 
 def plain_bf16_throughput(preset: str, micro: int, steps: int, warmup: int = 3) -> dict:
@@ -267,7 +270,8 @@ def bench_gpu(quick: bool = True, preset: str | None = None, baseline: bool = Fa
            "peak_bf16_tflops": rnd(peak / 1e12, 1) if peak else None,
            "mfu": util(r["tokens_s"], r["flops_per_token"]), "hfu": util(r["tokens_s"], r["hardware_flops_per_token"]),
            "tokens_s": rnd(r["tokens_s"], 1), "params": r["params"], "preset": preset, "precision": "bf16",
-           "zero_stage": 2, "micro_batch": r["micro_batch"], "oom_at": r["oom_at"], "seq_len": r["seq_len"],
+           "zero_stage": 2, "micro_batch": r["micro_batch"], "oom_at": r["oom_at"], "oom_errors": r["oom_errors"],
+           "allocated_at_try_gb": r["allocated_at_try_gb"], "seq_len": r["seq_len"],
            "sized": {"free_memory_gb": rnd(free / 1e9, 2) if free else None, "headroom": HEADROOM,
                      "micro_batches": list(sizes),
                      "estimate_gb": rnd(memory_estimate(preset, sizes[0])["total"] / 1e9, 2)},

@@ -95,7 +95,11 @@ def section_env(dry: bool) -> dict:
                 capture_output=True, text=True, timeout=20).stdout.strip()
         except (OSError, subprocess.TimeoutExpired) as exc:
             out["nvidia_smi"] = f"{type(exc).__name__}: {exc}"
+    _save_partial(out)                  # the machine's figures stay if the imports run past the cap
     out["imports"] = import_check()
+    if out["imports"]["failed"] or out["imports"]["hooks_unresolved"]:
+        out.update(ok=False, error=f"imports failed: {sorted(out['imports']['failed'])[:5]}, hooks unresolved: "
+                                   f"{sorted(out['imports']['hooks_unresolved'])[:5]}")
     return out
 
 
