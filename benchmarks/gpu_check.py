@@ -1,7 +1,7 @@
 """The GPU check: everything spotfill does on a GPU, in one run with one JSON file (benchmarks/gpu_check.sh
 installs the carried wheels and calls this on the lent machine).
 
-    python3 -m benchmarks.gpu_check --out gpu_check.json [--budget-s 450] [--only a,b] [--cpu-dry-run]
+    python3 -m benchmarks.gpu_check --out gpu_check.json [--budget-s 480] [--only a,b] [--cpu-dry-run]
 
 Sections, each in a process group of its own under its own cap -- its weight's share of the budget left
 (benchmarks/gpu_sections.py: the shares add to the budget) -- killed whole (pytest, Ray's processes) when it
@@ -47,8 +47,8 @@ from benchmarks.gpu_sections import caps, run_process_group, share  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # in this order, each with its weight: its cap is its weight's share of the budget left (gpu_sections.share);
 # with the default budget and every section running to its cap, the caps are these seconds
-SECTIONS = {"env": 30, "pytest_gpu": 50, "bench_gpu": 120, "ray_train": 135, "tenants": 45, "serve": 70}
-DEFAULT_BUDGET_S = 450     # sections only; the wheels' install (~40 s) before: one 600 s device command in all
+SECTIONS = {"env": 30, "pytest_gpu": 65, "bench_gpu": 120, "ray_train": 140, "tenants": 50, "serve": 75}
+DEFAULT_BUDGET_S = 480     # sections only; the wheels' install (~40 s) before: one 600 s device command in all
 GPU_FREE_WAIT_S = 30       # before a section: wait this long at most for the last one's GPU processes to end
 RAY_TRAIN_STEPS = 30
 FINAL_SAVE_WAIT_S = 30     # after the last step: how long the ray_train section waits for the final checkpoint

@@ -31,6 +31,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "$WHL"/*.whl
 ls "$WORK/site312" | grep -c dist-info | xargs echo "installed distributions:"
+tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+whl=$(du -sb "$WHL" | cut -f1)
+echo "what travels to the device: tracked files $((tree / 1000000)) MB + wheels $((whl / 1000000)) MB (limit 64 MiB)"
+[ $((tree + whl)) -le $((64 * 1024 * 1024)) ] || { echo "over the device tool's 64 MiB"; exit 1; }
 
 echo "== 3. imports with this machine's Python $HERE_PY, the image's packages only"
 if [ ! -d "$HERE_WHEELS" ]; then
