@@ -143,9 +143,10 @@ def section_bench_gpu(dry: bool) -> dict:
 
 def _ray_init(dry: bool) -> None:
     """A local Ray whose one node holds the machine's one GPU (`GPU`; a dry run also declares GPU_SLOT: Ray
-    Train on `GPU` means NCCL, which a machine without CUDA cannot run)."""
+    Train on `GPU` means NCCL, which a machine without CUDA cannot run). Always a new one (address
+    "local"): never a cluster another section or process left, whose address Ray would otherwise find."""
     import ray
-    ray.init(num_cpus=min(12, os.cpu_count() or 2) if not dry else 2, num_gpus=1, include_dashboard=False,
+    ray.init(address="local", num_cpus=min(12, os.cpu_count() or 2) if not dry else 2, num_gpus=1, include_dashboard=False,
              resources={"GPU_SLOT": 1} if dry else None, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
 
