@@ -45,7 +45,7 @@ def imds():
 
 def make_watcher(imds: ImdsStandin, drain=None, timeout_s: float = 0.5, **kw):
     drain = drain if drain is not None else RecordingDrain()
-    return spot.SpotWatcher(spot.ImdsClient(imds.url, timeout_s=timeout_s), drain, **kw), drain
+    return spot.SpotWatcher(spot.AwsSource(imds.url, timeout_s=timeout_s), drain, **kw), drain
 
 
 def test_no_notice_is_404_and_uses_a_token(imds):
@@ -120,7 +120,7 @@ def test_connection_refused_is_survived():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]                                # closed again: nothing listens there
-    watcher = spot.SpotWatcher(spot.ImdsClient(f"http://127.0.0.1:{port}", timeout_s=0.5), RecordingDrain())
+    watcher = spot.SpotWatcher(spot.AwsSource(f"http://127.0.0.1:{port}", timeout_s=0.5), RecordingDrain())
     out = watcher.poll_once()
     assert out.status == "imds-error" and "refused" in out.detail.lower()
 

@@ -373,6 +373,7 @@ HOOKS = _hooks(
          "spot.watcher has no public API to drain a node",
          names=("ray._private.services:canonicalize_bootstrap_address_or_die(addr)", "ray._raylet:GcsClient",
                 "ray._raylet:InnerGcsClient.drain_node", "ray._raylet:InnerGcsClient.get_all_node_info",
+                "ray._raylet:InnerGcsClient.internal_kv_put",
                 "ray.core.generated.gcs_pb2:GcsNodeInfo.ALIVE",
                 "ray.core.generated.autoscaler_pb2:DrainNodeReason.Value")),
     Hook("single_host_cluster", REQUIRED, "ray", RAY,
