@@ -24,6 +24,7 @@ class GcpMetadataStandin(HttpStandin):
     def __init__(self, port: int = 0):
         super().__init__(port)
         self.values = {PREEMPTED_PATH: "FALSE", MAINTENANCE_PATH: "NONE"}
+        self.waiting = 0              # wait_for_change requests being held now
 
     def set_value(self, path: str, value: str) -> None:
         """Any value, including a malformed one."""
@@ -46,7 +47,9 @@ class GcpMetadataStandin(HttpStandin):
             if query.get("wait_for_change", [""])[0] == "true":
                 last = query.get("last_etag", [""])[0] or etag(self.values[path])   # none: wait for a change
                 timeout = float(query.get("timeout_sec", ["300"])[0])
+                self.waiting += 1
                 self.changed.wait_for(lambda: etag(self.values[path]) != last or self._server is None,
                                       timeout=timeout)
+                self.waiting -= 1
             value = self.values[path]
         return 200, value, {"Metadata-Flavor": "Google", "ETag": etag(value)}

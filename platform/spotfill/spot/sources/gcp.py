@@ -95,7 +95,6 @@ class GcpSource(PollingSource):
         self._since = {k: t for k, t in self._since.items() if k in seen}    # a withdrawn value starts over
         for n in out.notices:
             self._since.setdefault(n.key, now)
-        self._start_watches()
         return out
 
     def _start_watches(self) -> None:
@@ -123,6 +122,7 @@ class GcpSource(PollingSource):
                 self._changed.set()
 
     def wait(self, stop, timeout_s: float) -> None:
+        self._start_watches()             # in the run loop only (closed at its end), from the etags read saw
         waited = 0.0
         while waited < timeout_s and not stop.is_set():          # wake on a change or a stop
             step = min(0.05, timeout_s - waited)
