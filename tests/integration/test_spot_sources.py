@@ -222,7 +222,8 @@ def test_early_warning_is_recorded_not_drained_and_withdrawn(platform):
     drain, warns = RecordingDrain(), []
     w = spot.SpotWatcher(platform.source(), drain, warn=lambda n, withdrawn, now: warns.append((n.event, withdrawn)))
     platform.warn_on()
-    assert [w.poll_once().status for _ in range(2)] == [w.poll_once().status] * 2
+    statuses = [w.poll_once().status for _ in range(3)]
+    assert len(set(statuses)) == 1 and statuses[0] not in ("drained", "no-notice")
     assert drain.calls == [] and len(warns) == 1 and warns[0][1] is False
     platform.warn_off()
     w.poll_once()
