@@ -140,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
     source = build_source(name, args, timeout_s)
     logging.basicConfig(level=getattr(logging, constants.LOG_LEVEL.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger(__name__).info("notice source %s (%s)", name, why)
     drainer = spot.RayNodeDrainer(address=args.address, node_id=node_id, node_ip=args.node_ip)
+    logging.getLogger(__name__).info("notice source %s (%s)", name, why)
     watcher = spot.SpotWatcher(source, drainer, on_rebalance=args.on_rebalance, warn=drainer.warn,
                                left=drainer.has_left)
     if args.once:

@@ -368,7 +368,8 @@ HOOKS = _hooks(
          names=("ray._raylet:CoreWorker.kill_actor", "ray._raylet:ActorID.from_hex",
                 "ray._private.worker:global_worker")),
     Hook("spot_drain", REQUIRED, "ray", RAY,
-         "the spot watcher drains its Ray node through the GCS, as `ray drain-node` does",
+         "the spot watcher drains its Ray node through the GCS, as `ray drain-node` does, and records early "
+         "warnings in the GCS key-value store",
          "`spotfill spot-watch` (draining this node in Ray on a spot notice)",
          "spot.watcher has no public API to drain a node",
          names=("ray._private.services:canonicalize_bootstrap_address_or_die(addr)", "ray._raylet:GcsClient",
