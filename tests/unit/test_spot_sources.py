@@ -195,3 +195,15 @@ def test_cli_build_source_endpoints_and_deadlines():
                 args(endpoint="nope"), args(deadline_s="-1")):
         with pytest.raises(ConfigError):
             cli.build_source("gcp", bad, 0.5)
+
+
+def test_the_30s_notice_scenario_parses_with_30s_drains():
+    """examples/scenario-30s-notice.yaml (docs/spot-notices.md: notice -> committed per node) stays a valid
+    scenario with two 30 s notices on different nodes."""
+    from pathlib import Path
+
+    from spotfill.sim.scenario import load_scenario
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "scenario-30s-notice.yaml"
+    drains = [e for e in load_scenario(str(path)).events if e.action == "drain_node"]
+    assert [e.deadline_s for e in drains] == [30.0, 30.0] and len({e.node for e in drains}) == 2
