@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from spotfill.config.errors import ConfigError, SpotfillError
-from spotfill.spot.notice import (EARLY_WARNING, PREEMPT, PREEMPTION_REASON, Decision, Notice,  # noqa: F401
+from spotfill.spot.notice import (EARLY_WARNING, PREEMPTION_REASON, Decision, Notice,  # noqa: F401
                                   NoticeSource, Reading, SourceError, decide as decide_reading, parse_time)
 from spotfill.spot.sources.aws import (DEFAULT_NOTICE_DEADLINE_S, INSTANCE_ACTION_PATH,  # noqa: F401
                                        ON_REBALANCE_CHOICES, REBALANCE_PATH, TOKEN_PATH, AwsSource, ImdsClient,

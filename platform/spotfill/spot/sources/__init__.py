@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Mapping, Optional
+from typing import Mapping
 
 logger = logging.getLogger(__name__)
 
