@@ -45,7 +45,7 @@ def imds():
 
 def make_watcher(imds: ImdsStandin, drain=None, timeout_s: float = 0.5, **kw):
     drain = drain if drain is not None else RecordingDrain()
-    return spot.SpotWatcher(spot.ImdsClient(imds.url, timeout_s=timeout_s), drain, **kw), drain
+    return spot.SpotWatcher(spot.AwsSource(imds.url, timeout_s=timeout_s), drain, **kw), drain
 
 
 def test_no_notice_is_404_and_uses_a_token(imds):
@@ -120,7 +120,7 @@ def test_connection_refused_is_survived():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]                                # closed again: nothing listens there
-    watcher = spot.SpotWatcher(spot.ImdsClient(f"http://127.0.0.1:{port}", timeout_s=0.5), RecordingDrain())
+    watcher = spot.SpotWatcher(spot.AwsSource(f"http://127.0.0.1:{port}", timeout_s=0.5), RecordingDrain())
     out = watcher.poll_once()
     assert out.status == "imds-error" and "refused" in out.detail.lower()
 
@@ -291,3 +291,25 @@ def test_real_ray_drain_with_deadline_is_seen_by_ray_and_ray_train(ray_cluster, 
                               None), what="drained node to exit")
     assert dead["DeathReason"] == common_pb2.NodeDeathInfo.AUTOSCALER_DRAIN_PREEMPTED
     assert dead["DeathReasonMessage"] == f"AWS spot instance-action: terminate at {when}"
+
+
+def test_early_warning_record_keeps_the_grow_check_off_that_node(ray_cluster):
+    """The watcher's early-warning record (written through the daemon's GcsClient, no ray.init) is what the
+    grow check reads inside a job (spot.early_warning.without_warned, called by train.elastic.GrowCheck); a
+    withdrawn warning stops counting."""
+    import ray
+
+    from spotfill.spot.early_warning import without_warned
+    from spotfill.spot.sources.aws import parse_rebalance, reading
+
+    cluster, worker = ray_cluster
+    head = next(n["NodeID"] for n in ray.nodes() if n["NodeID"] != worker.node_id)
+    drainer = spot.RayNodeDrainer(address=cluster.address)
+    (notice,) = reading(None, parse_rebalance('{"noticeTime": "2026-11-29T12:00:00Z"}'), now=time.time()).notices
+    candidates = {worker.node_id: {"GPU_SLOT": 1.0}, head: {"CPU": 1.0}}
+    assert without_warned(candidates) == candidates
+    drainer.warn(notice, False, time.time())
+    assert without_warned(candidates) == {head: {"CPU": 1.0}}
+    drainer.warn(notice, True, time.time())
+    assert without_warned(candidates) == candidates
+    assert not drainer.has_left()                                # nothing drained by it

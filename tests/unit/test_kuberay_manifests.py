@@ -382,3 +382,41 @@ def test_head_sets_the_clusters_health_checks(cluster):
     health = {k: v for k, v in env.items() if k.startswith("RAY_health_check_")}
     assert health == CLUSTER.env()
     assert ray_reads(health) == CLUSTER
+
+
+def _sidecar(group: dict) -> dict:
+    (side,) = [c for c in group["template"]["spec"]["containers"] if c["name"] == "spot-watch"]
+    return side
+
+
+def test_spot_watch_sidecar_hears_sigterm_and_the_node_with_the_prestop_budget(cluster):
+    """Every GPU pod runs `spotfill spot-watch --source kubernetes` beside the Ray container (which stays first):
+    its flags parse with spotfill's own parser, its deadline is the preStop drain's, it has no preStop (the
+    kubelet signals it at once), the values it expands come from the downward API, and its ServiceAccount
+    may read nodes (spot-watch-rbac.yaml)."""
+    from spotfill.cli.main import build_parser
+    from spotfill.cli.spot_watch import build_source
+
+    rbac = list(yaml.safe_load_all((KUBERAY / "spot-watch-rbac.yaml").read_text()))
+    account = next(d for d in rbac if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    role = next(d for d in rbac if d["kind"] == "ClusterRole")
+    assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]} in role["rules"]
+    binding = next(d for d in rbac if d["kind"] == "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"] and binding["subjects"][0]["name"] == account
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        assert ray_container(group)["name"] == "ray-worker" and pod["serviceAccountName"] == account
+        side = _sidecar(group)
+        assert "lifecycle" not in side and "nvidia.com/gpu" not in side["resources"]["limits"]
+        env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in side["env"]}
+        assert env == {"NODE_NAME": "spec.nodeName", "POD_IP": "status.podIP",
+                       "RAY_CLUSTER": "metadata.labels['ray.io/cluster']"}
+        argv = [re.sub(r"\$\((\w+)\)", lambda m: {"RAY_CLUSTER": "spotfill", "POD_IP": "10.1.2.3"}[m.group(1)], a)
+                for a in side["command"]]
+        assert argv[:2] == ["spotfill", "spot-watch"]
+        args = build_parser().parse_args(argv[1:])
+        assert args.source == "kubernetes" and args.address == "spotfill-head-svc:6379" and args.node_ip == "10.1.2.3"
+        deadline = build_source("kubernetes", args, 1.0).deadline_s
+        first = _prestop(group).split(";", 1)[0].split(">", 1)[0]
+        drain_node_deadline = float(re.search(r"--deadline-remaining-seconds (\d+)", first).group(1))
+        assert deadline == drain_node_deadline <= pod["terminationGracePeriodSeconds"] - 20

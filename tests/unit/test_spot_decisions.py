@@ -136,7 +136,10 @@ def test_outcome_describe():
 
 
 def test_module_does_not_import_ray():
-    code = "import sys, spotfill.spot.watcher, spotfill.cli.spot_watch, spotfill.testing.imds; print('ray' in sys.modules)"
+    code = ("import sys, spotfill.spot.watcher, spotfill.cli.spot_watch, spotfill.testing.imds, "
+            "spotfill.spot.sources.gcp, spotfill.spot.sources.azure, spotfill.spot.sources.kubernetes, "
+            "spotfill.spot.early_warning, spotfill.testing.gcp_metadata, spotfill.testing.azure_events, "
+            "spotfill.testing.kube_api; print('ray' in sys.modules)")
     platform_dir = os.path.join(os.path.dirname(__file__), "..", "..", "platform")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath(platform_dir),
                                                         os.environ.get("PYTHONPATH", "")])}

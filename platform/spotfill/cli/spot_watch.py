@@ -1,7 +1,9 @@
-"""`spotfill spot-watch`: AWS spot notice -> Ray drain (PREEMPTION, deadline).
+"""`spotfill spot-watch`: a spot notice (AWS, GCP, Azure or Kubernetes: --source) -> Ray drain (PREEMPTION,
+deadline); an early warning -> a record that keeps training from growing onto this node.
 
-Runs as a daemon on every GPU worker (cluster.yaml starts it after `ray start`). `--once` polls once, prints
-what it saw and did, and exits 0 (no notice, notice drained) or 1 (IMDS unreachable, drain failed).
+Runs as a daemon on every GPU worker (cluster.yaml and examples/cluster-{gcp,azure}.yaml start it after
+`ray start`; deploy/kuberay runs it as a sidecar). `--once` polls once, prints what it saw and did, and exits
+0 (no notice, notice drained) or 1 (metadata server unreachable, drain failed). docs/spot-notices.md.
 """
 from __future__ import annotations
 
@@ -19,8 +21,20 @@ from spotfill.config.errors import ConfigError, JobFailed
 
 def register(sub) -> None:
     p = sub.add_parser("spot-watch", help="watch the instance-metadata service for a spot notice and drain this Ray node")
-    p.add_argument("--imds-endpoint", metavar="URL", default=constants.IMDS_ENDPOINT,
-                   help="instance-metadata endpoint (default: %(default)s; env SPOTFILL_IMDS_ENDPOINT)")
+    p.add_argument("--source", metavar="NAME", default=constants.SPOT_SOURCE,
+                   help="where notices come from: auto (detect: a pod -> kubernetes, else the cloud the machine's "
+                        "DMI names, else aws), aws, gcp, azure, kubernetes (default: %(default)s; env "
+                        "SPOTFILL_SPOT_SOURCE)")
+    p.add_argument("--imds-endpoint", metavar="URL", default=None,
+                   help="metadata endpoint of the source (default: the source's own; for aws "
+                        f"{constants.IMDS_ENDPOINT}, env SPOTFILL_IMDS_ENDPOINT)")
+    p.add_argument("--endpoint", metavar="URL", default=None,
+                   help="the same as --imds-endpoint (for kubernetes: the API server, default in-cluster)")
+    p.add_argument("--deadline-s", metavar="S", default=None,
+                   help="seconds a notice that carries no time leaves (default per source: aws 120, gcp 30 / 60 "
+                        "for maintenance, azure 30, kubernetes 30 after SIGTERM)")
+    p.add_argument("--node-name", metavar="NAME", default=None,
+                   help="kubernetes: the Kubernetes node whose taints to watch (default: env NODE_NAME)")
     p.add_argument("--poll-s", metavar="S", default=str(constants.SPOT_POLL_S),
                    help="poll interval in seconds, > 0 (default: %(default)s)")
     p.add_argument("--once", action="store_true", help="poll once, print what was done, and exit")
@@ -65,26 +79,81 @@ def validate_endpoint(url: str, field: str = "--imds-endpoint") -> str:
     return url
 
 
+def validate_source(value: str, field: str = "--source") -> str:
+    from spotfill.spot.sources import CHOICES
+
+    if value not in CHOICES:
+        raise ConfigError(field, value, CHOICES)
+    return value
+
+
+def resolve_source(args: argparse.Namespace, env=None) -> tuple[str, str]:
+    """(source name, why): --source, or detected for auto; an --imds-endpoint/--endpoint disagreement is bad
+    usage."""
+    import os
+
+    from spotfill.spot.sources import DMI_PRODUCT, DMI_VENDOR, detect, read_dmi
+
+    name = validate_source(args.source)
+    if name != "auto":
+        return name, "--source"
+    if args.imds_endpoint:
+        return "aws", "--imds-endpoint given (the AWS instance-metadata flag)"
+    env = os.environ if env is None else env
+    return detect(env, read_dmi(DMI_VENDOR), read_dmi(DMI_PRODUCT))
+
+
+def build_source(name: str, args: argparse.Namespace, timeout_s: float):
+    """The source ``name`` with the CLI's endpoint, deadline and node name applied."""
+    import os
+
+    from spotfill.spot.sources import default_endpoint, source_class
+    from spotfill.spot.sources.kubernetes import in_cluster_endpoint
+
+    if args.imds_endpoint and args.endpoint and args.imds_endpoint != args.endpoint:
+        raise ConfigError("--endpoint", args.endpoint, f"the same URL as --imds-endpoint ({args.imds_endpoint})")
+    given = args.endpoint or args.imds_endpoint
+    deadline = validate_poll_s(args.deadline_s, "--deadline-s") if args.deadline_s is not None else None
+    cls = source_class(name)
+    if name == "kubernetes":
+        endpoint = validate_endpoint(given, "--endpoint") if given else in_cluster_endpoint()
+        kw = {"deadline_s": deadline} if deadline is not None else {}
+        return cls(endpoint, node_name=args.node_name or os.environ.get("NODE_NAME") or None, timeout_s=timeout_s,
+                   **kw)
+    fallback = constants.IMDS_ENDPOINT if name == "aws" else default_endpoint(name)
+    endpoint = validate_endpoint(given or fallback, "--endpoint" if args.endpoint else "--imds-endpoint")
+    if name == "aws":
+        return cls(endpoint, timeout_s=timeout_s, **({"default_deadline_s": deadline} if deadline else {}))
+    if deadline is not None:
+        raise ConfigError("--deadline-s", args.deadline_s, "only with --source aws or kubernetes (gcp and azure "
+                          "notices have their own times)")
+    return cls(endpoint, timeout_s=timeout_s)
+
+
 def run(args: argparse.Namespace) -> int:
     from spotfill.spot import watcher as spot
 
     poll_s = validate_poll_s(args.poll_s, "--poll-s")
     timeout_s = validate_poll_s(args.timeout_s, "--timeout-s")
-    endpoint = validate_endpoint(args.imds_endpoint)
     node_id = validate_node_id(args.node_id)
+    name, why = resolve_source(args)
+    source = build_source(name, args, timeout_s)
     logging.basicConfig(level=getattr(logging, constants.LOG_LEVEL.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     drainer = spot.RayNodeDrainer(address=args.address, node_id=node_id, node_ip=args.node_ip)
-    watcher = spot.SpotWatcher(spot.ImdsClient(endpoint, timeout_s=timeout_s), drainer,
-                               on_rebalance=args.on_rebalance)
+    logging.getLogger(__name__).info("notice source %s (%s)", name, why)
+    watcher = spot.SpotWatcher(source, drainer, on_rebalance=args.on_rebalance, warn=drainer.warn,
+                               left=drainer.has_left)
     if args.once:
         outcome = watcher.poll_once()
+        source.close()
         print(f"spot-watch: {outcome.describe()}")
         if outcome.status in ("imds-error", "drain-failed"):
             raise JobFailed(f"spot-watch --once: {outcome.status}: {outcome.detail}")
         return 0
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    on_term = getattr(source, "on_sigterm", None)      # kubernetes: SIGTERM is the notice, not a stop
+    signal.signal(signal.SIGTERM, on_term if on_term is not None else (lambda *_: stop.set()))
     threading.Thread(target=drainer.prepare, name="spot-watch-prepare", daemon=True).start()
     watcher.run(poll_s, stop)
     return 0

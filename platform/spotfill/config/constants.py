@@ -130,6 +130,8 @@ IMDS_ENDPOINT = os.environ.get("SPOTFILL_IMDS_ENDPOINT", "http://169.254.169.254
 SPOT_POLL_S = os.environ.get("SPOTFILL_SPOT_POLL_S", "2")
 IMDS_TIMEOUT_S = os.environ.get("SPOTFILL_IMDS_TIMEOUT_S", "1")
 SPOT_ON_REBALANCE = os.environ.get("SPOTFILL_SPOT_ON_REBALANCE", "log")
+# Notice source of `spotfill spot-watch --source`: auto (detect), aws, gcp, azure, kubernetes.
+SPOT_SOURCE = os.environ.get("SPOTFILL_SPOT_SOURCE", "auto")
 # Registered (not parsed here: the CLI flags they default override them): check_env() validates them too.
 ENV_NUMBERS["SPOTFILL_SPOT_POLL_S"] = EnvNumber("SPOTFILL_SPOT_POLL_S", float, 0, strict=True)
 ENV_NUMBERS["SPOTFILL_IMDS_TIMEOUT_S"] = EnvNumber("SPOTFILL_IMDS_TIMEOUT_S", float, 0, strict=True)

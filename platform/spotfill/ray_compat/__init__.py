@@ -35,7 +35,7 @@ from spotfill.ray_compat.hooks import (REQUIRED, ROBUSTNESS, TESTED, RayCompatEr
 
 _PARTS = {
     "ray_core": ("draining_node_ids", "available_resources_per_node", "kv_get", "kv_put", "kv_list", "kv_del",
-                 "gcs_actor_alive", "gcs_actors", "kill_actor_id", "gcs_client", "wrap_driver_stdstream",
+                 "gcs_actor_alive", "gcs_actors", "kill_actor_id", "gcs_client", "gcs_kv_put", "wrap_driver_stdstream",
                  "single_host_loopback", "node_raylet_pids", "kill_node_workers", "node_death_reason_name",
                  "gcs_pb2", "autoscaler_pb2", "FakeMultiNodeProvider", "FAKE_HEAD_NODE_ID",
                  "cluster_config_node_groups", "dashboard_url", "dead_job_ids", "dashboard_auth_headers"),

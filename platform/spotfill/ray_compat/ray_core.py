@@ -103,6 +103,12 @@ def gcs_client(address: str | None):
     return gcs_address, raylet.GcsClient(address=gcs_address)
 
 
+def gcs_kv_put(gcs, key: str, value: str, timeout_s: float = 10.0) -> None:
+    """Put `key` = `value` in the spotfill namespace of the GCS key-value store through a daemon's GcsClient
+    (from gcs_client(); no ray.init) -- what kv_get / kv_list read inside jobs."""
+    gcs.internal_kv_put(key.encode(), value.encode(), True, b"spotfill", timeout=timeout_s)
+
+
 def wrap_driver_stdstream(wrapper) -> None:
     """Install `wrapper(original, data, ignore_prefix)` around the driver's printer of worker/raylet log
     lines (looked up per message by the error-listener thread). Idempotent; nothing (after one warning)

@@ -1,11 +1,14 @@
-"""Spot watcher: AWS instance-metadata (IMDSv2) spot notice -> Ray drain of this node (PREEMPTION, deadline).
+"""Spot watcher: a notice source (spot.sources: aws, gcp, azure, kubernetes) -> Ray drain of this node
+(PREEMPTION, deadline); early warnings -> a record that keeps training from growing onto the node.
 
-Three layers, kept apart so each is testable alone:
+Layers, kept apart so each is testable alone:
 
-1. Pure decisions (no IO, time is an argument): :func:`parse_instance_action`, :func:`parse_rebalance`,
-   :func:`decide` -> :class:`Decision` (drain or not, deadline, reason, message, notice key).
-2. IO: :class:`ImdsClient` (urllib, token flow, bounded timeouts, 401 -> refetch token) and
-   :class:`SpotWatcher` (one ``poll_once`` per interval; survives IMDS hiccups; drains once per notice).
+1. Pure decisions (no IO, time is an argument): each source module's ``reading(...)`` and
+   :func:`spotfill.spot.notice.decide` -> :class:`Decision` (drain or not, deadline, reason, message, key).
+2. IO: the sources (HTTP to their metadata server, or a signal) and :class:`SpotWatcher` (one ``poll_once``
+   per interval or as soon as the source wakes it; survives a metadata server that stops answering and
+   says so once; drains once per notice; records early warnings; acknowledges a drained notice that wants
+   it -- Azure -- once this node's work has left).
 3. Ray, thin and in one place at the bottom: :func:`drain_ray_node` and :class:`RayNodeDrainer`. Ray is
    imported lazily there, so this module (and ``spotfill spot-watch --help``) never imports ray.
 
@@ -17,195 +20,26 @@ once idle the node exits with death reason ``AUTOSCALER_DRAIN_PREEMPTED`` (state
 """
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from spotfill.config.errors import ConfigError, RetryableError, SpotfillError
+from spotfill.config.errors import ConfigError, SpotfillError
+from spotfill.spot.notice import (EARLY_WARNING, PREEMPTION_REASON, Decision, Notice,  # noqa: F401
+                                  NoticeSource, Reading, SourceError, decide as decide_reading, parse_time)
+from spotfill.spot.sources.aws import (DEFAULT_NOTICE_DEADLINE_S, INSTANCE_ACTION_PATH,  # noqa: F401
+                                       ON_REBALANCE_CHOICES, REBALANCE_PATH, TOKEN_PATH, AwsSource, ImdsClient,
+                                       ImdsError, InstanceAction, RebalanceNotice, decide, parse_instance_action,
+                                       parse_rebalance)
 
 logger = logging.getLogger(__name__)
 
-PREEMPTION_REASON = "DRAIN_NODE_REASON_PREEMPTION"
-DEFAULT_NOTICE_DEADLINE_S = 120.0      # AWS gives two minutes; used when a notice carries no usable time
-TOKEN_PATH = "/latest/api/token"
-INSTANCE_ACTION_PATH = "/latest/meta-data/spot/instance-action"
-REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
-ON_REBALANCE_CHOICES = ("log", "drain")
-_MAX_BODY = 64 * 1024
-
 
 # ---------------------------------------------------------------------------------------------------
-# 1. Pure decisions
+# 2. The watcher loop (any source)
 # ---------------------------------------------------------------------------------------------------
-def parse_time(text: Any) -> Optional[float]:
-    """IMDS timestamp (``2026-11-29T12:00:00Z``, ISO-8601) -> UNIX seconds, or None if unusable."""
-    if not isinstance(text, str) or not text.strip():
-        return None
-    try:
-        parsed = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=timezone.utc)
-    return parsed.timestamp()
-
-
-@dataclass(frozen=True)
-class InstanceAction:
-    """A spot interruption notice. ``time_s`` is None when the body had no usable time."""
-
-    action: str
-    time_s: Optional[float]
-    raw: str
-    problem: Optional[str] = None      # set when the body could not be fully parsed
-
-
-@dataclass(frozen=True)
-class RebalanceNotice:
-    """An EC2 rebalance recommendation (elevated interruption risk; no deadline)."""
-
-    notice_time_s: Optional[float]
-    raw: str
-
-
-def parse_instance_action(body: str) -> InstanceAction:
-    """Parse an instance-action body. Never raises: a 200 means a notice exists, even if garbled."""
-    try:
-        data = json.loads(body)
-    except (TypeError, ValueError):
-        return InstanceAction("unknown", None, body, problem="body is not JSON")
-    if not isinstance(data, dict):
-        return InstanceAction("unknown", None, body, problem="body is not a JSON object")
-    action = str(data.get("action") or "unknown")
-    time_s = parse_time(data.get("time"))
-    problem = None if time_s is not None else f"no usable time in {data.get('time')!r}"
-    return InstanceAction(action, time_s, body, problem)
-
-
-def parse_rebalance(body: str) -> RebalanceNotice:
-    """Parse a rebalance-recommendation body (``{"noticeTime": ...}``). Never raises."""
-    try:
-        data = json.loads(body)
-    except (TypeError, ValueError):
-        data = None
-    when = parse_time(data.get("noticeTime")) if isinstance(data, dict) else None
-    return RebalanceNotice(when, body)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What to do about what IMDS said. ``deadline_s`` is UNIX seconds (None = no deadline)."""
-
-    kind: str                           # "none" | "instance-action" | "rebalance"
-    drain: bool
-    why: str
-    key: Optional[str] = None           # identity of the notice; a drain happens once per key
-    deadline_s: Optional[float] = None
-    remaining_s: Optional[float] = None
-    reason: str = PREEMPTION_REASON
-    message: str = ""
-
-
-def decide(action: Optional[InstanceAction], rebalance: Optional[RebalanceNotice], *, now: float,
-           done: Collection[str] = (), on_rebalance: str = "log",
-           default_deadline_s: float = DEFAULT_NOTICE_DEADLINE_S) -> Decision:
-    """Turn the current notices into a :class:`Decision`.
-
-    Any instance-action (terminate, stop, hibernate, or one we cannot read) means the instance goes away:
-    drain with reason PREEMPTION and the notice's time as the deadline (``now + default_deadline_s`` when the
-    notice has no usable time). A rebalance recommendation drains only when ``on_rebalance == "drain"``
-    (no deadline). ``done`` holds the keys already drained, so a notice that persists is drained once.
-    """
-    if on_rebalance not in ON_REBALANCE_CHOICES:
-        raise ConfigError("on_rebalance", on_rebalance, ON_REBALANCE_CHOICES)
-    if action is not None:
-        key = f"instance-action:{action.raw}"
-        if key in done:
-            return Decision("instance-action", False, "already drained for this notice", key=key)
-        if action.time_s is not None:
-            deadline, source = action.time_s, "notice time"
-        else:
-            deadline, source = now + default_deadline_s, f"default {default_deadline_s:g}s ({action.problem})"
-        when = datetime.fromtimestamp(deadline, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        return Decision("instance-action", True, f"spot instance-action {action.action!r}; deadline from {source}",
-                        key=key, deadline_s=deadline, remaining_s=deadline - now,
-                        message=f"AWS spot instance-action: {action.action} at {when}")
-    if rebalance is not None:
-        key = f"rebalance:{rebalance.raw}"
-        if on_rebalance == "drain" and key not in done:
-            return Decision("rebalance", True, "rebalance recommendation (on_rebalance=drain)", key=key,
-                            message="AWS EC2 rebalance recommendation")
-        why = ("already drained for this recommendation" if key in done
-               else "rebalance recommendation (on_rebalance=log): early warning, not draining")
-        return Decision("rebalance", False, why, key=key)
-    return Decision("none", False, "no notice")
-
-
-# ---------------------------------------------------------------------------------------------------
-# 2. IO: IMDS client and the watcher loop
-# ---------------------------------------------------------------------------------------------------
-class ImdsError(RetryableError):
-    """IMDS was unreachable, slow, or answered something other than 200/404."""
-
-
-class ImdsClient:
-    """Minimal IMDSv2 client: PUT a session token, GET with it, refetch it on 401 or near expiry."""
-
-    def __init__(self, endpoint: str, timeout_s: float = 1.0, token_ttl_s: int = 21600,
-                 clock: Callable[[], float] = time.monotonic):
-        self.endpoint = endpoint.rstrip("/")
-        self.timeout_s, self.token_ttl_s, self._clock = timeout_s, int(token_ttl_s), clock
-        self._token: Optional[str] = None
-        self._token_expiry = 0.0
-        # IMDS is link-local: never route it through an http_proxy from the environment.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def _request(self, method: str, path: str, headers: dict) -> tuple[int, str]:
-        req = urllib.request.Request(self.endpoint + path, method=method, headers=headers,
-                                     data=b"" if method == "PUT" else None)
-        try:
-            with self._opener.open(req, timeout=self.timeout_s) as resp:
-                return resp.status, resp.read(_MAX_BODY).decode("utf-8", "replace")
-        except urllib.error.HTTPError as exc:
-            return exc.code, ""
-        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:  # refused, timeout
-            raise ImdsError(f"{method} {path}: {getattr(exc, 'reason', exc)}") from None
-
-    def token(self) -> str:
-        """A valid session token (cached until shortly before its TTL runs out)."""
-        if self._token is None or self._clock() >= self._token_expiry:
-            status, body = self._request("PUT", TOKEN_PATH,
-                                         {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl_s)})
-            if status != 200 or not body:
-                raise ImdsError(f"PUT {TOKEN_PATH}: HTTP {status}")
-            self._token = body.strip()
-            self._token_expiry = self._clock() + max(1.0, self.token_ttl_s * 0.9)
-            logger.debug("IMDS session token fetched (ttl %ss)", self.token_ttl_s)
-        return self._token
-
-    def get(self, path: str) -> Optional[str]:
-        """Body of ``path``; None on 404. A 401 (expired/invalid token) refetches the token once."""
-        for attempt in range(2):
-            status, body = self._request("GET", path, {"X-aws-ec2-metadata-token": self.token()})
-            if status == 200:
-                return body
-            if status == 404:
-                return None
-            if status == 401 and attempt == 0:
-                logger.info("IMDS rejected the session token (401); fetching a new one")
-                self._token = None
-                continue
-            raise ImdsError(f"GET {path}: HTTP {status}")
-        raise AssertionError("unreachable")
-
-
 @dataclass(frozen=True)
 class PollOutcome:
     """What one poll saw and did; ``status`` is one of the values listed in :meth:`SpotWatcher.poll_once`."""
@@ -227,77 +61,143 @@ class PollOutcome:
 
 
 DrainFn = Callable[[Decision], Optional[str]]
+WarnFn = Callable[[Notice, bool, float], None]     # (notice, withdrawn, now)
 
 
 class SpotWatcher:
-    """Polls IMDS and applies :func:`decide`; ``drain(decision)`` does the draining (returns a target label)."""
+    """Reads ``source`` and applies :func:`decide`; ``drain(decision)`` drains (returns a target label).
 
-    def __init__(self, imds: ImdsClient, drain: DrainFn, *, on_rebalance: str = "log",
-                 clock: Callable[[], float] = time.time,
-                 default_deadline_s: float = DEFAULT_NOTICE_DEADLINE_S):
+    ``warn(notice, withdrawn, now)`` records an early warning (and its withdrawal); ``left()`` says whether
+    this node's work has left after a drain (a drained Ray node exits once training committed its emergency
+    checkpoint and moved off) -- a drained notice with an ``ack_id`` is acknowledged to the source then."""
+
+    def __init__(self, source: NoticeSource, drain: DrainFn, *, on_rebalance: str = "log",
+                 clock: Callable[[], float] = time.time, warn: Optional[WarnFn] = None,
+                 left: Optional[Callable[[], bool]] = None):
         if on_rebalance not in ON_REBALANCE_CHOICES:
             raise ConfigError("--on-rebalance", on_rebalance, ON_REBALANCE_CHOICES)
-        self.imds, self._drain, self.on_rebalance = imds, drain, on_rebalance
-        self._clock, self.default_deadline_s = clock, default_deadline_s
+        self.source, self._drain, self.on_rebalance = source, drain, on_rebalance
+        self._clock, self._warn, self._left = clock, warn, left
         self.done: set[str] = set()        # notice keys drained
-        self._seen: set[str] = set()       # notice keys logged at WARNING already
-        self._imds_failing = False
+        self._seen: set[str] = set()       # notice keys and problems logged at WARNING already
+        self._failing = False
+        self.warned: dict[str, Notice] = {}      # early warnings recorded (key -> notice)
+        self.pending_acks: dict[str, Notice] = {}
+        self.acked: set[str] = set()
+        self.drained_notices: dict[str, Notice] = {}
+
+    def _once(self, key: str, level: int, msg: str, *args) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            logger.log(level, msg, *args)
 
     def poll_once(self) -> PollOutcome:
-        """One poll. Status: no-notice | rebalance | drained | already-drained | imds-error | drain-failed."""
+        """One poll. Status: no-notice | <early warning's event> | drained | already-drained | imds-error
+        (the metadata server did not answer) | drain-failed."""
+        now = self._clock()
         try:
-            body = self.imds.get(INSTANCE_ACTION_PATH)
-        except ImdsError as exc:
-            if not self._imds_failing:
-                logger.warning("IMDS poll failed (will retry): %s", exc)
+            reading = self.source.read(now)
+        except SourceError as exc:
+            if not self._failing:
+                logger.warning("%s metadata poll failed (will keep polling; said once until it answers): %s",
+                               self.source.name, exc)
             else:
-                logger.debug("IMDS still failing: %s", exc)
-            self._imds_failing = True
+                logger.debug("%s metadata still failing: %s", self.source.name, exc)
+            self._failing = True
             return PollOutcome("imds-error", detail=str(exc))
-        if self._imds_failing:
-            logger.info("IMDS reachable again")
-            self._imds_failing = False
-        action = parse_instance_action(body) if body is not None else None
-        rebalance = None
-        if action is None:
-            try:
-                rebody = self.imds.get(REBALANCE_PATH)
-                rebalance = parse_rebalance(rebody) if rebody is not None else None
-            except ImdsError as exc:   # the early warning is optional: never let it block the main check
-                logger.debug("rebalance check failed: %s", exc)
-        decision = decide(action, rebalance, now=self._clock(), done=self.done,
-                          on_rebalance=self.on_rebalance, default_deadline_s=self.default_deadline_s)
-        if decision.key and decision.key not in self._seen:
-            self._seen.add(decision.key)
-            logger.warning("%s: %s (%s)", decision.kind, decision.why,
-                           action.raw if action else rebalance.raw if rebalance else "")
+        if self._failing:
+            logger.info("%s metadata reachable again", self.source.name)
+            self._failing = False
+        for problem in reading.problems:
+            self._once(f"problem:{problem}", logging.WARNING, "%s: unusable answer: %s", self.source.name, problem)
+        self._track(reading, now)
+        decision = decide_reading(reading, now=now, done=self.done, on_early_warning=self.on_rebalance,
+                                  option="on_rebalance")
+        if decision.key:
+            self._once(decision.key, logging.WARNING, "%s: %s (%s)", decision.kind, decision.why,
+                       decision.notice.message if decision.notice else "")
         if not decision.drain:
             if decision.key is not None and decision.key in self.done:
                 return PollOutcome("already-drained", decision)
             return PollOutcome("no-notice" if decision.kind == "none" else decision.kind, decision)
-        logger.warning("draining (reason %s, deadline %s, on_rebalance=%s): %s", decision.reason,
+        logger.warning("draining (reason %s, deadline %s, source %s): %s", decision.reason,
                        f"in {decision.remaining_s:.0f}s" if decision.remaining_s is not None else "none",
-                       self.on_rebalance, decision.message)
+                       self.source.name, decision.message)
         try:
             target = self._drain(decision)
         except Exception as exc:  # noqa: BLE001 - a failed drain is retried on the next poll
             logger.error("drain failed (retrying next poll): %s", exc)
             return PollOutcome("drain-failed", decision, detail=str(exc))
         self.done.add(decision.key or "")
+        if decision.notice is not None:
+            self.drained_notices[decision.notice.key] = decision.notice
+            if decision.notice.ack_id:
+                self.pending_acks[decision.notice.key] = decision.notice
         logger.warning("drain accepted for %s", target or "this node")
         return PollOutcome("drained", decision, detail=target or "")
 
+    def _track(self, reading: Reading, now: float) -> None:
+        """Early warnings recorded / withdrawn, drained notices withdrawn (said once), pending acks sent."""
+        current = {n.key: n for n in reading.notices}
+        if self._warn is not None:
+            for key, n in current.items():
+                if n.kind == EARLY_WARNING and key not in self.warned and self._warn_safely(n, False, now):
+                    self.warned[key] = n
+            for key in [k for k in self.warned if k not in current]:
+                if self._warn_safely(self.warned[key], True, now):
+                    del self.warned[key]
+        for key, n in self.drained_notices.items():
+            if key not in current:
+                self._once(f"withdrawn:{key}", logging.WARNING, "%s: notice withdrawn after this node was "
+                           "drained (%s); Ray cannot undo a drain: the node leaves once its work has moved",
+                           self.source.name, n.message)
+                self.pending_acks.pop(key, None)
+        if self.pending_acks and self._left is not None and self._left_safely():
+            for key, n in list(self.pending_acks.items()):
+                try:
+                    self.source.acknowledge(n)
+                except SourceError as exc:
+                    logger.warning("acknowledging %s failed (retrying next poll): %s", n.message, exc)
+                    continue
+                del self.pending_acks[key]
+                self.acked.add(key)
+                logger.warning("acknowledged %s: this node's work has left", n.message)
+
+    def _warn_safely(self, notice: Notice, withdrawn: bool, now: float) -> bool:
+        try:
+            self._warn(notice, withdrawn, now)
+        except Exception as exc:  # noqa: BLE001 - retried next poll; never blocks a drain
+            logger.warning("could not record early warning %s (retrying): %s", notice.message, exc)
+            return False
+        logger.info("early warning %s: %s", "withdrawn" if withdrawn else "recorded", notice.message)
+        return True
+
+    def _left_safely(self) -> bool:
+        try:
+            return bool(self._left())
+        except Exception as exc:  # noqa: BLE001 - asked again next poll
+            logger.debug("cannot tell whether this node's work has left: %s", exc)
+            return False
+
     def run(self, poll_s: float, stop: Optional[threading.Event] = None) -> None:
-        """Poll every ``poll_s`` seconds until ``stop`` is set (forever when None)."""
+        """Poll every ``poll_s`` seconds (sooner when the source wakes it) until ``stop`` is set (forever when
+        None), or -- for a source whose notice ends the process (Kubernetes SIGTERM) -- once it is drained and
+        acknowledged."""
         stop = stop or threading.Event()
-        logger.info("spot watcher polling %s every %gs (on_rebalance=%s)", self.imds.endpoint, poll_s,
-                    self.on_rebalance)
-        while not stop.is_set():
-            try:
-                self.poll_once()
-            except Exception:  # noqa: BLE001 - a daemon must outlive any one bad poll
-                logger.exception("spot watcher poll crashed; continuing")
-            stop.wait(poll_s)
+        logger.info("spot watcher: source %s at %s, polling every %gs (on_rebalance=%s)", self.source.name,
+                    self.source.endpoint or "-", poll_s, self.on_rebalance)
+        try:
+            while not stop.is_set():
+                try:
+                    outcome = self.poll_once()
+                    if outcome.status in ("drained", "already-drained") and \
+                            getattr(self.source, "exit_after_drain", False):
+                        break
+                except Exception:  # noqa: BLE001 - a daemon must outlive any one bad poll
+                    logger.exception("spot watcher poll crashed; continuing")
+                self.source.wait(stop, poll_s)
+        finally:
+            self.source.close()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -381,6 +281,7 @@ class RayNodeDrainer:
         self._lock = threading.Lock()
         self._gcs = None
         self._gcs_address: Optional[str] = None
+        self._drained: Optional[str] = None
 
     def resolve(self) -> str:
         """Connect (once) and find the node to drain: ``node_id`` if given, else see :func:`pick_node`."""
@@ -404,11 +305,29 @@ class RayNodeDrainer:
         except Exception as exc:  # noqa: BLE001 - retried at drain time
             logger.warning("could not resolve this Ray node yet (retried at drain time): %s", exc)
 
+    def warn(self, notice: Notice, withdrawn: bool, now: float) -> None:
+        """Record (or end) an early warning for this node in the GCS key-value store (spot.early_warning),
+        which training's grow check reads."""
+        from spotfill.ray_compat import gcs_kv_put
+        from spotfill.spot.early_warning import record
+
+        node_id = self.resolve()
+        key, value = record(node_id, source=notice.source, event=notice.event, message=notice.message, now=now,
+                            withdrawn=withdrawn)
+        gcs_kv_put(self._gcs, key, value, timeout_s=self.timeout_s)
+
+    def has_left(self) -> bool:
+        """Whether the node drained last is no longer alive (its raylet exits once its work has left)."""
+        if self._drained is None or self._gcs is None:
+            return False
+        return not any(n["node_id"] == self._drained for n in alive_nodes(self._gcs, self.timeout_s))
+
     def __call__(self, decision: Decision) -> str:
         try:
             node_id = self.resolve()
             drain_ray_node(node_id, decision.deadline_s, decision.message, reason=decision.reason,
                            gcs_client=self._gcs, timeout_s=self.timeout_s)
+            self._drained = node_id
         except DrainError:
             raise
         except Exception as exc:  # noqa: BLE001 - RpcError, ConnectionError, ...: make it one clear error

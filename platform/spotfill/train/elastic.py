@@ -24,6 +24,7 @@ from ray.train.torch import TorchTrainer
 from spotfill.config import constants
 from spotfill.ray_compat import (ElasticScalingPolicy, available_resources_per_node, draining_node_ids,
                                  kv_get, kv_list, kv_put, usable, use_spotfill_controller)
+from spotfill.spot.early_warning import without_warned
 from spotfill.train.capacity import (GrowDecision, GrowGate, NodeCapacity, capacity_state, count_workers,
                                      free_resources, reachable, workers_by_node)
 from spotfill.train.pipe_layout import round_to_replicas
@@ -113,7 +114,7 @@ class GrowCheck:
         what it reads: drain_aware_restarts)."""
         if not usable("drain_aware_restarts"):
             return 0
-        free = free_resources(schedulable_nodes())
+        free = without_warned(free_resources(schedulable_nodes()))    # no grow onto an early-warned node
         step = self.planner.decide(world, self.max_workers, workers_by_node(free, self.per_worker),
                                    self.group, self._ready(), time.time(), self.multiple)
         for node, count in step.warm.items():
