@@ -46,7 +46,7 @@ def test_no_committed_checkpoint_exits_2_naming_the_runs_nearby(runs, where):
     (["--draft", "self:0"], "--draft"), (["--draft", "ftp://x"], "--draft"),
     (["--num-draft-tokens", "0"], "--num-draft-tokens"), (["--port", "0"], "--port"),
     (["--max-queue-wait-s", "-1"], "--max-queue-wait-s"), (["--max-queue-wait-s", "601"], "--max-queue-wait-s"),
-    (["--checkpoint", "nonsense://x"], "--checkpoint")])
+    (["--floor-replicas", "-1"], "--floor-replicas"), (["--checkpoint", "nonsense://x"], "--checkpoint")])
 def test_bad_flags_exit_2_naming_the_flag(runs, args, flag):
     base = ["--checkpoint", f"{runs}/alpha"]
     res = spotfill(*(base + args if args[0] != "--checkpoint" else args))

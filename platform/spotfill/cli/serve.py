@@ -11,7 +11,7 @@ from spotfill.config.errors import ConfigError
 MAX_NEAREST = 5
 # flags that are the Serve app's own args (config/serve_app.py ServeArgs): arg name -> flag
 APP_FLAGS = {"checkpoint": "--checkpoint", "draft": "--draft", "num_draft_tokens": "--num-draft-tokens",
-             "max_queue_wait_s": "--max-queue-wait-s"}
+             "max_queue_wait_s": "--max-queue-wait-s", "floor_replicas": "--floor-replicas"}
 
 
 def register(sub) -> None:
@@ -27,6 +27,9 @@ def register(sub) -> None:
     p.add_argument("--max-queue-wait-s", type=float, default=15.0, metavar="S",
                    help="how long a request waits for a replica that is starting or replacing a lost one "
                         "before it gets 503 (default 15; 0: 503 at once)")
+    p.add_argument("--floor-replicas", type=int, default=0, metavar="N",
+                   help="replicas on the head's CPU that answer while no lent replica runs (training holds every "
+                        "GPU, or none was lent yet); default 0")
     p.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1 (default 8000)")
     p.add_argument("--nodes", type=int, default=2, help="local worker nodes (default 2)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="GPU slots per local node (default 1)")
