@@ -223,7 +223,8 @@ class UnitWorker:
 
         from spotfill.fillin.generate import batch_engine, generate_rows
         if self.engine is None:        # its cache is allocated once, for the rows of a unit
-            self.engine = batch_engine(self.model, min(GENERATE_MAX_BATCH, self.plan["generate_rows_per_unit"]))
+            per_unit = self.plan.get("generate_rows_per_unit") or GENERATE_MAX_BATCH    # (a plan from before it)
+            self.engine = batch_engine(self.model, min(GENERATE_MAX_BATCH, per_unit))
         rows = range(unit.start, unit.stop)
         results = generate_rows(self.model, [self.prompts[r] for r in rows], self.plan["max_tokens"],
                                 self.plan["temperature"], seeds=[self.plan["seed"] + r for r in rows],
