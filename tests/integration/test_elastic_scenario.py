@@ -15,9 +15,10 @@ from spotfill.sim.outcomes import digest
 from spotfill.sim.runner import run_scenario
 from spotfill.sim.scenario import parse_scenario
 
-STEPS = 240
-# Capacity returns early and the hard loss comes late, so the graceful grow has time to happen in between
-# even on a loaded 2-core machine (a new raylet can take several seconds to register).
+STEPS = 320
+# Capacity returns early and the hard loss comes once training has grown back to 4 workers (min_world): the
+# grow waits for the added node's spares to warm up (train.readiness), which on an idle 2-core machine took
+# ~20 s -- longer than the 130 steps between the two events at full speed.
 SCENARIO = {
     "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}]},
     "training": {"model": "tiny", "workers": [1, 4], "steps": STEPS, "global_batch": 12, "max_micro_batch": 3,
@@ -25,7 +26,7 @@ SCENARIO = {
     "events": [
         {"at_step": 30, "action": "drain_node", "node": 1, "deadline_s": 10},
         {"at_step": 80, "action": "add_node", "gpus": 2},
-        {"at_step": 210, "action": "kill_node", "node": 0},   # mid-interval: the save at 200 has committed
+        {"at_step": 210, "min_world": 4, "action": "kill_node", "node": 0},   # mid-interval (not a multiple of 20)
     ],
 }
 
