@@ -40,9 +40,9 @@ def test_a_grow_onto_a_new_node_waits_until_its_spares_are_ready():
 
 def test_a_grow_goes_cold_after_the_bound_and_says_so():
     plan = GrowPlanner(bound_s=30.0)
-    plan.decide(1, 4, {B: 1}, {A: 1}, {}, now=0.0)
-    assert plan.decide(1, 4, {B: 1}, {A: 1}, {}, now=29.0).extra == 0
-    step = plan.decide(1, 4, {B: 1}, {A: 1}, {}, now=30.0)
+    plan.decide(1, 4, {B: 1}, {A: 1}, {A: 1}, now=0.0)
+    assert plan.decide(1, 4, {B: 1}, {A: 1}, {A: 1}, now=29.0).extra == 0
+    step = plan.decide(1, 4, {B: 1}, {A: 1}, {A: 1}, now=30.0)
     assert step.extra == 1 and step.cold_nodes == (B,) and "growing cold" in step.reason
 
 
@@ -54,6 +54,17 @@ def test_a_grow_on_the_groups_own_node_needs_a_spare_for_each_worker_there():
     step = plan.decide(1, 4, {A: 1, B: 2}, {A: 1}, {A: 2}, now=3.0)
     assert step.extra == 1 and step.warm == {} and "still warming" in step.reason   # A now, B later
     assert step.warm_nodes == ()                                # A is no new node
+
+
+def test_a_grow_waits_for_the_groups_own_nodes_to_have_their_spares():
+    """The grown group restarts the group's own workers too: with A's spares not even started, a grow onto
+    a ready B would restart A's workers cold (a run here moved 2 workers to B instead of growing to 4). A
+    spare still warming on A counts: the restart stops A's steps and its imports finish at once."""
+    plan = GrowPlanner(bound_s=60.0)
+    step = plan.decide(2, 4, {B: 2}, {A: 2}, {B: 2}, now=0.0, present={B: 2})
+    assert step.extra == 0 and f"{A[:8]} (0/2 spares)" in step.reason
+    step = plan.decide(2, 4, {B: 2}, {A: 2}, {B: 2}, now=1.0, present={A: 2, B: 2})
+    assert step.extra == 2 and step.warm_nodes == (B,)
 
 
 def test_spares_the_group_asked_for_itself_are_not_asked_again():
@@ -161,7 +172,7 @@ def test_the_grow_check_warms_a_new_node_through_its_raylet_and_grows_once_it_is
         return True
     monkeypatch.setattr(ray_train, "prestart_workers", prestart)
     ready: dict = {}
-    check = elastic.GrowCheck(per, max_workers=4, run_key="t", group={A: 2}, ready=lambda: dict(ready))
+    check = elastic.GrowCheck(per, max_workers=4, run_key="t", group={A: 2}, ready=lambda warming=False: dict(ready))
     assert check.extra_workers(2, 0.0) == 0              # B is warming: no grow yet
     assert done.wait(10) and asked == [(B, 2)]
     # B runs no training: its spares warm at normal priority (no SCHED_IDLE tokens)
@@ -184,3 +195,11 @@ def test_spares_asked_on_a_node_the_group_steps_on_warm_up_idle(monkeypatch):
     monkeypatch.setattr(ray_train, "prestart_workers", lambda *a, **k: done.set())
     elastic.warm_node(A, 1, idle=True)
     assert done.wait(10) and [k for k in store if k.startswith(f"spotfill:spare-token:{A}:")]
+
+
+def test_a_spare_still_warming_counts_only_where_warming_is_asked_for():
+    now = 1000.0
+    recs = {record_key("01000000", A, 1): record_value(None, now + 60),
+            record_key("01000000", A, 2): record_value(now - 1, now + 60)}
+    assert ready_by_node(recs, now) == {A: 1}
+    assert ready_by_node(recs, now, warming=True) == {A: 2}

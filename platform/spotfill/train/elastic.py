@@ -50,12 +50,13 @@ def schedulable_nodes(probe_s: float | None = RAYLET_PROBE_S) -> dict[str, NodeC
             for n in nodes}
 
 
-def ready_spares(job_id: str | None = None) -> dict[str, int]:
-    """Ready warm spares per node of this job (train.readiness records); {} when they cannot be read."""
+def ready_spares(job_id: str | None = None, warming: bool = False) -> dict[str, int]:
+    """Ready warm spares per node of this job (with `warming`, those still warming up too: train.readiness
+    records); {} when they cannot be read."""
     try:
         job_id = job_id or ray.get_runtime_context().get_job_id()
         keys = kv_list(record_prefix(job_id))
-        return ready_by_node({k: kv_get(k) for k in keys}, time.time())
+        return ready_by_node({k: kv_get(k) for k in keys}, time.time(), warming=warming)
     except Exception as exc:  # noqa: BLE001 -- no readiness known: sizing treats every node as cold
         log.warning("cannot read warm spares' readiness (%s: %s)", type(exc).__name__, exc)
         return {}
@@ -104,7 +105,7 @@ class GrowCheck:
         spares = constants.WARM_SPARES
         self.planner = GrowPlanner(bound_s=constants.WARM_GROW_BOUND_S if spares > 0 else 0.0,
                                    spares_per_worker=max(1, spares))
-        self._warm, self._ready = (warm if spares > 0 else None), (ready if spares > 0 else dict)
+        self._warm, self._ready = (warm if spares > 0 else None), (ready if spares > 0 else (lambda **_: {}))
         self.last: GrowDecision | None = None
         self.step: GrowStep | None = None       # the readiness decision behind the last grow
 
@@ -116,7 +117,8 @@ class GrowCheck:
             return 0
         free = without_warned(free_resources(schedulable_nodes()))    # no grow onto an early-warned node
         step = self.planner.decide(world, self.max_workers, workers_by_node(free, self.per_worker),
-                                   self.group, self._ready(), time.time(), self.multiple)
+                                   self.group, self._ready(), time.time(), self.multiple,
+                                   present=self._ready(warming=True) if self._warm is not None else None)
         for node, count in step.warm.items():
             if self._warm is not None:
                 self._warm(node, count, node in self.group)
@@ -194,7 +196,7 @@ class DrainAwareElasticPolicy(ElasticScalingPolicy):
         if constants.WARM_SPARES <= 0:
             return round_to_replicas(count_workers(free, sc._resources_per_worker_not_none, sc.max_workers),
                                      self.workers_multiple)
-        ready = ready_spares()
+        ready = ready_spares(warming=True)       # a survivor's spare still warming finishes as the steps stop
         size, reason = restart_size(by_node, ready, sc.min_workers, sc.max_workers, self.workers_multiple)
         self._report(size, reason, by_node, ready)
         return size

@@ -13,6 +13,12 @@ runs out. This module reads those records and makes the two decisions that depen
 - `restart_size` (the controller, at a restart after a loss or notice): the group restarts at once on the
   workers it can start warm; nodes that are not ready join later through a grow. Only when the warm workers
   are fewer than training's minimum does it count cold capacity too (waiting is then cheaper than nothing).
+
+A spare records itself as it starts (warming) and again once its imports are done (ready). A node the group
+steps on warms its spares in SCHED_IDLE, on CPU time the steps leave, which on a busy machine may be none
+until the group stops: there a spare that is still warming counts -- the restart stops the steps and its
+imports finish at once, far ahead of a process started cold. A node new to the run warms at normal priority
+and counts once ready.
 """
 from __future__ import annotations
 
@@ -31,10 +37,11 @@ def record_key(job_id: str, node_id: str, pid: int) -> str:
     return f"{record_prefix(job_id, node_id)}{int(pid)}"
 
 
-def record_value(ready_t: float, until_t: float, idle: bool | None = None) -> str:
-    """A record's value: when the spare became ready, until when its keep-alive holds it idle, and whether it
-    warmed up in SCHED_IDLE (on CPU time nothing else on its node wanted)."""
-    return json.dumps({"ready_t": round(ready_t, 3), "until_t": round(until_t, 3), "idle": idle})
+def record_value(ready_t: float | None, until_t: float, idle: bool | None = None) -> str:
+    """A record's value: when the spare became ready (None: still warming up), until when its keep-alive
+    holds it idle, and whether it warms up in SCHED_IDLE (on CPU time nothing else on its node wanted)."""
+    return json.dumps({"ready_t": None if ready_t is None else round(ready_t, 3), "until_t": round(until_t, 3),
+                       "idle": idle})
 
 
 def node_of(key: str) -> str | None:
@@ -43,9 +50,10 @@ def node_of(key: str) -> str | None:
     return parts[1] if len(parts) == 3 else None
 
 
-def ready_by_node(records: dict[str, str | bytes | None], now: float) -> dict[str, int]:
-    """Ready spares per node from {key: value}: records whose keep-alive has not run out. A value that
-    cannot be read counts as no spare (a warm grow is an optimisation; a wrong count must not make one)."""
+def ready_by_node(records: dict[str, str | bytes | None], now: float, warming: bool = False) -> dict[str, int]:
+    """Spares per node from {key: value}, records whose keep-alive has not run out: ready ones, and with
+    `warming` those still warming up too. A value that cannot be read counts as no spare (a warm grow is an
+    optimisation; a wrong count must not make one)."""
     out: dict[str, int] = {}
     for key, raw in records.items():
         node = node_of(key)
@@ -53,10 +61,10 @@ def ready_by_node(records: dict[str, str | bytes | None], now: float) -> dict[st
             continue
         try:
             value = json.loads(raw)
-            until = float(value["until_t"])
-        except (ValueError, KeyError, TypeError):
+            until, ready = float(value["until_t"]), value.get("ready_t")
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
-        if until > now:
+        if until > now and (warming or ready is not None):
             out[node] = out.get(node, 0) + 1
     return out
 
@@ -90,33 +98,39 @@ class GrowPlanner:
     asked: dict = field(default_factory=dict)       # node -> when it was asked to warm
 
     def decide(self, world: int, max_workers: int, fitting_by_node: dict[str, int], group: dict[str, int],
-               ready: dict[str, int], now: float, multiple: int = 1) -> GrowStep:
+               ready: dict[str, int], now: float, multiple: int = 1,
+               present: dict[str, int] | None = None) -> GrowStep:
+        """`present`: spares per node warming or ready (default `ready`): what counts on the group's own
+        nodes, whose spares warm up in SCHED_IDLE and finish as the restart stops the steps."""
+        present = ready if present is None else present
         for node in list(self.asked):       # a node that left (lost, draining, full) is asked again later
-            if fitting_by_node.get(node, 0) <= 0:
+            if fitting_by_node.get(node, 0) <= 0 and node not in group:
                 del self.asked[node]
         warm_ask: dict[str, int] = {}
-        counted, waiting, cold, warm_new, waited = 0, [], [], [], []
-        for node, n in sorted(fitting_by_node.items()):
-            if n <= 0:
+        counted, cold, warm_new, waited, waiting = 0, [], [], [], []
+        for node in sorted(set(fitting_by_node) | set(group)):
+            n, own = max(0, fitting_by_node.get(node, 0)), group.get(node, 0)
+            if not n and not own:
                 continue
-            own = group.get(node, 0)
-            need, have = own + n, ready.get(node, 0)
+            # the grown group runs own + n workers there, each on a process that must exist before it
+            need, have = own + n, (present if own else ready).get(node, 0)
             if node not in self.asked:
                 self.asked[node] = now
                 coming = max(have, own * self.spares_per_worker)
-                if need > coming:
+                if n and need > coming:
                     warm_ask[node] = need - coming
             if have >= need:
                 counted += n
                 waited.append(now - self.asked[node])
-                if not own:
-                    warm_new.append(node)
+                warm_new += [node] if n and not own else []
             elif now - self.asked[node] >= self.bound_s:
                 counted += n
                 cold.append(node)
                 waited.append(now - self.asked[node])
             else:
-                waiting.append(f"{node[:8]} ({have}/{need} ready)")
+                waiting.append(f"{node[:8]} ({have}/{need} {'spares' if own else 'ready'})")
+        if any(group.get(w_node, 0) for w_node in self._waiting_nodes(waiting, group)):
+            counted = 0             # the group's own nodes not warm yet: a grow now would restart them cold
         fitting = min(max_workers, world + counted)
         fitting -= (fitting - world) % multiple if fitting > world else 0       # whole pipeline replicas
         extra = max(0, fitting - world)
@@ -130,9 +144,15 @@ class GrowPlanner:
                 why.append(f"still warming: {', '.join(waiting)}")
             return GrowStep(extra, "; ".join(why), warm_ask, round(max(waited), 3) if waited else None,
                             tuple(cold), tuple(warm_new))
-        if waiting:
+        if waiting and any(fitting_by_node.get(n, 0) > 0 for n in fitting_by_node):
             return GrowStep(0, f"waiting for warm spares: {', '.join(waiting)}", warm_ask)
         return GrowStep(0, f"no free capacity for more than {world} workers", warm_ask)
+
+    @staticmethod
+    def _waiting_nodes(waiting: list[str], group: dict[str, int]) -> list[str]:
+        """The group's nodes among those still waiting (`waiting` holds 8-character prefixes)."""
+        prefixes = {w.split(" ", 1)[0] for w in waiting}
+        return [node for node in group if node[:8] in prefixes]
 
 
 def restart_size(free_by_node: dict[str, int], ready: dict[str, int], min_workers: int, max_workers: int,

@@ -58,6 +58,7 @@ def start() -> None:
     from spotfill.train.spares import idle_while
     with idle_while(_is_spare()) as idle:     # a spare warms up on CPU time its node's group leaves unused
         marks["warm_idle"] = idle
+        _record(ready=False)                 # on its way: a restart that stops the steps finds it
         thread = threading.Thread(target=_load, name="spotfill-warm-start", daemon=True)
         thread.start()
         _import(RAY_TRAIN_WORKER_MODULE)
@@ -66,7 +67,7 @@ def start() -> None:
         for name in AFTER_TORCH:
             _import(name)
     marks["warm_after_t"] = round(time.time(), 3)
-    _record_ready()
+    _record(ready=True)
 
 
 def _is_spare() -> bool:
@@ -93,16 +94,17 @@ def _record_key() -> str:
     return record_key(ctx.get_job_id(), ctx.get_node_id(), os.getpid())
 
 
-def _record_ready() -> None:
-    """Record in the GCS key-value store that this process finished its warm-up (train.readiness): the
-    resize check and the restart sizing count a node's ready spares from these records. The training
-    function removes it when a worker group takes the process (`withdraw`)."""
+def _record(ready: bool) -> None:
+    """Record in the GCS key-value store that this process is warming up, or (`ready`) finished its warm-up
+    (train.readiness): the resize check and the restart sizing count a node's spares from these records.
+    The training function removes it when a worker group takes the process (`withdraw`)."""
     try:
         from spotfill.config import constants
         from spotfill.ray_compat import kv_put
         from spotfill.train.readiness import record_value
         now = time.time()
-        kv_put(_record_key(), record_value(now, now + constants.WARM_SPARE_KEEP_ALIVE_S, marks.get("warm_idle")))
+        kv_put(_record_key(), record_value(now if ready else None, now + constants.WARM_SPARE_KEEP_ALIVE_S,
+                                           marks.get("warm_idle")))
     except Exception:  # noqa: BLE001 -- unrecorded: this node counts as cold, as without readiness
         pass
 
