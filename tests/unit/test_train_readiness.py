@@ -128,7 +128,7 @@ def test_a_notice_before_the_first_step_leaves_without_stepping():
 
 
 def test_each_restart_says_per_node_whether_its_workers_started_warm():
-    assert workers_warm([["n1", 5.0], ["n1", 6.0], ["n2", 12.0]], fault_t=10.0) == {"n1": True, "n2": False}
+    assert workers_warm([["n1", 5.0], ["n1", 6.0], ["n2", 12.0]], decided_t=10.0) == {"n1": True, "n2": False}
     assert workers_warm(None, 10.0) is None
     events = [
         {"t": 1.0, "kind": "attempt", "attempt": 1}, {"t": 2.0, "kind": "start", "attempt": 1, "startup_s": 1.0},

@@ -144,19 +144,20 @@ def _one_recovery(a: int, rec: dict, prev: dict, began_t: float, faults: list[fl
         workers_start_s=workers, state_load_s=load, setup_s=setup,
         first_step_s=(first["t"] - up["t"]) if (first and up) else None,
         total_s=(first["t"] - fault_t) if first else None, detail=detail,
-        warm=workers_warm((up or {}).get("workers"), fault_t),
+        warm=workers_warm((up or {}).get("workers"), sizing[-1]["t"] if sizing else (sched or {}).get("t", fault_t)),
         ready_wait_s=(prev.get("planned_exit") or {}).get("ready_wait_s") if source == "planned_exit" else None,
         sizing=sizing[-1].get("reason") if sizing else None)
 
 
-def workers_warm(workers: list | None, fault_t: float) -> dict | None:
-    """Per node, whether every worker process of a restarted group there started before the fault: a spare
-    warmed ahead of it, not a process started cold for the restart. None without the start event's list."""
+def workers_warm(workers: list | None, decided_t: float) -> dict | None:
+    """Per node, whether every worker process of a restarted group there started before the restart was
+    decided (its group_sizing event; else the controller's SCHEDULING, else the fault): a spare warmed ahead
+    of it, not a process started cold for it. None without the start event's list."""
     if not workers:
         return None
     out: dict[str, bool] = {}
     for node, started in workers:
-        out[node] = out.get(node, True) and started is not None and started < fault_t
+        out[node] = out.get(node, True) and started is not None and started < decided_t
     return out
 
 
