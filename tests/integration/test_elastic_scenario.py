@@ -113,11 +113,9 @@ def test_the_group_after_a_hard_loss_starts_on_warm_spares(scenario_run):
     events = read_events(str(out / "events.jsonl"), {"resume", "step", "group_sizing"})
     resume = next(e for e in events if e["kind"] == "resume" and e["t"] > kill["at"])
     decided = next(e for e in events if e["kind"] == "group_sizing" and e["t"] > kill["at"])
-    # the previous group asked for its spares at its first step, before the loss (the loss may come right
-    # after a grow: its spares' processes then start a moment after it), and they were up before the restart
-    # was decided -- a process started for the restart starts after that
-    asked = next(e for e in events if e["kind"] == "step" and e["attempt"] == resume["attempt"] - 1)
-    assert asked["t"] <= kill["at"] + 1.0 and resume["process_started_t"] < decided["t"], (kill, decided, resume)
+    # up before the restart was decided (a process started for the restart starts after that; the loss may
+    # come right after a grow, before the grown group's first step, with its spares starting)
+    assert resume["process_started_t"] < decided["t"], (kill, decided, resume)
     assert resume["warm_idle"] is True and resume["idle_threads"] == 0, resume      # a spare, warmed idle
 
 
