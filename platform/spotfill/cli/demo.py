@@ -91,8 +91,8 @@ def restart_lines(report: dict) -> list[str]:
     for r in report.get("recoveries") or []:
         warm = r.get("warm")
         how = ("warm" if all(warm.values()) else "cold" if not any(warm.values()) else
-               "warm on " + ", ".join(n[:6] for n, w in warm.items() if w) + "; cold on " +
-               ", ".join(n[:6] for n, w in warm.items() if not w)) if warm else "warm/cold not recorded"
+               "warm on " + ", ".join(n[-6:] for n, w in warm.items() if w) + "; cold on " +
+               ", ".join(n[-6:] for n, w in warm.items() if not w)) if warm else "warm/cold not recorded"
         took = f"{r['total_s']:.1f}s" if r.get("total_s") is not None else "n/a"
         wait = f", waited {r['ready_wait_s']:.1f}s for warm spares" if r.get("ready_wait_s") is not None else ""
         lines.append(f"restart (attempt {r['attempt']}, {r['cause']}): stepping again after {took}, {how}{wait}")

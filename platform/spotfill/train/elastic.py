@@ -28,7 +28,7 @@ from spotfill.spot.early_warning import without_warned
 from spotfill.train.capacity import (GrowDecision, GrowGate, NodeCapacity, capacity_state, count_workers,
                                      free_resources, reachable, workers_by_node)
 from spotfill.train.pipe_layout import round_to_replicas
-from spotfill.train.readiness import GrowPlanner, GrowStep, ready_by_node, record_prefix, restart_size
+from spotfill.train.readiness import GrowPlanner, GrowStep, ready_by_node, record_prefix, restart_size, short
 
 log = logging.getLogger(__name__)
 RAYLET_PROBE_S = 0.5   # a live raylet answers a local-network connect in milliseconds
@@ -80,9 +80,9 @@ def warm_node(node_id: str, count: int, idle: bool = False) -> None:
             if idle:
                 offer_kv(node_id, count, kv_put)
             prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S, node_id=node_id)
-            log.info("warming %d spare worker process(es) on node %s", count, node_id[:12])
+            log.info("warming %d spare worker process(es) on node %s", count, short(node_id))
         except Exception as exc:  # noqa: BLE001 -- the grow goes cold after its bound
-            log.warning("spares not started on node %s (%s: %s)", node_id[:12], type(exc).__name__, exc)
+            log.warning("spares not started on node %s (%s: %s)", short(node_id), type(exc).__name__, exc)
 
     threading.Thread(target=run, name="spotfill-warm-node", daemon=True).start()
 
@@ -139,8 +139,8 @@ class GrowCheck:
         s = self.step
         if s is None:
             return {}
-        return {"ready_wait_s": s.ready_wait_s, "warm_nodes": [n[:12] for n in s.warm_nodes],
-                "cold_nodes": [n[:12] for n in s.cold_nodes], "grow_reason": s.reason}
+        return {"ready_wait_s": s.ready_wait_s, "warm_nodes": list(s.warm_nodes),
+                "cold_nodes": list(s.cold_nodes), "grow_reason": s.reason}
 
     def _load(self) -> set:
         raw = kv_get(self._key)
@@ -201,14 +201,20 @@ class DrainAwareElasticPolicy(ElasticScalingPolicy):
         self._report(size, reason, by_node, ready)
         return size
 
+    _last_report: tuple | None = None
+
     def _report(self, size: int, reason: str, by_node: dict[str, int], ready: dict[str, int]) -> None:
+        """The sizing with its reason, once per change (the controller asks again while it waits for nodes)."""
+        if (size, reason) == self._last_report:
+            return
+        self._last_report = (size, reason)
         log.info("worker group size %d: %s", size, reason)
         if self.sink is None:
             return
         try:
             sink = ray.get_actor(self.sink[0], namespace=self.sink[1])
             sink.event.remote("group_sizing", workers=size, reason=reason,
-                              nodes={n[:12]: {"fit": k, "ready": ready.get(n, 0)} for n, k in by_node.items() if k})
+                              nodes={n: {"fit": k, "ready": ready.get(n, 0)} for n, k in by_node.items() if k})
         except Exception as exc:  # noqa: BLE001 -- a report, never a reason to fail the restart
             log.warning("group sizing not reported (%s)", exc)
 

@@ -107,9 +107,14 @@ class GrowPlanner:
             if fitting_by_node.get(node, 0) <= 0 and node not in group:
                 del self.asked[node]
         warm_ask: dict[str, int] = {}
-        counted, cold, warm_new, waited, waiting = 0, [], [], [], []
-        for node in sorted(set(fitting_by_node) | set(group)):
-            n, own = max(0, fitting_by_node.get(node, 0)), group.get(node, 0)
+        counted, cold, warm_new, waited, waiting, own_waiting = 0, [], [], [], [], False
+        room = max(0, max_workers - world)             # workers the grow can add at most
+        # the group's own nodes first, then the nodes with the most spares ready: the room goes to them
+        order = sorted(set(fitting_by_node) | set(group),
+                       key=lambda nd: (-group.get(nd, 0), -ready.get(nd, 0), nd))
+        for node in order:
+            n, own = min(room, max(0, fitting_by_node.get(node, 0))), group.get(node, 0)
+            room -= n
             if not n and not own:
                 continue
             # the grown group runs own + n workers there, each on a process that must exist before it
@@ -128,8 +133,9 @@ class GrowPlanner:
                 cold.append(node)
                 waited.append(now - self.asked[node])
             else:
-                waiting.append(f"{node[:8]} ({have}/{need} {'spares' if own else 'ready'})")
-        if any(group.get(w_node, 0) for w_node in self._waiting_nodes(waiting, group)):
+                waiting.append(f"{short(node)} ({have}/{need} {'spares' if own else 'ready'})")
+                own_waiting = own_waiting or own > 0
+        if own_waiting:
             counted = 0             # the group's own nodes not warm yet: a grow now would restart them cold
         fitting = min(max_workers, world + counted)
         fitting -= (fitting - world) % multiple if fitting > world else 0       # whole pipeline replicas
@@ -148,11 +154,12 @@ class GrowPlanner:
             return GrowStep(0, f"waiting for warm spares: {', '.join(waiting)}", warm_ask)
         return GrowStep(0, f"no free capacity for more than {world} workers", warm_ask)
 
-    @staticmethod
-    def _waiting_nodes(waiting: list[str], group: dict[str, int]) -> list[str]:
-        """The group's nodes among those still waiting (`waiting` holds 8-character prefixes)."""
-        prefixes = {w.split(" ", 1)[0] for w in waiting}
-        return [node for node in group if node[:8] in prefixes]
+
+
+def short(node_id: str) -> str:
+    """A node id as the reasons print it: its last 8 hex digits (Ray's fake multi-node nodes -- the
+    autoscaled demo -- share all but their last few)."""
+    return node_id[-8:]
 
 
 def restart_size(free_by_node: dict[str, int], ready: dict[str, int], min_workers: int, max_workers: int,

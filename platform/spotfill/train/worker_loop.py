@@ -159,7 +159,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             from_world_size=plan.world_size or None, universal=plan.universal, zero_elastic=plan.elastic,
             restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
             startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision, **flops, **device,
-            workers=[[n[:12], round(started, 3) if started else None] for n, started, _ in placed],
+            workers=[[n, round(started, 3) if started else None] for n, started, _ in placed],
             **(pipe.start_fields() if pipe else {}), **_start_marks(t_start, t_restored, t_imported, t_engine))
         card, card_files = for_checkpoints(t.model, reader.manifest, rank)    # checkpoints carry their model
         ckpt = Checkpointer(store, local_root, rank, world, attempt=f"{attempt}",
