@@ -133,6 +133,17 @@ class GrowCheck:
             log.info("grow check: %s (%s)", self.last.reason, step.reason)
         return self.last.extra
 
+    _told: str | None = None
+
+    def news(self) -> str | None:
+        """The last check's reason to wait for warm spares, when it is new (else None)."""
+        reason = self.last.reason if self.last is not None and not self.last.extra else None
+        if reason is None or not reason.startswith("waiting") or reason == self._told:
+            return None
+        self._told = reason
+        log.info("grow check: %s", reason)
+        return reason
+
     def exit_fields(self) -> dict:
         """What the planned exit of a grow records: how long it waited for ready nodes, which new nodes it
         grows onto warm and which cold (bound passed)."""

@@ -522,7 +522,11 @@ class _Executor:
         if self._grow is None or time.monotonic() - self._last_grow < self._grow_every:
             return 0
         self._last_grow = time.monotonic()
-        return self._grow.extra_workers(self.world, self._last_grow)
+        extra = self._grow.extra_workers(self.world, self._last_grow)
+        said = self._grow.news()            # a new reason to wait (warming spares), once: into the events
+        if said:
+            self.sink.event.remote("grow_waiting", attempt=self.attempt, world_size=self.world, reason=said)
+        return extra
 
     def apply(self, d: StepDecision, done: int) -> None:
         """Save, record commits (rank 0: a kill may come next) and leave, as `d` says."""
