@@ -214,3 +214,17 @@ def test_a_spare_still_warming_counts_only_where_warming_is_asked_for():
             record_key("01000000", A, 2): record_value(now - 1, now + 60)}
     assert ready_by_node(recs, now) == {A: 1}
     assert ready_by_node(recs, now, warming=True) == {A: 2}
+
+
+def test_spares_that_never_started_are_asked_for_again():
+    """Three workers on A each asked for a spare; A's raylet started two (it drops what it cannot start at
+    once): the planner asks A again for the one missing after reask_s -- a demo here waited for it until
+    training ended, never growing."""
+    plan = GrowPlanner(bound_s=90.0, reask_s=10.0)
+    step = plan.decide(3, 4, {B: 1}, {A: 3}, {B: 1}, now=0.0, present={A: 2, B: 1})
+    assert step.extra == 0 and step.warm == {}                 # A's three are assumed on their way
+    assert plan.decide(3, 4, {B: 1}, {A: 3}, {B: 1}, now=5.0, present={A: 2, B: 1}).warm == {}
+    step = plan.decide(3, 4, {B: 1}, {A: 3}, {B: 1}, now=10.0, present={A: 2, B: 1})
+    assert step.warm == {A: 1} and step.extra == 0
+    step = plan.decide(3, 4, {B: 1}, {A: 3}, {B: 1}, now=12.0, present={A: 3, B: 1})
+    assert step.extra == 1

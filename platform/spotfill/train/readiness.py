@@ -95,7 +95,9 @@ class GrowPlanner:
     """
     bound_s: float = 60.0
     spares_per_worker: int = 1
-    asked: dict = field(default_factory=dict)       # node -> when it was asked to warm
+    reask_s: float = 10.0                           # a node still short of spares that never started
+    asked: dict = field(default_factory=dict)       # node -> when it was first asked to warm
+    last_ask: dict = field(default_factory=dict)    # node -> when it was last asked
 
     def decide(self, world: int, max_workers: int, fitting_by_node: dict[str, int], group: dict[str, int],
                ready: dict[str, int], now: float, multiple: int = 1,
@@ -106,6 +108,7 @@ class GrowPlanner:
         for node in list(self.asked):       # a node that left (lost, draining, full) is asked again later
             if fitting_by_node.get(node, 0) <= 0 and node not in group:
                 del self.asked[node]
+                self.last_ask.pop(node, None)
         warm_ask: dict[str, int] = {}
         counted, cold, warm_new, waited, waiting, own_waiting = 0, [], [], [], [], False
         room = max(0, max_workers - world)             # workers the grow can add at most
@@ -119,11 +122,17 @@ class GrowPlanner:
                 continue
             # the grown group runs own + n workers there, each on a process that must exist before it
             need, have = own + n, (present if own else ready).get(node, 0)
+            started = present.get(node, 0)          # spares that exist there, warming or ready
             if node not in self.asked:
-                self.asked[node] = now
-                coming = max(have, own * self.spares_per_worker)
+                self.asked[node] = self.last_ask[node] = now
+                coming = max(started, own * self.spares_per_worker)
                 if n and need > coming:
                     warm_ask[node] = need - coming
+            elif have < need and need > started and now - self.last_ask.get(node, now) >= self.reask_s:
+                # a raylet drops what it cannot start at once (more asked than it has CPUs): ask again
+                # for the spares that never started
+                self.last_ask[node] = now
+                warm_ask[node] = need - started
             if have >= need:
                 counted += n
                 waited.append(now - self.asked[node])
