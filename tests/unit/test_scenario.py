@@ -220,3 +220,11 @@ def test_gpu_slots_count_what_the_autoscaler_may_launch():
     types = {"a": {"gpus": 2, "max_workers": 3}, "b": {"gpus": 4, "max_workers": 1}}
     assert parse_scenario({"cluster": {"nodes": [{"gpus": 1}], "autoscaler": {"node_types": types}}}
                           ).cluster.gpu_slots() == 1 + 6 + 4
+
+
+def test_an_event_may_wait_for_an_earlier_one_to_fire():
+    s = parse_scenario({"events": [{"at_step": 25, "min_world": 4, "action": "kill_node", "node": 0},
+                                   {"at_step": 10, "after": 0, "action": "add_node", "gpus": 2}]})
+    assert s.events[1].after == 0 and "after event 0" in s.events[1].describe()
+    with pytest.raises(ConfigError, match=r"events\[0\]\.after"):
+        parse_scenario({"events": [{"at_step": 1, "after": 0, "action": "add_node"}]})

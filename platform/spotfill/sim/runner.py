@@ -510,7 +510,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
         for ev in list(pending) if gate is None or gate() else []:
             due = (ev.at_step is not None and step >= ev.at_step) or \
                   (ev.at is not None and first_step_t is not None and now - first_step_t >= ev.at)
-            if not due or (ev.min_world and world < ev.min_world):
+            if not due or (ev.min_world and world < ev.min_world) or any(p.index == ev.after for p in pending):
                 continue
             pending.remove(ev)
             if isinstance(ev.node, str):

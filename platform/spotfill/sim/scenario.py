@@ -38,8 +38,9 @@ ACTIONS = {
     "market": ({"node_type", "available"}, {"how"}),
 }
 TRIGGERS = {"at", "at_step"}
-# Any event may also wait until training runs on at least this many workers (e.g. grown onto new nodes).
-MODIFIERS = {"min_world"}
+# Any event may also wait until training runs on at least this many workers (e.g. grown onto new nodes),
+# and until an earlier event of the list (its index) has fired: `after`.
+MODIFIERS = {"min_world", "after"}
 MARKET_HOW = ("unfulfilled", "refuse")
 # `node` of a node event: an index, or one of these picks, made from the arbiter's GPUs-by-owner view when
 # the event fires (where Ray places workers and replicas is not known up front)
@@ -61,6 +62,7 @@ class Event:
     available: bool = True
     how: str = "unfulfilled"
     min_world: int | None = None
+    after: int | None = None            # fires only once the event at this index of the list has fired
     picked: str | None = None           # the pick (NODE_PICKS) `node` was resolved from when it fired
     shards: tuple[int, int] = (0, 1)    # swap_shards: the two shards (indices in the dataset's manifest)
 
@@ -68,6 +70,8 @@ class Event:
         when = f"at step {self.at_step}" if self.at_step is not None else f"at {self.at:g}s"
         if self.min_world:
             when += f" once training runs {self.min_world} workers"
+        if self.after is not None:
+            when += f", after event {self.after}"
         picks = {"most_training": "the node training uses most", "most_lent": "the node fill-in uses most"}
         node = picks.get(self.node) if isinstance(self.node, str) else f"node {self.node}" + (
             f" ({picks[self.picked]})" if self.picked else "")
@@ -264,6 +268,10 @@ def parse_event(i: int, raw: Any) -> Event:
         kwargs["duration_s"] = float(_number(f"{path}.duration_s", raw["duration_s"], 0.1))
     if "min_world" in raw:
         kwargs["min_world"] = _number(f"{path}.min_world", raw["min_world"], 1, integer=True)
+    if "after" in raw:
+        kwargs["after"] = _number(f"{path}.after", raw["after"], 0, integer=True)
+        if kwargs["after"] >= i:
+            raise ConfigError(f"{path}.after", raw["after"], accepted=f"the index of an earlier event ({f'0..{i - 1}' if i else 'none: this is the first'})")
     if "node_type" in raw:
         if not isinstance(raw["node_type"], str) or not raw["node_type"]:
             raise ConfigError(f"{path}.node_type", raw["node_type"], accepted="a node type name")
@@ -474,8 +482,10 @@ AUTOSCALING_SCENARIO = {
         {"at_step": 25, "min_world": 4, "action": "market", "node_type": "gpu_spot", "available": False},
         {"at_step": 25, "min_world": 4, "action": "market", "node_type": "gpu_ondemand", "available": False},
         {"at_step": 25, "min_world": 4, "action": "kill_node", "node": "most_training"},
-        {"at_step": 45, "action": "market", "node_type": "gpu_spot", "available": True},
-        {"at_step": 45, "action": "market", "node_type": "gpu_ondemand", "available": True},
+        # after the loss (event 2): the first grow to 4 waits for the new node's warm spares, so the loss can
+        # come after step 45
+        {"at_step": 45, "after": 2, "action": "market", "node_type": "gpu_spot", "available": True},
+        {"at_step": 45, "after": 2, "action": "market", "node_type": "gpu_ondemand", "available": True},
         # 15 s: the save commits by deadline - 5 s, and the notice reaches training seconds after the drain
         # while the autoscaler starts the replacement node on the same cores
         {"at_step": 100, "min_world": 4, "action": "drain_node", "node": "most_lent", "deadline_s": 15},
