@@ -74,8 +74,19 @@ def test_nodes_whose_ids_share_all_but_their_last_digits_are_told_apart():
     own, new = "f" * 53 + "001", "f" * 53 + "002"
     plan = GrowPlanner(bound_s=60.0)
     assert plan.decide(3, 4, {new: 3}, {own: 3}, {}, now=0.0, present={own: 3}).extra == 0
-    step = plan.decide(3, 4, {new: 3}, {own: 3}, {new: 1}, now=5.0, present={own: 3, new: 1})
+    step = plan.decide(3, 4, {new: 3}, {own: 3}, {new: 3}, now=5.0, present={own: 3, new: 3})
     assert step.extra == 1 and step.warm_nodes == (new,)
+
+
+def test_a_node_needs_a_spare_for_every_worker_ray_may_place_there():
+    """Ray's placement group packs the grown group where it likes: growing 3 -> 4 with 3 free GPUs on the new
+    node may put up to 3 workers there (a demo here got 2 there, one on a cold process, with 1 spare)."""
+    own, new = "a" * 56, "b" * 56
+    plan = GrowPlanner(bound_s=60.0)
+    step = plan.decide(3, 4, {new: 3}, {own: 3}, {}, now=0.0, present={own: 3})
+    assert step.warm == {new: 3} and step.extra == 0
+    assert plan.decide(3, 4, {new: 3}, {own: 3}, {new: 1}, now=5.0, present={own: 3, new: 3}).extra == 0
+    assert plan.decide(3, 4, {new: 3}, {own: 3}, {new: 3}, now=9.0, present={own: 3, new: 3}).extra == 1
 
 
 def test_spares_the_group_asked_for_itself_are_not_asked_again():

@@ -115,13 +115,16 @@ class GrowPlanner:
         # the group's own nodes first, then the nodes with the most spares ready: the room goes to them
         order = sorted(set(fitting_by_node) | set(group),
                        key=lambda nd: (-group.get(nd, 0), -ready.get(nd, 0), nd))
+        most = world + room                              # the grown group's size at most
         for node in order:
-            n, own = min(room, max(0, fitting_by_node.get(node, 0))), group.get(node, 0)
+            fits = max(0, fitting_by_node.get(node, 0))
+            n, own = min(room, fits), group.get(node, 0)
             room -= n
-            if not n and not own:
+            if not fits and not own:
                 continue
-            # the grown group runs own + n workers there, each on a process that must exist before it
-            need, have = own + n, (present if own else ready).get(node, 0)
+            # Ray places the grown group (its placement group packs the bundles where it likes): a node may
+            # get as many workers as fit there, up to the group's size -- each needs a process there first
+            need, have = min(own + fits, most), (present if own else ready).get(node, 0)
             started = present.get(node, 0)          # spares that exist there, warming or ready
             if node not in self.asked:
                 self.asked[node] = self.last_ask[node] = now
