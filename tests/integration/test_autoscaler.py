@@ -25,7 +25,10 @@ from spotfill.sim.runner import run_scenario
 from spotfill.sim.scenario import parse_scenario
 from spotfill.telemetry.events import read_events
 
-STEPS = 240
+# 1000: each grow (the first, and back to 4 after each loss) waits for the new node's spares to warm up
+# (train.readiness: 20-40 s here while training steps on the same 2 cores); with 240 training finished at 2
+# workers before it grew back
+STEPS = 1000
 IDLE_TIMEOUT_S = 5
 SCENARIO = {
     "cluster": {"gpu_resource": "GPU_SLOT", "autoscaler": {
@@ -37,14 +40,15 @@ SCENARIO = {
             "gpu_ondemand": {"gpus": 2, "market": "on-demand", "max_workers": 1, "priority": 0}}}},
     "training": {"model": "tiny", "workers": [1, 4], "steps": STEPS, "global_batch": 12, "max_micro_batch": 3,
                  "checkpoint_every": 20, "zero_stage": 2, "warmup_steps": 10},
-    # deadline 12 s: an emergency save must commit by deadline - 5 s (SPOTFILL_EMERGENCY_MARGIN_S), and Ray
+    # deadline 20 s: an emergency save must commit by deadline - 5 s (SPOTFILL_EMERGENCY_MARGIN_S), and Ray
     # Train's watcher saw a notice here 2.4-4.6 s after the drain while the autoscaler started the replacement
-    # node's raylet on the same 2 cores: with 8 s, both saves were abandoned as "no time" (a real notice: 120 s)
+    # node's raylet on the same 2 cores, 9.5 s once while new spares warmed up beside them: with 8 s both
+    # saves were abandoned as "no time", with 12 s one (a real notice: 120 s on AWS, 30 s on GCP)
     "events": [
         # node indices: launched nodes in launch order (the first two are the spot nodes of the first launch)
-        {"at_step": 20, "min_world": 4, "action": "drain_node", "node": 0, "deadline_s": 12},
+        {"at_step": 20, "min_world": 4, "action": "drain_node", "node": 0, "deadline_s": 20},
         {"at_step": 40, "min_world": 4, "action": "market", "node_type": "gpu_spot", "available": False},
-        {"at_step": 40, "min_world": 4, "action": "drain_node", "node": 1, "deadline_s": 12},
+        {"at_step": 40, "min_world": 4, "action": "drain_node", "node": 1, "deadline_s": 20},
     ],
 }
 
