@@ -111,8 +111,9 @@ def test_the_group_after_a_hard_loss_starts_on_warm_spares(scenario_run):
     report, out = scenario_run
     kill = next(p for p in report["preemptions"] if p["action"] == "kill_node")
     events = read_events(str(out / "events.jsonl"), {"resume", "step", "group_sizing"})
-    resume = next(e for e in events if e["kind"] == "resume" and e["t"] > kill["at"])
     decided = next(e for e in events if e["kind"] == "group_sizing" and e["t"] > kill["at"])
+    # the group the loss restarted (the loss may land while the grown group starts, before its resume)
+    resume = next(e for e in events if e["kind"] == "resume" and e["t"] > decided["t"])
     # up before the restart was decided (a process started for the restart starts after that; the loss may
     # come right after a grow, before the grown group's first step, with its spares starting)
     assert resume["process_started_t"] < decided["t"], (kill, decided, resume)
