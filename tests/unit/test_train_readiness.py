@@ -109,9 +109,14 @@ def test_pipeline_grows_by_whole_replicas():
 
 
 def test_restart_goes_on_at_once_on_warm_survivors():
-    # after a notice: A (survivor, its spares warm) holds 2, the replacement C holds 2 but is cold
+    # after a notice: A (survivor, its spares warm) holds 2, the replacement C holds 2 but has no spare yet
     size, why = restart_size({A: 2, C: 2}, {A: 2}, min_workers=1, max_workers=4)
-    assert size == 2 and "start warm now" in why
+    assert size == 2 and "nodes that are left now" in why
+
+
+def test_a_restart_comes_back_at_full_size_on_gpus_taken_back_on_the_nodes_that_are_left():
+    """A ran 2 workers (2 spares) and lent its third GPU to fill-in: the restart takes all 3 there."""
+    assert restart_size({A: 3, C: 2}, {A: 2}, 1, 4)[0] == 3
 
 
 def test_restart_below_the_minimum_counts_cold_capacity():
@@ -121,7 +126,7 @@ def test_restart_below_the_minimum_counts_cold_capacity():
 
 
 def test_restart_with_every_node_warm_takes_them_all():
-    assert restart_size({A: 2, B: 2}, {A: 2, B: 3}, 1, 3) == (3, "3 workers, all on warm spares")
+    assert restart_size({A: 2, B: 2}, {A: 2, B: 3}, 1, 3) == (3, "3 workers on the nodes that are left (their spares warm)")
 
 
 def test_store_tokens_are_taken_once_each_and_stale_ones_removed():

@@ -176,21 +176,24 @@ def short(node_id: str) -> str:
 
 def restart_size(free_by_node: dict[str, int], ready: dict[str, int], min_workers: int, max_workers: int,
                  multiple: int = 1) -> tuple[int, str]:
-    """How many workers a restart starts with, and why: the workers that free capacity holds on nodes with a
-    ready spare for each (survivors of the last group have theirs), or -- when those are fewer than
-    `min_workers` -- every worker free capacity holds (cold: below the minimum, waiting for readiness would
-    stop training altogether)."""
+    """How many workers a restart starts with, and why: every worker free capacity holds on the nodes that
+    are left -- nodes with spares (warming or ready) of this run, where the last group ran; GPUs taken back
+    from fill-in there count too (training comes back at full size on them) -- and none on nodes without a
+    spare (a replacement, a node new to the run: a warm grow adds them once their spares are ready). When
+    those are fewer than `min_workers`, every worker free capacity holds (cold: waiting would stop training
+    altogether)."""
     def whole(n: int) -> int:
         return n - n % multiple if multiple > 1 else n
 
     every = whole(min(max_workers, sum(free_by_node.values())))
-    warm = whole(min(max_workers, sum(min(n, ready.get(node, 0)) for node, n in free_by_node.items())))
-    if warm >= min_workers and warm < every:
-        return warm, (f"{warm} workers start warm now; {every - warm} more fit on nodes whose spares are not "
-                      "ready (a grow adds them once they are)")
-    if warm >= min_workers:
-        return warm, f"{warm} workers, all on warm spares"
-    if warm < every:
-        return every, (f"{every} workers, cold where no spare is ready: warm spares for only {warm} "
+    left = whole(min(max_workers, sum(n for node, n in free_by_node.items() if ready.get(node, 0) > 0)))
+    cold = [node for node, n in free_by_node.items() if n and not ready.get(node, 0)]
+    if left >= min_workers and left < every:
+        return left, (f"{left} workers on the nodes that are left now; {every - left} more fit on "
+                      f"{len(cold)} node(s) with no spare yet (a warm grow adds them once they are ready)")
+    if left >= min_workers:
+        return left, f"{left} workers on the nodes that are left (their spares warm)"
+    if left < every:
+        return every, (f"{every} workers, cold where no spare is ready: warm nodes hold only {left} "
                        f"(below training's minimum {min_workers})")
     return every, f"{every} workers"
