@@ -78,7 +78,7 @@ class _Comms:
         """Every rank's flags row; the step's one collective and its one host sync."""
         if self.world == 1:
             return [flags.tolist()]
-        if self._gathered is None:
+        if self._gathered is None or self._gathered[0].shape != flags.shape:   # a pipeline's rows are longer
             self._gathered = [self.torch.empty_like(flags) for _ in range(self.world)]
         self.dist.all_gather(self._gathered, flags)
         return self.torch.stack(self._gathered).tolist()
