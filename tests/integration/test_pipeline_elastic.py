@@ -17,7 +17,8 @@ from spotfill.telemetry.events import read_events
 # the node comes back as soon as training runs on the replica left (min_world 2), and the run is long enough
 # for the scenario runner's add_node (synchronous: on a loaded 2-core machine it took as long as the 30
 # steps after it, and the job ended before it could grow)
-STEPS, BATCH = 100, 8
+# 300: the grow back onto the added node waits for its warm spares (train.readiness, ~20 s here)
+STEPS, BATCH = 300, 8
 SCENARIO = {
     "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 2}, {"gpus": 2}]},
     "training": {"model": "tiny", "workers": [2, 4], "steps": STEPS, "global_batch": BATCH, "pipeline_stages": 2,
