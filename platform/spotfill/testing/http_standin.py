@@ -95,7 +95,9 @@ class HttpStandin:
                        and (status is None or s == status))
 
     def answer(self, method: str, path: str, query: dict, headers, body: bytes) -> tuple[int, str, dict]:
-        raise NotImplementedError
+        """(status, body, headers) for a request; each stand-in answers its own paths -- here none: 404, as
+        a metadata server answers a path it does not serve."""
+        return 404, "not found", {}
 
     def _faults(self) -> tuple[float, int]:
         with self.lock:
