@@ -118,7 +118,21 @@ def single_rank_dist() -> Iterator[None]:
             yield
         finally:
             with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+                destroy_dist()
+
+
+def destroy_dist() -> None:
+    """Tear down this process's torch.distributed world, through DeepSpeed's comm where an engine used it:
+    deepspeed.comm.destroy_process_group also drops the groups DeepSpeed cached (its data-parallel group). Torch's
+    alone leaves them, and the next engine in the same process fails with 'Group ... is not registered'."""
+    import sys
+
+    import torch.distributed as dist
+    ds_comm = sys.modules.get("deepspeed.comm.comm")        # the module whose global `cdb` is the live backend
+    if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+    elif dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def log_tail(log, chars: int = 1500) -> str:

@@ -30,13 +30,11 @@ def dist():
     """A fresh world of one rank: no process group or Ray connection an earlier module of the same pytest
     process left behind (the module passed alone and failed after the scenario modules in a full run)."""
     import ray
-    import torch.distributed as torch_dist
 
-    from benchmarks._common import single_rank_dist
+    from benchmarks._common import destroy_dist, single_rank_dist
     if ray.is_initialized():
         ray.shutdown()
-    if torch_dist.is_initialized():
-        torch_dist.destroy_process_group()
+    destroy_dist()
     with single_rank_dist():
         yield
 

@@ -121,11 +121,15 @@ def test_new_groups_get_the_timeout_instead_of_torchs_global_default():
     from datetime import timedelta
 
     import torch.distributed.distributed_c10d as c10d
+    from torch.distributed import constants as torch_defaults
 
     from spotfill.ray_compat import new_groups_timeout
     before = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)
-    assert c10d._get_default_timeout(c10d.Backend.GLOO) == timedelta(minutes=30)
+    # torch's own defaults first (an engine built earlier in this pytest process set the module's values)
+    c10d.default_pg_timeout = torch_defaults.default_pg_timeout
+    c10d.default_pg_nccl_timeout = getattr(torch_defaults, "default_pg_nccl_timeout", before[1])
     try:
+        assert c10d._get_default_timeout(c10d.Backend.GLOO) == timedelta(minutes=30)
         assert new_groups_timeout(12.5) is True
         assert c10d._get_default_timeout(c10d.Backend.GLOO) == timedelta(seconds=12.5)
         if before[1] is not None:                      # a torch built with NCCL
