@@ -228,3 +228,19 @@ def test_an_event_may_wait_for_an_earlier_one_to_fire():
     assert s.events[1].after == 0 and "after event 0" in s.events[1].describe()
     with pytest.raises(ConfigError, match=r"events\[0\]\.after"):
         parse_scenario({"events": [{"at_step": 1, "after": 0, "action": "add_node"}]})
+
+
+def test_an_event_may_wait_for_the_other_nodes_warm_spares():
+    s = parse_scenario({"events": [{"at_step": 5, "action": "kill_node", "node": 0, "spares_ready": True}]})
+    assert s.events[0].spares_ready and "spares are ready" in s.events[0].describe()
+    with pytest.raises(ConfigError, match=r"events\[0\]\.spares_ready.*true or false"):
+        parse_scenario({"events": [{"at_step": 5, "action": "kill_node", "node": 0, "spares_ready": "yes"}]})
+
+
+def test_missing_spares_counts_per_node_what_a_restart_there_lacks_the_leaving_node_aside():
+    from spotfill.sim.scenario import missing_spares
+    group = {"a": 2, "b": 2}
+    assert missing_spares(group, {"a": 2}, leaving="b") == {}                 # the survivor has both
+    assert missing_spares(group, {"a": 1, "b": 2}, leaving="b") == {"a": 1}
+    assert missing_spares(group, {}, leaving=None) == {"a": 2, "b": 2}
+    assert missing_spares(group, {"a": 3, "b": 2, "c": 1}, leaving=None) == {}

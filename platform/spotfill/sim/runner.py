@@ -13,6 +13,7 @@ import shutil
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import replace
 
 from spotfill.config.job import JobConfig, PrepareConfig, from_mapping
@@ -22,6 +23,7 @@ from spotfill.sim.data_faults import check_shard_refs, swap_outcome, swap_shards
 from spotfill.sim.freeze import dead_since
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
 from spotfill.sim.scenario import Event, Scenario, pick_node
+from spotfill.sim.triggers import owners, spares_ready
 from spotfill.telemetry.events import EventTail, remove_log
 
 log = logging.getLogger(__name__)
@@ -439,20 +441,6 @@ def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
     return {"tag": tag, "step": int(manifest["step"]), "file": rel, "files": len(files), "t": round(time.time(), 3)}
 
 
-def _owners(say) -> dict[str, dict]:
-    """GPUs per node by owner (training, each fill-in kind, reclaiming, idle) from the fill-in arbiter, for
-    a scenario's node pick; {} (the pick finds nothing, the event is skipped and says so) without one."""
-    import ray
-
-    from spotfill.fillin.arbiter import get_arbiter
-    try:
-        arbiter = get_arbiter()
-        return ray.get(arbiter.status.remote(1), timeout=15)["nodes"] if arbiter is not None else {}
-    except Exception as exc:  # noqa: BLE001 - reported, and the event is skipped with its cause
-        say(f"the fill-in arbiter did not answer for a node pick: {type(exc).__name__}: {exc}")
-        return {}
-
-
 def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=None, gate=None) -> dict:
     """Run training and fire the timeline. `on_first_step` is called once training steps; while `gate()`
     is false no timeline event fires (Serve fill-in: the timeline waits until Serve answers, so every node
@@ -475,6 +463,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
     n_added = len(scenario.cluster.nodes)
     corrupted: dict[int, dict] = {}
     first_step_t, step, world, refreshed = None, 0, 0, 0.0
+    group: Counter = Counter()      # node id -> workers of the group that started last
+    spares_waits: dict[int, dict] = {}   # event index -> its wait for warm spares (spares_ready)
     requests: list[dict] = []       # the cluster's standing resource request, each time it changed
     world_at: dict[int, int] = {}   # event index -> workers training ran on when the node event fired
     silent: dict[int, float] = {}   # frozen node index -> freeze time, until the GCS declares it dead
@@ -491,6 +481,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                 first_step_t = first_step_t or e["t"]
             elif e["kind"] in ("start", "resume"):
                 world = e["world_size"]
+                group = Counter(n for n, _ in e.get("workers") or [])
         now = time.time()
         if now - refreshed >= 1.0:     # nodes the autoscaler launched get the next indices
             refreshed = now
@@ -512,9 +503,11 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                   (ev.at is not None and first_step_t is not None and now - first_step_t >= ev.at)
             if not due or (ev.min_world and world < ev.min_world) or any(p.index == ev.after for p in pending):
                 continue
+            if ev.spares_ready and not spares_ready(ev, group, cluster, spares_waits, now, say):
+                continue
             pending.remove(ev)
             if isinstance(ev.node, str):
-                index = pick_node(ev.node, _owners(say), cluster.node_ids, cluster.alive)
+                index = pick_node(ev.node, owners(say), cluster.node_ids, cluster.alive)
                 if index is None:
                     skipped.append((ev, f"no alive node had GPUs for the pick {ev.node!r}"))
                     say(f"skipped: {ev.describe()} ({skipped[-1][1]})")
@@ -582,6 +575,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                                           "at": round(t, 3), "world_size_before": world_at.get(ev.index), **out})
         elif ev.action == "add_node":
             entry.update(grow_outcome(events, t))
+        if ev.index in spares_waits:
+            entry["spares"] = spares_waits[ev.index]
         elif ev.action in ("corrupt_checkpoint", "stale_writer"):
             entry.update(corrupted.get(ev.index, {}))
         elif ev.action == "swap_shards":

@@ -39,8 +39,11 @@ ACTIONS = {
 }
 TRIGGERS = {"at", "at_step"}
 # Any event may also wait until training runs on at least this many workers (e.g. grown onto new nodes),
-# and until an earlier event of the list (its index) has fired: `after`.
-MODIFIERS = {"min_world", "after"}
+# until an earlier event of the list (its index) has fired: `after`, and until every node training runs on
+# (the event's own node aside) has a warm spare (started) for each of its workers: `spares_ready` (a loss timed
+# onto a run whose survivors can restart warm; waited for at most SPARES_WAIT_S, then it fires and says so).
+MODIFIERS = {"min_world", "after", "spares_ready"}
+SPARES_WAIT_S = 120.0
 MARKET_HOW = ("unfulfilled", "refuse")
 # `node` of a node event: an index, or one of these picks, made from the arbiter's GPUs-by-owner view when
 # the event fires (where Ray places workers and replicas is not known up front)
@@ -63,6 +66,7 @@ class Event:
     how: str = "unfulfilled"
     min_world: int | None = None
     after: int | None = None            # fires only once the event at this index of the list has fired
+    spares_ready: bool = False          # fires only once the group's other nodes have ready warm spares
     picked: str | None = None           # the pick (NODE_PICKS) `node` was resolved from when it fired
     shards: tuple[int, int] = (0, 1)    # swap_shards: the two shards (indices in the dataset's manifest)
 
@@ -72,6 +76,8 @@ class Event:
             when += f" once training runs {self.min_world} workers"
         if self.after is not None:
             when += f", after event {self.after}"
+        if self.spares_ready:
+            when += ", once the other nodes' spares are ready"
         picks = {"most_training": "the node training uses most", "most_lent": "the node fill-in uses most"}
         node = picks.get(self.node) if isinstance(self.node, str) else f"node {self.node}" + (
             f" ({picks[self.picked]})" if self.picked else "")
@@ -272,6 +278,10 @@ def parse_event(i: int, raw: Any) -> Event:
         kwargs["after"] = _number(f"{path}.after", raw["after"], 0, integer=True)
         if kwargs["after"] >= i:
             raise ConfigError(f"{path}.after", raw["after"], accepted=f"the index of an earlier event ({f'0..{i - 1}' if i else 'none: this is the first'})")
+    if "spares_ready" in raw:
+        if not isinstance(raw["spares_ready"], bool):
+            raise ConfigError(f"{path}.spares_ready", raw["spares_ready"], accepted="true or false")
+        kwargs["spares_ready"] = raw["spares_ready"]
     if "node_type" in raw:
         if not isinstance(raw["node_type"], str) or not raw["node_type"]:
             raise ConfigError(f"{path}.node_type", raw["node_type"], accepted="a node type name")
@@ -491,3 +501,10 @@ AUTOSCALING_SCENARIO = {
         {"at_step": 100, "min_world": 4, "action": "drain_node", "node": "most_lent", "deadline_s": 15},
     ],
 }
+
+
+def missing_spares(group: dict[str, int], ready: dict[str, int], leaving: str | None) -> dict[str, int]:
+    """Per node training runs on (`group`: node -> workers; the event's node `leaving` aside), the warm
+    spares it lacks for a restart there ({} when every one has a spare for each of its workers)."""
+    return {node: n - ready.get(node, 0) for node, n in group.items()
+            if node != leaving and ready.get(node, 0) < n}
