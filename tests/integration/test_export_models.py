@@ -114,24 +114,9 @@ def test_a_preset_exports_as_gpt2_with_the_byte_tokenizer_and_the_same_logits(di
 
 
 def _llama_and_tokenizer(tmp_path):
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    tok_dir = str(tmp_path / "tok")
-    fast.save_pretrained(tok_dir)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id)
-    llama_dir = str(tmp_path / "llama")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(llama_dir)
-    return llama_dir, tok_dir, fast
+    from spotfill.testing.hf_tiny import tiny_llama
+    llama_dir, tok_dir = tiny_llama(str(tmp_path), layers=2, text=TEXT)
+    return llama_dir, tok_dir, transformers.AutoTokenizer.from_pretrained(tok_dir)
 
 
 def test_a_hf_llama_exports_as_itself_with_its_tokenizer_and_the_same_logits(dist, tmp_path):
@@ -155,13 +140,34 @@ def test_a_hf_llama_exports_as_itself_with_its_tokenizer_and_the_same_logits(dis
     tok = transformers.AutoTokenizer.from_pretrained(out)
     for text in PROBES:
         assert tok.encode(text) == fast.encode(text)
-        assert tok.decode(tok.encode(text)) == text
+        assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
     ids = [tok.encode(TEXT[:200])[:32]]
     theirs, model = _hf_logits(out, ids)
     diff = float((theirs - _spotfill_logits(engine, ids)).abs().max())
     print(f"hf llama: max |logit diff| {diff:.3g}")
     assert diff <= ATOL and rec["max_abs_diff"] <= ATOL
     assert type(model).__name__ == "LlamaForCausalLM"
+
+    # what serving loads from the run -- the carried model and its own tokenizer -- generates, greedy, the
+    # text transformers generates from the export (KV-cached engine, a batch of prompts at once)
+    import torch
+
+    from spotfill.fillin.generate import load_newest
+    from spotfill.generation.offline import complete_all
+    from spotfill.generation.replica import build_engine
+    from spotfill.generation.sampling import SamplingParams
+    loaded = load_newest(store, str(tmp_path / "work"))
+    assert loaded.tokenizer.name.startswith("hf:") and loaded.tokenizer.encode(PROBES[2]) == fast.encode(PROBES[2])
+    served = build_engine(loaded.model.eval(), tokenizer=loaded.tokenizer, max_batch=4)
+    prompts = [tok.encode(p) for p in PROBES]
+    done = complete_all(served, prompts, [SamplingParams(max_tokens=12, ignore_eos=True)] * len(prompts))
+    for p, c in zip(prompts, done):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 pad_token_id=tok.eos_token_id)[0, len(p):].tolist()
+        assert c.ids == ref, (p, c.ids, ref)
+        assert loaded.tokenizer.decode(c.ids) == tok.decode(ref, skip_special_tokens=True)
 
 
 def test_serving_loads_the_carried_model_not_a_guess(dist, tmp_path, caplog):

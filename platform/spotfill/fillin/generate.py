@@ -13,6 +13,7 @@ spotfill's presets.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ class Loaded:
     load_s: float
     loaded_at: float
     card: dict | None = None      # the model card the checkpoint carries (train/model_card.py)
+    tokenizer: object = None      # the run's tokenizer (generation/text.py): bytes, or its own HF one
 
 
 def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | None = None, device=None,
@@ -49,11 +51,34 @@ def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | Non
         return None
     try:
         state = consolidate(manifest["path"], manifest["tag"])
+        net, card = model_from_state(state, manifest.get("meta"), model, where=f"checkpoint {manifest['tag']}")
+        tokenizer = tokenizer_of(card, manifest["path"], os.path.join(work_dir, f"tokenizer-{manifest['tag']}"))
     finally:
         shutil.rmtree(manifest["path"], ignore_errors=True)
-    net, card = model_from_state(state, manifest.get("meta"), model, where=f"checkpoint {manifest['tag']}")
     net.to(device=device or "cpu", dtype=dtype)
-    return Loaded(net, manifest["tag"], int(manifest["step"]), time.perf_counter() - t0, time.time(), card)
+    return Loaded(net, manifest["tag"], int(manifest["step"]), time.perf_counter() - t0, time.time(), card,
+                  tokenizer)
+
+
+def tokenizer_of(card: dict | None, tag_dir: str, keep_dir: str):
+    """The tokenizer a checkpoint's card names: the byte tokenizer, or the run's own Hugging Face tokenizer
+    from the files the checkpoint carries (rank-0/spotfill-model/, copied to `keep_dir`). A card naming a
+    Hugging Face tokenizer whose files the checkpoint lacks is refused (its text would be wrong)."""
+    from spotfill.config.errors import ConfigError
+    from spotfill.generation.text import ByteTokenizer, HFTokenizer
+    from spotfill.train.model_card import MODEL_DIR
+    tok = (card or {}).get("tokenizer") or {"kind": "bytes"}
+    if tok.get("kind") != "hf":
+        return ByteTokenizer()
+    src = os.path.join(tag_dir, "rank-0", MODEL_DIR)
+    if not tok.get("files") or not os.path.isdir(src):
+        raise ConfigError("checkpoint tokenizer", tok.get("source"), reason="the checkpoint does not carry its "
+                          "tokenizer's files", accepted="checkpoints of runs whose tokenizer folder was readable "
+                          "on the training nodes")
+    shutil.rmtree(keep_dir, ignore_errors=True)
+    shutil.copytree(src, keep_dir)
+    return HFTokenizer(keep_dir, eos_ids=((card.get("generation_config") or {}).get("eos_token_id")
+                                          or (card.get("config") or {}).get("eos_token_id") or ()))
 
 
 def generate(model, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0,

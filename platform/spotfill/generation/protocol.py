@@ -9,8 +9,9 @@ change the output and are not supported (logprobs, echo, best_of > 1, n > 1, too
 than text) are refused with 400 rather than ignored; fields that do not change the output (user, metadata,
 presence/frequency penalties of 0...) are accepted.
 
-Chat messages become one prompt: "<role>: <content>\\n" per message, then "assistant:" -- spotfill's presets
-are byte-level models trained on plain text, with no chat template of their own.
+Chat messages travel to the replica as messages: a model whose tokenizer has a chat template (a Hugging Face
+run's own tokenizer) gets the template applied there; spotfill's presets (byte-level models trained on plain
+text, no template) get "<role>: <content>\\n" per message, then "assistant:" (generation/text.plain_chat).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+
+from spotfill.generation.text import plain_chat
 
 DEFAULT_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
 MAX_STOPS = 4
@@ -58,11 +61,21 @@ class Call:
     model: str | None
     ignore_eos: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    messages: list[dict] | None = None   # a chat's messages [{role, content}] (content: text)
 
     def params(self) -> dict:
         """The sampling parameters as the Generator takes them."""
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "seed": self.seed, "stop": list(self.stop), "ignore_eos": self.ignore_eos}
+
+    def job(self, params: dict | None = None) -> dict:
+        """What a replica generates from (generation/replica.job_request): a chat's messages, which the
+        replica's tokenizer turns into its prompt, or the prompt."""
+        out = {"request_id": self.request_id, "prompt": self.prompt, "params": self.params() if params is None
+               else params}
+        if self.messages is not None:
+            out["messages"] = self.messages
+        return out
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, kind=float):
@@ -128,7 +141,8 @@ def parse_completion(body) -> Call:
     return _common(body, False, prompt, _number(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1 << 31, int))
 
 
-def chat_prompt(messages) -> str:
+def chat_messages(messages) -> list[dict]:
+    """The chat's messages as [{role, content: str}] (text parts joined), or 400 naming the bad one."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "a non-empty list of {role, content}")
     lines = []
@@ -142,8 +156,13 @@ def chat_prompt(messages) -> str:
             content = "".join(str(p.get("text", "")) for p in content)
         if content is not None and not isinstance(content, str):
             raise bad(f"messages[{i}].content", "a string")
-        lines.append(f"{m['role']}: {content or ''}\n")
-    return "".join(lines) + "assistant:"
+        lines.append({"role": m["role"], "content": content or ""})
+    return lines
+
+
+def chat_prompt(messages) -> str:
+    """The plain prompt of a chat (a model without a chat template)."""
+    return plain_chat(chat_messages(messages))
 
 
 def parse_chat(body) -> Call:
@@ -151,7 +170,10 @@ def parse_chat(body) -> Call:
         raise bad("body", "a JSON object")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = None if limit is None else _number({"max_tokens": limit}, "max_tokens", None, 1, 1 << 31, int)
-    return _common(body, True, chat_prompt(body.get("messages")), max_tokens)
+    messages = chat_messages(body.get("messages"))
+    call = _common(body, True, plain_chat(messages), max_tokens)
+    call.messages = messages
+    return call
 
 
 def usage(result: dict) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from spotfill.generation.decoders import GPTDecoder, decoder_for
+from spotfill.generation.decoders import decoder_for, self_draft
 from spotfill.generation.engine import Engine, GenerationRequest, Update
 from spotfill.generation.sampling import SamplingParams
 from spotfill.generation.text import ByteTokenizer
@@ -51,23 +51,28 @@ def replica_device():
 
 
 def build_engine(model, draft: DraftSpec = DraftSpec(), draft_model=None, num_draft_tokens: int = 4,
-                 max_batch: int = 8, policy=None, meter=None) -> Engine:
-    """An engine over `model` (spotfill's GPT or any forward(idx) -> logits model with a .cfg), with the draft
-    `draft` names (`draft_model`: the loaded model of a URI draft); `meter` measures its steps (Engine)."""
+                 max_batch: int = 8, policy=None, meter=None, tokenizer=None) -> Engine:
+    """An engine over `model` (spotfill's GPT, a Hugging Face causal LM, or any forward(idx) -> logits model
+    with a .cfg), with the draft `draft` names (`draft_model`: the loaded model of a URI draft) and the run's
+    `tokenizer` (default: the byte tokenizer of spotfill's presets); `meter` measures its steps (Engine)."""
     from spotfill.config.errors import ConfigError
     target = decoder_for(model)
     dec = None
     if draft.kind == "self":
-        if not isinstance(target, GPTDecoder) or draft.layers >= target.cfg.n_layer:
+        if not 1 <= draft.layers < model.cfg.n_layer:
             raise ConfigError("draft", str(draft), accepted=f"self:L with 1 <= L < {model.cfg.n_layer} (the "
-                              "model's layers), on one of spotfill's GPT presets")
-        dec = GPTDecoder(model, layers=draft.layers)
+                              "model's layers)")
+        dec = self_draft(model, draft.layers)
+        if dec is None:
+            raise ConfigError("draft", str(draft), accepted="self:L on spotfill's GPT presets or a Hugging Face "
+                              f"model whose layers run in order (not {type(getattr(model, 'inner', model)).__name__}"
+                              "): or a smaller run's storage URI")
     elif draft.kind == "uri":
         dec = decoder_for(draft_model)
         if dec.vocab_size != target.vocab_size:
             raise ConfigError("draft", draft.uri, reason=f"its vocabulary has {dec.vocab_size} tokens, the "
                               f"model's {target.vocab_size}", accepted="a run with the same tokenizer")
-    return Engine(target, ByteTokenizer(), max_batch=max_batch, draft=dec, num_draft_tokens=num_draft_tokens,
+    return Engine(target, tokenizer or ByteTokenizer(), max_batch=max_batch, draft=dec, num_draft_tokens=num_draft_tokens,
                   policy=policy, meter=meter)
 
 
@@ -78,7 +83,10 @@ def job_request(job: dict, tokenizer, context: int) -> GenerationRequest:
     params = SamplingParams(max_tokens=int(limit) if limit else context, temperature=float(p.get("temperature") or 0.0),
                             top_p=float(p.get("top_p") or 1.0), seed=p.get("seed"),
                             stop=tuple(p.get("stop") or ()), ignore_eos=bool(p.get("ignore_eos")))
-    prompt = tokenizer.encode(job.get("prompt") or "") or [tokenizer.eos_id]
+    if job.get("messages"):              # a chat: the tokenizer's chat template, or the plain prompt
+        prompt = tokenizer.chat_ids(job["messages"]) or [tokenizer.eos_id]
+    else:
+        prompt = tokenizer.encode(job.get("prompt") or "") or [tokenizer.eos_id]
     return GenerationRequest(str(job["request_id"]), prompt, params, generated=list(job.get("generated") or []),
                              emitted=int(job.get("emitted") or 0), drafted=int(job.get("drafted") or 0),
                              accepted=int(job.get("accepted") or 0),
