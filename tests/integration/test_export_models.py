@@ -169,6 +169,28 @@ def test_a_hf_llama_exports_as_itself_with_its_tokenizer_and_the_same_logits(dis
         assert c.ids == ref, (p, c.ids, ref)
         assert loaded.tokenizer.decode(c.ids) == tok.decode(ref, skip_special_tokens=True)
 
+    # a batch job pins the checkpoint with its tokenizer's files, and its workers generate the same text
+    from types import SimpleNamespace
+
+    from spotfill.fillin import batch, batch_plan
+    from spotfill.fillin.generate import generate_rows
+    state, _, _, pinned_card, tok_files = batch._pinned_checkpoint(
+        SimpleNamespace(checkpoint=run, checkpoint_tag=None, checkpoint_wait_s=0))
+    assert "tokenizer.json" in tok_files and pinned_card == card
+    out_store = open_storage(str(tmp_path / "batch-out"))
+    for name, data in tok_files.items():
+        out_store.put_bytes(f"{batch_plan.TOKENIZER_DIR}/{name}", data)
+    worker_tok = batch.plan_tokenizer(out_store, {"model_card": pinned_card})
+    rows = generate_rows(loaded.model, PROBES, 12, tokenizer=worker_tok)
+    for text, (got, n, reason) in zip(PROBES, rows):
+        p = tok.encode(text)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 pad_token_id=tok.eos_token_id)[0, len(p):].tolist()
+        ref = ref[:ref.index(tok.eos_token_id)] if tok.eos_token_id in ref else ref
+        assert got == tok.decode(ref, skip_special_tokens=True) and n == len(ref), (text, got, ref)
+
 
 def test_serving_loads_the_carried_model_not_a_guess(dist, tmp_path, caplog):
     """The loaders build what the card says: a preset whose shape matches no preset's width/depth pair

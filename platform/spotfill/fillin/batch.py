@@ -119,19 +119,23 @@ def load_or_make_plan(cfg, out) -> tuple[dict, bool]:
             raise ConfigError("output", out.uri, reason=f"holds the plan of a different job (differs in "
                               f"{', '.join(diff)})", accepted="the same inputs to resume, or a new output")
         return plan, True
-    state, tag, step, card = _pinned_checkpoint(cfg)
+    state, tag, step, card, tok_files = _pinned_checkpoint(cfg)
     buf = io.BytesIO()
     import torch
     torch.save(state, buf)
     out.put_bytes(bp.MODEL_KEY, buf.getvalue())
+    for name, data in tok_files.items():
+        out.put_bytes(f"{bp.TOKENIZER_DIR}/{name}", data)
     plan = {**new, "checkpoint": cfg.checkpoint, "checkpoint_tag": tag, "checkpoint_step": step,
             "model": cfg.model, "model_card": card, "created": time.time(), "name": cfg.name}
     out.put_bytes(bp.PLAN_KEY, json.dumps(plan).encode())
     return plan, False
 
 
-def _pinned_checkpoint(cfg) -> tuple[dict, str, int, dict | None]:
-    """(weights, tag, step, the model card its manifest carries or None) of the checkpoint to pin."""
+def _pinned_checkpoint(cfg) -> tuple[dict, str, int, dict | None, dict[str, bytes]]:
+    """(weights, tag, step, the model card its manifest carries or None, {name: bytes} of the tokenizer
+    files it carries) of the checkpoint to pin."""
+    from spotfill.train.model_card import MODEL_DIR
     from spotfill.fillin.generate import consolidate
     from spotfill.train.model_card import card_of
     from spotfill.storage.base import open_storage
@@ -145,8 +149,14 @@ def _pinned_checkpoint(cfg) -> tuple[dict, str, int, dict | None]:
         manifest = store.restore(work, tag=cfg.checkpoint_tag, resume=False)   # a reader, never training's
         if manifest is None:
             raise ConfigError("checkpoint", cfg.checkpoint, reason="no committed checkpoint in it")
+        src = os.path.join(manifest["path"], "rank-0", MODEL_DIR)
+        files = {}
+        if os.path.isdir(src):
+            for name in sorted(os.listdir(src)):
+                with open(os.path.join(src, name), "rb") as f:
+                    files[name] = f.read()
         return (consolidate(manifest["path"], manifest["tag"]), manifest["tag"], int(manifest["step"]),
-                card_of(manifest.get("meta")))
+                card_of(manifest.get("meta")), files)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -187,6 +197,7 @@ class UnitWorker:
         self.where = {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                       "gpu_ids": [str(g) for g in ray_gpu_ids()]}
         self.model = plan_model(self.out, plan, self.device, self.dtype)
+        self.tokenizer = plan_tokenizer(self.out, plan)
         self.engine = None             # generation's KV-cached engine, made by the first generation unit
         self.reader = None
         if plan["eval_rows"]:
@@ -224,11 +235,11 @@ class UnitWorker:
         from spotfill.fillin.generate import batch_engine, generate_rows
         if self.engine is None:        # its cache is allocated once, for the rows of a unit
             per_unit = self.plan.get("generate_rows_per_unit") or GENERATE_MAX_BATCH    # (a plan from before it)
-            self.engine = batch_engine(self.model, min(GENERATE_MAX_BATCH, per_unit))
+            self.engine = batch_engine(self.model, min(GENERATE_MAX_BATCH, per_unit), self.tokenizer)
         rows = range(unit.start, unit.stop)
         results = generate_rows(self.model, [self.prompts[r] for r in rows], self.plan["max_tokens"],
                                 self.plan["temperature"], seeds=[self.plan["seed"] + r for r in rows],
-                                engine=self.engine)
+                                engine=self.engine, tokenizer=self.tokenizer)
         cols = {"id": [], "prompt_id": [], "prompt": [], "text": [], "tokens": [], "finish_reason": []}
         for r, (text, n, reason) in zip(rows, results):
             pid = self.plan["prompt_ids"][r]
@@ -252,6 +263,26 @@ def plan_model(out, plan: dict, device=None, dtype=None):
     model, _ = model_from_state(state, {"model": plan.get("model_card")}, plan.get("model", "auto"),
                                 where=f"batch plan of checkpoint {plan.get('checkpoint_tag')}")
     return model.to(device, dtype).eval()
+
+
+def plan_tokenizer(out, plan: dict):
+    """The pinned checkpoint's tokenizer: its own Hugging Face one (files under `_plan/tokenizer/`, copied to
+    a local folder), or the byte tokenizer of spotfill's presets (fillin/generate.tokenizer_of)."""
+    from spotfill.fillin.generate import tokenizer_of
+    from spotfill.train.model_card import MODEL_DIR
+    card = plan.get("model_card")
+    if ((card or {}).get("tokenizer") or {}).get("kind") != "hf":
+        return tokenizer_of(card, "", "")
+    tag_dir = tempfile.mkdtemp(prefix="spotfill-batch-tok-")
+    folder = os.path.join(tag_dir, "rank-0", MODEL_DIR)
+    os.makedirs(folder)
+    for key in out.list(f"{bp.TOKENIZER_DIR}/"):
+        with open(os.path.join(folder, os.path.basename(key)), "wb") as f:
+            f.write(out.get_bytes(key))
+    try:
+        return tokenizer_of(card, tag_dir, os.path.join(tag_dir, "tokenizer"))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def eval_rows(model, tokens) -> tuple[list[float], list[int]]:

@@ -23,6 +23,7 @@ KINDS = ("eval", "generate")
 COMMITS = "_commits"
 PLAN_KEY = "_plan/plan.json"
 MODEL_KEY = "_plan/model.pt"
+TOKENIZER_DIR = "_plan/tokenizer"       # the checkpoint's own tokenizer files (a Hugging Face run's), pinned
 
 
 @dataclass(frozen=True)

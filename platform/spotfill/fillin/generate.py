@@ -123,37 +123,48 @@ def fits_engine(prompt_ids: list[int], max_tokens: int, context: int) -> bool:
 
 
 def generate_rows(model, prompts: list[str], max_tokens: int, temperature: float = 0.0,
-                  seeds: list[int] | None = None, engine=None) -> list[tuple[str, int, str]]:
+                  seeds: list[int] | None = None, engine=None, tokenizer=None) -> list[tuple[str, int, str]]:
     """`generate` for many prompts at once: (text, tokens generated, finish_reason) per prompt, in order.
     The prompts that fit the context with max_tokens run together on `engine` (spotfill/generation: KV
     cache, continuous batching; default: a new one over `model`, a row per prompt), greedy giving exactly
     `generate`'s tokens; sampled rows draw from (seed, token index) as the engine does. A prompt that needs
-    the sliding window runs alone through `generate` (its seed seeding its generator as there)."""
+    the sliding window runs alone through `generate` (its seed seeding its generator as there).
+
+    `tokenizer`: the run's own (generation/text.py; default: bytes). With a Hugging Face tokenizer a prompt
+    that does not fit keeps its last tokens (the context minus max_tokens, at least half the context) and
+    runs on the engine too: `generate`'s sliding window is byte-level."""
     from spotfill.generation.offline import complete_all
     from spotfill.generation.sampling import SamplingParams
+    from spotfill.generation.text import ByteTokenizer
+    tokenizer = tokenizer or ByteTokenizer()
+    byte_level = isinstance(tokenizer, ByteTokenizer)
     seeds = list(seeds) if seeds is not None else [0] * len(prompts)
-    ids = [list(p.encode("utf-8")) or [EOD] for p in prompts]
+    ctx = model.cfg.seq_len
+    ids = [tokenizer.encode(p) or [tokenizer.eos_id] for p in prompts]
+    if not byte_level:
+        ids = [p if fits_engine(p, max_tokens, ctx) else p[-max(ctx - max_tokens, ctx // 2):] for p in ids]
     out: list[tuple[str, int, str] | None] = [None] * len(prompts)
-    fit = [i for i, p in enumerate(ids) if fits_engine(p, max_tokens, model.cfg.seq_len)]
+    fit = [i for i, p in enumerate(ids) if fits_engine(p, max_tokens, ctx) or not byte_level]
     if fit and max_tokens > 0:
         if engine is None:
-            engine = batch_engine(model, len(fit))
+            engine = batch_engine(model, len(fit), tokenizer)
         done = complete_all(engine, [ids[i] for i in fit],
                             [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seeds[i])
                              for i in fit])
         for i, c in zip(fit, done):
             if c.finish_reason == "error":
                 raise RuntimeError(f"generation of prompt {i} failed: {c.error}")
-            out[i] = (bytes(c.ids).decode("utf-8", errors="replace"), len(c.ids), c.finish_reason)
+            out[i] = (tokenizer.decode(c.ids), len(c.ids), c.finish_reason)
     for i in range(len(prompts)):
         if out[i] is None:
             out[i] = generate(model, prompts[i], max_tokens, temperature, seed=seeds[i])
     return out
 
 
-def batch_engine(model, max_batch: int):
-    """A KV-cached engine over a loaded model for offline batches (no draft; stepped by its caller)."""
+def batch_engine(model, max_batch: int, tokenizer=None):
+    """A KV-cached engine over a loaded model for offline batches (no draft; stepped by its caller), with
+    the run's `tokenizer` (default: bytes)."""
     from spotfill.generation.decoders import decoder_for
     from spotfill.generation.engine import Engine
     from spotfill.generation.text import ByteTokenizer
-    return Engine(decoder_for(model), ByteTokenizer(), max_batch=max(1, int(max_batch)))
+    return Engine(decoder_for(model), tokenizer or ByteTokenizer(), max_batch=max(1, int(max_batch)))
