@@ -90,8 +90,9 @@ def make_engine(model, draft: str = "", k: int = 4, fixed: bool = False, max_bat
     return build_engine(model, spec, None, k, max_batch, policy=FixedK(k) if (fixed and draft) else None)
 
 
-def engine_run(engine, n_requests: int, new_tokens: int) -> dict:
-    """Requests submitted together to the engine; tokens/s and the speculative counts."""
+def engine_run(engine, n_requests: int, new_tokens: int, outputs: dict | None = None) -> dict:
+    """Requests submitted together to the engine (prompts in the engine's tokenizer); tokens/s and the
+    speculative counts. `outputs` gets each request's generated ids."""
     from spotfill.generation.engine import GenerationRequest
     from spotfill.generation.sampling import SamplingParams
 
@@ -99,13 +100,15 @@ def engine_run(engine, n_requests: int, new_tokens: int) -> dict:
 
     def sink(u):
         tokens[0] += len(u.ids)
+        if outputs is not None:
+            outputs.setdefault(u.request_id, []).extend(u.ids)
         if u.finish_reason:
             finished.append(u)
 
     engine.stats.clear()
     t0 = time.perf_counter()
     for i in range(n_requests):
-        engine.submit(GenerationRequest(str(i), list((PROMPT + str(i)).encode()),
+        engine.submit(GenerationRequest(str(i), engine.tokenizer.encode(PROMPT + str(i)),
                                         SamplingParams(max_tokens=new_tokens, ignore_eos=True)), sink)
     while len(finished) < n_requests and engine.step():
         pass
@@ -200,7 +203,52 @@ def _bench(say, quick, preset, device, dtype, draft, k, new_tokens, checkpoint) 
                                 "acceptance_rate_batch8": sides[("specdec_fixed", 8)]["acceptance_rate"],
                                 "mean_accepted_length_batch8": sides[("specdec_fixed", 8)]["mean_accepted_length"]}},
         "runs": {f"{side}_batch{b}": v for (side, b), v in sides.items()}})
+    if preset == "tiny":
+        out["hf_llama"] = hf_llama(say, rounds, new_tokens, k, device)
     return out
+
+
+def hf_llama(say, rounds: int, new_tokens: int, k: int, device: str) -> dict:
+    """A Hugging Face model served as spotfill serves one (spotfill.testing.hf_tiny: a random 4-layer Llama
+    with its own BPE tokenizer, built here): the engine on its per-row KV cache (HFDecoder), with and without
+    the self:1 draft, beside the same engine recomputing the whole context each token (RecomputeDecoder: the
+    path before); greedy output identical with and without the draft."""
+    import tempfile
+
+    from spotfill.generation.decoders import RecomputeDecoder
+    from spotfill.generation.engine import Engine
+    from spotfill.generation.replica import DraftSpec, build_engine
+    from spotfill.generation.text import HFTokenizer
+    from spotfill.testing.hf_tiny import tiny_llama
+    from spotfill.train.model import build_model
+    model_dir, tok_dir = tiny_llama(tempfile.mkdtemp(prefix="spotfill-bench-llama-"), layers=4, context=256)
+    model = build_model(f"hf:{model_dir}").to(device).eval()
+    tok = HFTokenizer(tok_dir)
+    engines = {"engine": build_engine(model, tokenizer=tok),
+               "specdec": build_engine(model, DraftSpec.parse("self:1"), tokenizer=tok, num_draft_tokens=k),
+               "recompute": Engine(RecomputeDecoder(model, model.cfg.seq_len, model.cfg.vocab_size), tok)}
+    for eng in engines.values():
+        for batch in (1, 8):
+            engine_run(eng, batch, new_tokens)
+    seen: dict = {}
+    outputs: dict = {name: {} for name in engines}
+    for _ in range(rounds):
+        for name, eng in engines.items():
+            for b in (1, 8):
+                seen.setdefault((name, b), []).append(engine_run(eng, b, new_tokens, outputs[name] if b == 8 else None))
+    sides = {key: median_run(v) for key, v in seen.items()}
+    rates = {name: {f"batch{b}": sides[(name, b)]["tokens_per_s"] for b in (1, 8)} for name in engines}
+    same = outputs["specdec"] == outputs["engine"] == outputs["recompute"]
+    say(f"hf llama: engine {rates['engine']}, self:1 draft {rates['specdec']}, recompute {rates['recompute']}, "
+        f"greedy identical: {same}")
+    return {"model": "tiny Llama (4 layers, 64 wide, random)", "params": sum(p.numel() for p in model.parameters()),
+            "tokenizer": "BPE (hf_tiny)", "tokens_per_s": rates["engine"],
+            "specdec": {"draft": "self:1", "tokens_per_s": rates["specdec"],
+                        "acceptance_rate": sides[("specdec", 8)].get("acceptance_rate")},
+            "recompute_tokens_per_s": rates["recompute"],
+            "speedup_vs_recompute": {f"batch{b}": round(sides[("engine", b)]["tokens_per_s"] /
+                                                        sides[("recompute", b)]["tokens_per_s"], 2) for b in (1, 8)},
+            "greedy_identical": same}
 
 
 def _tiny_long(device: str):
