@@ -11,19 +11,19 @@ import spotfill
 
 PURE = [
     "spotfill.planning.planner", "spotfill.planning.hardware", "spotfill.planning.sizing", "spotfill.cli.plan",
-    "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.spares", "spotfill.train.presets", "spotfill.sim.scenario",
+    "spotfill.config.batching", "spotfill.train.capacity", "spotfill.train.spares", "spotfill.config.presets", "spotfill.sim.scenario",
     "spotfill.sim.outcomes", "spotfill.config", "spotfill.telemetry.ledger", "spotfill.telemetry.diagnosis",
     "spotfill.telemetry.html", "spotfill.telemetry.report", "spotfill.telemetry.live",
     "spotfill.telemetry.throughput", "spotfill.telemetry.progress", "spotfill.telemetry.liveview",
     "spotfill.telemetry.nvml", "spotfill.train.summary", "spotfill.cli.status",
     "spotfill.storage.lineage", "spotfill.train.preflight", "spotfill.train.step_policy",
-    "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.train.opcache",
+    "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.ray_compat.opcache",
     "spotfill.fillin.policy", "spotfill.fillin.journal", "spotfill.fillin.lending", "spotfill.fillin.hosts",
     "spotfill.fillin.turns",
     "spotfill.fillin.let_go", "spotfill.fillin.busy", "spotfill.config.batch", "spotfill.fillin.batch_plan", "spotfill.sim.fillin_spec", "spotfill.sim.nodes", "spotfill.sim.autoscaler_config",
     "spotfill.fillin.sweep_policy", "spotfill.config.sweep", "spotfill.fillin.cpu_priority",
     "spotfill.devices", "spotfill.fillin.cluster_kind",
-    "spotfill.train.pipe_layout", "spotfill.train.bubble", "spotfill.train.pipeline_summary",
+    "spotfill.config.pipe_layout", "spotfill.train.bubble", "spotfill.train.pipeline_summary",
     "spotfill.planning.pipeline_advice", "spotfill.config.failure_detection",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}

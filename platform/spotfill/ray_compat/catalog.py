@@ -33,7 +33,7 @@ MUON_MODULES = {
 # DeepSpeed ZeRO-1/2 internals the elastic (no conversion) resharding load uses, checked by name in the
 # installed source (the driver checks before any worker starts, without importing DeepSpeed) and by
 # signature when first used (ray_compat.deepspeed_engine). At another data-parallel size each rank copies its
-# window of the merge of the saved partitions (train/zero_merge.py redoes DeepSpeed's
+# window of the merge of the saved partitions (ray_compat/zero_merge.py redoes DeepSpeed's
 # flatten_dense_tensors_aligned + get_data_parallel_partitions arithmetic with the optimizer's
 # nccl_start_alignment_factor; the load also checks the window's size against the live partition).
 ZERO_ELASTIC_SOURCES = {

@@ -89,7 +89,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
                           "the loopback S3 endpoint the runner starts itself", accepted="leave --storage out")
     if scenario.training.model.startswith("hf:"):  # checked against the shards the runner will prepare
         from spotfill.train.data import BYTE_VOCAB
-        from spotfill.train.presets import check_hf_model
+        from spotfill.config.presets import check_hf_model
         check_hf_model(scenario.training.model, BYTE_VOCAB, SEQ_LEN)
     if storage:  # bad URI, bucket or credentials: one line and exit 2 before any cluster starts
         from spotfill.storage.base import open_storage

@@ -27,7 +27,7 @@ from spotfill.ray_compat import (ElasticScalingPolicy, available_resources_per_n
 from spotfill.spot.early_warning import without_warned
 from spotfill.train.capacity import (GrowDecision, GrowGate, NodeCapacity, capacity_state, count_workers,
                                      free_resources, reachable, workers_by_node)
-from spotfill.train.pipe_layout import round_to_replicas
+from spotfill.config.pipe_layout import round_to_replicas
 from spotfill.train.readiness import GrowPlanner, GrowStep, ready_by_node, record_prefix, restart_size, short
 
 log = logging.getLogger(__name__)

@@ -97,7 +97,7 @@ class TrainingJob:
         # Preset models take their vocabulary from the dataset (worker_loop builds them with it).
         manifest = read_manifest(data)
         if cfg.training.model.startswith("hf:"):
-            from spotfill.train.presets import check_hf_model
+            from spotfill.config.presets import check_hf_model
             check_hf_model(cfg.training.model, int(manifest["vocab_size"]), int(manifest["seq_len"]))
         from spotfill.train.preflight import check_storage_from_worker, preflight
         self._init_ray()

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spotfill.train.model import Block
-from spotfill.train.presets import GPTConfig
+from spotfill.config.presets import GPTConfig
 
 
 def _init_layer(module: nn.Module, seed: int, index: int, n_layer: int) -> None:
@@ -129,7 +129,7 @@ class PipelineRun:
     each step's samples, its engine and its step."""
 
     def __init__(self, job, world: int, rank: int, node_id: str = ""):
-        from spotfill.train.pipe_layout import check_pipeline_range, layout, pipeline_batch_shape
+        from spotfill.config.pipe_layout import check_pipeline_range, layout, pipeline_batch_shape
 
         t = job.training
         self.layout = layout(t.pipeline_stages, world, rank)
@@ -145,7 +145,7 @@ class PipelineRun:
         (inputs and labels of the same rows), none on a middle stage."""
         import numpy as np
 
-        from spotfill.train.batching import rank_positions
+        from spotfill.config.batching import rank_positions
         if not self.layout.reads_data:
             return np.zeros(0, dtype=np.int64)
         return rank_positions(step, self.shape, self.layout.replica)
@@ -159,7 +159,7 @@ class PipelineRun:
         """(engine, vocab, flops) as worker_loop._engine returns them, for this rank's stage."""
         from spotfill.train.engine import build_engine, ds_config
         from spotfill.train.model import count_params, model_flops
-        from spotfill.train.presets import preset
+        from spotfill.config.presets import preset
 
         t = job.training
         cfg = preset(t.model, seq_len=seq_len, vocab_size=vocab_size)

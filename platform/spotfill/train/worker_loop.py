@@ -26,7 +26,7 @@ from spotfill.ray_compat import local_preemption_info
 from spotfill.storage.base import open_storage
 from spotfill.storage.checkpoint_store import CheckpointStore
 from spotfill.storage.fence import WriterFence
-from spotfill.train.batching import BatchShape, batch_shape
+from spotfill.config.batching import BatchShape, batch_shape
 from spotfill.train.checkpointing import Checkpointer, checkpoint_events
 from spotfill.train.data import Prefetcher, ShardReader
 from spotfill.train.engine import build_engine, ds_config, load_checkpoint, resolve_precision
