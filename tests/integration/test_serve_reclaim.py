@@ -72,7 +72,7 @@ def tiny_checkpoint(uri: str, step: int = 1) -> None:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     from spotfill.fillin.wiring import deploy_serve
-    from spotfill.testing.fillin_cluster import fillin_cluster
+    from spotfill.sim.fillin_cluster import fillin_cluster
 
     uri = f"file://{tmp_path_factory.mktemp('ckpt')}/run"
     tiny_checkpoint(uri)
