@@ -85,7 +85,8 @@ def env(ckpts, tmp_path_factory):
     from ray import serve
 
     from spotfill.fillin.arbiter import ensure_arbiter
-    from spotfill.fillin.wiring import deploy_serve, runtime_env
+    from spotfill.fillin.wiring import runtime_env
+    from spotfill.serving.deploy import deploy_serve
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths
 
     cluster = EmbeddedCluster()

@@ -115,9 +115,6 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
     if not storage.startswith("s3://") and os.path.isdir(storage):
         shutil.rmtree(storage)
     serve_on = scenario.fillin.serve_enabled
-    if serve_on:   # Serve's replicas import serving/ from the checkout, like the spotfill package itself
-        from spotfill.fillin.wiring import repo_root
-        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo_root()])
     if serve_on or scenario.fillin.batch_enabled or scenario.fillin.sweep_enabled:
         from spotfill.fillin.cpu_priority import ENV as CPU_NICE_ENV, IDLE_ENV as CPU_IDLE_ENV
         env[CPU_NICE_ENV] = str(scenario.fillin.cpu_nice)     # fill-in processes renice themselves
@@ -308,7 +305,7 @@ class ServeFillin:
         self.start()
 
     def _prestart_run(self) -> None:
-        from spotfill.fillin.wiring import start_serve
+        from spotfill.serving.deploy import start_serve
         try:
             self.arbiter = fillin_arbiter(self.scenario, self.name, self.out_dir, self.env)
             start_serve(self.port, self.scenario.cluster.gpu_resource)
@@ -328,7 +325,7 @@ class ServeFillin:
 
     def _start(self) -> None:
         from spotfill.fillin.load import ServeLoad
-        from spotfill.fillin.wiring import deploy_serve
+        from spotfill.serving.deploy import deploy_serve
         spec, c = self.scenario.fillin.serve, self.scenario.cluster      # total: + what may be launched
         total = sum(n.get("gpus", 1) for n in c.nodes) + sum(t.gpus * t.max_workers for t in c.node_types())
         self.ready()

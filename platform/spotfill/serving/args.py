@@ -1,4 +1,4 @@
-"""The arguments of the Serve generation app (serving/app.py: `serve run serving.app:app k=v`, the `args` of
+"""The arguments of the Serve generation app (spotfill/serving/app.py: `serve run serving.app:app k=v`, the `args` of
 serving/config.yaml, `spotfill serve`), checked when the app is built: a bad value is one line naming the key,
 the value and what is accepted -- at deploy, never later as 503s.
 
