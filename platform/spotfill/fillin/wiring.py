@@ -20,11 +20,13 @@ import os
 import threading
 import time
 
-from spotfill.fillin.arbiter import ensure_arbiter, get_arbiter
+from spotfill.fillin.arbiter import ensure_arbiter
+# training's side of the protocol (train/arbiter_link.py), re-exported: fill-in's one place to wire things
+from spotfill.train.arbiter_link import (TRAINING_KEY, announce_training, get_arbiter,  # noqa: F401
+                                         training_record, withdraw_training)
 from spotfill.fillin.policy import DEFAULT_ORDER
 
 log = logging.getLogger("spotfill.fillin.wiring")
-TRAINING_KEY = "fillin/training/"          # GCS KV (namespace spotfill): one record per announced training job
 
 
 # -- where the library is, for processes Ray starts --------------------------------------------
@@ -67,50 +69,6 @@ def arbiter(gpu_resource: str = "GPU", *, order: tuple[str, ...] = DEFAULT_ORDER
 
 
 # -- training jobs ----------------------------------------------------------------------------------------
-def training_record(name: str, min_workers: int, max_workers: int, gpus_per_worker: int = 1,
-                    ray_job_id: str | None = None) -> dict:
-    return {"job": name, "min_workers": int(min_workers), "max_workers": int(max_workers),
-            "gpus_per_worker": int(gpus_per_worker), "ray_job_id": ray_job_id, "t": round(time.time(), 3)}
-
-
-def announce_training(name: str, min_workers: int, max_workers: int, gpus_per_worker: int = 1) -> bool:
-    """Tell fill-in that training job `name` runs here and may use up to `max_workers` x `gpus_per_worker`
-    GPUs: recorded in the GCS key-value store (an arbiter that starts later registers it from there, and drops
-    it when the job's driver is gone) and registered with the running arbiter, if any. Returns whether an
-    arbiter was told now. Never raises: fill-in must not stop training."""
-    import ray
-
-    from spotfill import ray_compat
-    try:
-        job_id = ray.get_runtime_context().get_job_id()
-        ray_compat.kv_put(TRAINING_KEY + name, json.dumps(training_record(name, min_workers, max_workers,
-                                                                         gpus_per_worker, job_id)))
-        running = get_arbiter()
-        if running is None:
-            return False
-        ray.get(running.register_job.remote(name, min_workers, max_workers, gpus_per_worker), timeout=30)
-        return True
-    except Exception as exc:  # noqa: BLE001
-        log.warning("fill-in: training job %s not announced (%s: %s); fill-in may lend GPUs it could grow into",
-                    name, type(exc).__name__, exc)
-        return False
-
-
-def withdraw_training(name: str) -> None:
-    """The job is done: its record goes and a running arbiter releases it. Never raises."""
-    import ray
-
-    from spotfill import ray_compat
-    try:
-        ray_compat.kv_del(TRAINING_KEY + name)
-        running = get_arbiter()
-        if running is not None:
-            ray.get(running.release_job.remote(name), timeout=10)
-    except Exception as exc:  # noqa: BLE001
-        log.warning("fill-in: training job %s not withdrawn (%s); the arbiter drops it once its driver is gone",
-                    name, exc)
-
-
 def announced_training() -> list[dict]:
     """Every training record in the GCS key-value store (the arbiter reads these on its ticks)."""
     from spotfill import ray_compat

@@ -259,7 +259,7 @@ HOOKS = _hooks(
     Hook("fillin_claims", REQUIRED, "ray", RAY,
          "training claims the GPUs fill-in lent before a worker group starts, restarts or grows",
          "fill-in beside training (the claim of lent GPUs before a worker group starts)",
-         "fillin.training_hook.FillinClaimCallback: without the claim training would wait for tenants that "
+         "train.fillin_claims.FillinClaimCallback: without the claim training would wait for tenants that "
          "are never told to hand back",
          names=(f"{_CB}:ControllerCallback.before_controller_execute_resize_decision(resize_decision)",)),
     Hook("drain_aware_restarts", ROBUSTNESS, "ray", RAY,

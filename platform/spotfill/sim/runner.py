@@ -81,6 +81,7 @@ def _gpu_capacity(resource: str):
 def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, wait_for_fillin: bool = False,
                   cpu_layout: dict | None = None) -> dict:
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths, worker_env
+    from spotfill.fillin.bubble_fill import bubble_filler
     from spotfill.train.job import TrainingJob
 
     say = (lambda m: None) if view is None else view.note
@@ -159,7 +160,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
             "name": name, "run_dir": out_dir, "storage": storage,
             "data": {"path": data_dir}, "cluster": {"gpu_resource": scenario.cluster.gpu_resource}})
         job_cfg.training = scenario.training
-        job = TrainingJob(job_cfg, runtime_env={"env_vars": env})
+        job = TrainingJob(job_cfg, runtime_env={"env_vars": env}, bubble_filler=bubble_filler)
         job.render_report = False          # rendered once below, with the scenario's sections
         if fillin:
             fillin.ready()
