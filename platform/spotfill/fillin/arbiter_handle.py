@@ -6,7 +6,7 @@ import os
 import tempfile
 
 from spotfill.fillin.policy import DEFAULT_ORDER
-from spotfill.train.arbiter_link import ARBITER_NAME, NAMESPACE, get_arbiter  # noqa: F401 - the actor's name: training's side
+from spotfill.train.arbiter_link import ARBITER_NAME, NAMESPACE, get_arbiter  # noqa: F401 - training's side
 
 
 
