@@ -43,7 +43,7 @@ def _rank(rank: int, world: int, port: int, mode: str, preset: str, store_uri: s
     from spotfill.config.job import JobConfig, from_mapping
     from spotfill.storage.base import open_storage
     from spotfill.storage.checkpoint_store import CheckpointStore
-    from spotfill.train.batching import batch_shape
+    from spotfill.config.batching import batch_shape
     from spotfill.train.checkpointing import Checkpointer
     from spotfill.train.engine import build_engine, ds_config, load_checkpoint
     from spotfill.train.model import build_model

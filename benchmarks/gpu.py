@@ -46,7 +46,7 @@ def memory_estimate(preset: str, micro: int, precision: str = "bf16", zero: int 
     planner leaves out. Pure arithmetic: no torch."""
     from spotfill.planning.architecture import Arch
     from spotfill.planning.sizing import activation_bytes, model_state_bytes
-    from spotfill.train.presets import preset as preset_cfg
+    from spotfill.config.presets import preset as preset_cfg
 
     cfg = preset_cfg(preset)
     h, L, v, s = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len

@@ -215,7 +215,7 @@ def _ray_train_run(dry: bool, model: str, batch: int, root: str, deadline: float
     from spotfill.telemetry.events import read_events
     from spotfill.train.data import ShardWriter
     from spotfill.train.job import TrainingJob
-    from spotfill.train.presets import preset
+    from spotfill.config.presets import preset
 
     cfg = preset(model)
     os.makedirs(root, exist_ok=True)

@@ -83,7 +83,7 @@ def plain_loop(job, steps: int | None = None, warmup: int = 5, ready_path: str |
     import torch
     import torch.nn.functional as F
 
-    from spotfill.train.batching import batch_shape, rank_micro_batches, stream_to_rows
+    from spotfill.config.batching import batch_shape, rank_micro_batches, stream_to_rows
     from spotfill.train.data import ShardReader
     from spotfill.train.model import build_model, count_params
     from spotfill.storage.base import open_storage

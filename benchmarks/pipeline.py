@@ -105,11 +105,12 @@ def side_rank(rank: int, spec: dict) -> None:
     from spotfill.config.job import JobConfig, from_mapping
     from spotfill.storage.base import open_storage
     from spotfill.train.data import ShardReader, read_step
+    from spotfill.fillin.bubble_fill import bubble_filler
     from spotfill.train.pipeline import PipelineRun
 
     job = from_mapping(JobConfig, spec["job"])
     reader = ShardReader(open_storage(job.data.path), cache_dir=os.path.join(spec["work"], f"cache-{rank}"))
-    pipe = PipelineRun(job, world, rank)
+    pipe = PipelineRun(job, world, rank, bubble_filler=bubble_filler)
     engine, _, _ = pipe.build_engine(job, reader.seq_len, reader.manifest["vocab_size"], "fp32", False)
     params = [p for p in engine.module.parameters()]
     stop = torch.zeros(1)

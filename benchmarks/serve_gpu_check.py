@@ -72,7 +72,7 @@ def run(preset: str, device: str, new_tokens: int, say=lambda m: None) -> dict:
     bf16 on a GPU."""
     import torch
 
-    from spotfill.train.presets import preset as get_preset
+    from spotfill.config.presets import preset as get_preset
     result = {"torch": torch.__version__,
               "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"}
     n = get_preset(preset).n_layer

@@ -34,10 +34,11 @@ def main(args) -> dict:
     cfg.storage = jobkit.absolute("storage", cfg.storage)          # driver and workers: same place
     cfg.run_dir = jobkit.absolute("run_dir", cfg.run_dir)
     cfg.data.path = jobkit.absolute("data.path", cfg.data.path)
+    from spotfill.fillin.bubble_fill import bubble_filler
     from spotfill.train.job import TrainingJob, ray_train_env
 
     env = jobkit.runtime_env(ray_train_env())
-    job = TrainingJob(cfg, runtime_env=env, live=not args.no_progress)
+    job = TrainingJob(cfg, runtime_env=env, live=not args.no_progress, bubble_filler=bubble_filler)
     # Config, storage, dataset and model first; then (connected to Ray with `env`) the cluster's resources.
     job.validate()                      # ConfigError (exit 2) in seconds, before any worker starts
     report = job.fit()                  # JobFailed (exit 1) when training did not finish

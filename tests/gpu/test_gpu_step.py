@@ -73,13 +73,13 @@ def test_elastic_zero2_checkpoint_loads_into_gpu_tensors(nccl_world_of_one, tmp_
     """spotfill's elastic ZeRO-2 load (ray_compat.zero_load_elastic) on the GPU: the saved files are read
     memory-mapped on the CPU and copied into the engine's GPU partitions. A fresh engine (other weights)
     loaded from the checkpoint takes the same next step as the engine that saved it; and the window copy the
-    other-world-size path uses (train/zero_merge.copy_window) writes into a CUDA tensor."""
+    other-world-size path uses (ray_compat/zero_merge.copy_window) writes into a CUDA tensor."""
     import torch.nn.functional as F
 
     from spotfill.config.job import JobConfig, from_mapping
     from spotfill.train.engine import build_engine, ds_config, load_checkpoint
     from spotfill.train.model import build_model
-    from spotfill.train.zero_merge import copy_window, zero_past
+    from spotfill.ray_compat.zero_merge import copy_window, zero_past
 
     job = from_mapping(JobConfig, {"storage": "/tmp/x", "data": {"path": "/tmp/y"},
                                    "training": {"model": "tiny", "global_batch": 4, "steps": 10, "zero_stage": 2}})

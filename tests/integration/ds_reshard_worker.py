@@ -46,7 +46,7 @@ def run(rank: int, world: int, port: int, mode: str, stage: int, storage_uri: st
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import deepspeed
 
-    from spotfill.train.batching import batch_shape
+    from spotfill.config.batching import batch_shape
     from spotfill.train.checkpointing import Checkpointer
     from spotfill.train.restore import RestorePlan, restore_on_workers
     from spotfill.storage.checkpoint_store import CheckpointStore

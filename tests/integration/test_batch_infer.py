@@ -135,7 +135,7 @@ def test_eval_loss_equals_an_independent_forward_and_every_row_lands_once_on_s3(
 
     from spotfill.storage.base import open_storage
     from spotfill.train.model import GPT
-    from spotfill.train.presets import preset
+    from spotfill.config.presets import preset
 
     cfg = write_config(tmp_path / "evals3.yaml", inputs, s3_uri, units=2, prompts=True, max_tokens=8)
     summary = finish(driver(env, cfg))

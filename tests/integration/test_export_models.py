@@ -198,7 +198,7 @@ def test_serving_loads_the_carried_model_not_a_guess(dist, tmp_path, caplog):
     import logging
 
     from spotfill.fillin.generate import load_newest
-    from spotfill.train import presets
+    from spotfill.config import presets
     from spotfill.train.model import GPT
 
     odd = presets.GPTConfig(seq_len=32, n_layer=3, n_head=4, n_embd=64)

@@ -45,7 +45,8 @@ def env(tmp_path_factory):
     import ray
 
     from spotfill.fillin.arbiter import ensure_arbiter
-    from spotfill.fillin.wiring import deploy_serve, runtime_env
+    from spotfill.fillin.wiring import runtime_env
+    from spotfill.serving.deploy import deploy_serve
     from spotfill.sim.autoscaler_config import NodeTypeSpec
     from spotfill.sim.autoscaling import AutoscalingCluster
 

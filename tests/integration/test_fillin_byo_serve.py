@@ -28,8 +28,8 @@ def echo_app(name: str, slot: bool = True):
 def env(tmp_path_factory):
     from ray import serve
 
-    from spotfill.fillin.wiring import start_serve
-    from spotfill.testing.fillin_cluster import fillin_cluster
+    from spotfill.serving.deploy import start_serve
+    from spotfill.sim.fillin_cluster import fillin_cluster
 
     with fillin_cluster(2, 1, str(tmp_path_factory.mktemp("arbiter") / "state.json")) as (cluster, arbiter):
         start_serve(free_port(), "GPU")

@@ -85,7 +85,8 @@ def env(ckpts, tmp_path_factory):
     from ray import serve
 
     from spotfill.fillin.arbiter import ensure_arbiter
-    from spotfill.fillin.wiring import deploy_serve, runtime_env
+    from spotfill.fillin.wiring import runtime_env
+    from spotfill.serving.deploy import deploy_serve
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths
 
     cluster = EmbeddedCluster()
@@ -276,7 +277,7 @@ def test_ray_train_claims_the_lent_gpus_through_the_hook(env, tmp_path, monkeypa
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from spotfill.fillin.training_hook import ClaimSpec, FillinClaimCallback
+    from spotfill.train.fillin_claims import ClaimSpec, FillinClaimCallback
     from spotfill.train.backend import DeviceAwareTorchConfig
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     assert replicas(env) == 2

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from spotfill.train.engine import jit_cache_dir
-from spotfill.train.opcache import STALE_UNOWNED_S, boot_id, owner_record
+from spotfill.ray_compat.opcache import STALE_UNOWNED_S, boot_id, owner_record
 
 PLATFORM = os.path.dirname(os.path.dirname(os.path.abspath(__import__("spotfill").__file__)))
 OP = "deepspeed_shm_comm"          # the op DeepSpeed's CPU comm backend loads at every engine start

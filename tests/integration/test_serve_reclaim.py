@@ -71,8 +71,8 @@ def tiny_checkpoint(uri: str, step: int = 1) -> None:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from spotfill.fillin.wiring import deploy_serve
-    from spotfill.testing.fillin_cluster import fillin_cluster
+    from spotfill.serving.deploy import deploy_serve
+    from spotfill.sim.fillin_cluster import fillin_cluster
 
     uri = f"file://{tmp_path_factory.mktemp('ckpt')}/run"
     tiny_checkpoint(uri)
@@ -104,7 +104,7 @@ def test_idle_handback_does_not_wait_for_the_grace(env):
     the 1 s target is a benchmark figure (`spotfill bench --only fillin`, Serve hand-backs), not a timed test
     on a shared machine. The arbiter's decisions after the claim are printed (and named on failure): when the
     scale call was made, when the lease ended."""
-    from serving.app import GRACEFUL
+    from spotfill.serving.app import GRACEFUL
     import ray
     wait_for(lambda: both_running(env), 180, "2 Generator replicas on the lent slots")
     time.sleep(1.0)

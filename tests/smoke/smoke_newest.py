@@ -116,7 +116,7 @@ print(f"STEP loss={loss:.3f} jit_ops={sorted(os.listdir(os.environ['TORCH_EXTENS
 
 def _leave_a_killed_builders_lock(ext_dir: str) -> str:
     """The lock a builder killed mid-build leaves in the op's folder (owner: a process that is gone)."""
-    from spotfill.train.opcache import boot_id, owner_record
+    from spotfill.ray_compat.opcache import boot_id, owner_record
 
     os.makedirs(os.path.join(ext_dir, JIT_OP), exist_ok=True)
     proc = subprocess.Popen(["true"])

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spotfill.train.batching import (BatchShape, batch_shape, check_elastic_range,
+from spotfill.config.batching import (BatchShape, batch_shape, check_elastic_range,
                                rank_micro_batches, rank_positions, rows_to_stream, step_stream_indices, stream_to_rows,
                                valid_world_sizes)
 from spotfill.config.errors import ConfigError

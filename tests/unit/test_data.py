@@ -185,7 +185,7 @@ def test_a_dataset_without_stored_ids_is_refused_with_what_to_do(tmp_path):
 
 
 def test_read_step_keeps_rows_and_their_positions_together(tmp_path):
-    from spotfill.train.batching import stream_to_rows
+    from spotfill.config.batching import stream_to_rows
 
     storage, data, _ = _write(tmp_path)
     reader = ShardReader(storage, str(tmp_path / "cache"))

@@ -4,7 +4,7 @@ import logging
 from dataclasses import dataclass, field
 
 from spotfill.config.job import JobConfig, from_mapping
-from spotfill.fillin.training_hook import ClaimSpec, FillinClaimCallback, training_callbacks
+from spotfill.train.fillin_claims import ClaimSpec, FillinClaimCallback, training_callbacks
 
 
 @dataclass
@@ -32,7 +32,7 @@ def test_a_broken_or_missing_arbiter_never_stops_training(caplog):
         raise RuntimeError("gone")
 
     hook = FillinClaimCallback(SPEC, claim=broken, release=broken_release)
-    with caplog.at_level(logging.INFO, logger="spotfill.fillin.training_hook"):
+    with caplog.at_level(logging.INFO, logger="spotfill.train.fillin_claims"):
         hook.before_controller_execute_resize_decision(Decision(3, {"GPU_SLOT": 1}))
         hook.after_controller_finish(None)
         FillinClaimCallback(SPEC, claim=lambda *a: None).before_controller_execute_resize_decision(Decision(1))

@@ -10,6 +10,7 @@ import pytest
 from spotfill import ray_compat
 from spotfill.fillin import wiring
 from spotfill.fillin.arbiter import RECORDS_EVERY_S, Arbiter
+from spotfill.train import arbiter_link
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_a_dead_drivers_record_is_dropped_and_its_job_released(gcs, tmp_path):
 
 def test_a_withdrawn_job_is_not_registered_again(gcs, tmp_path, monkeypatch):
     kv, _ = gcs
-    monkeypatch.setattr(wiring, "get_arbiter", lambda: None)
+    monkeypatch.setattr(arbiter_link, "get_arbiter", lambda: None)
     record(kv, "pretrain", 1, 2, "04000000")
     wiring.withdraw_training("pretrain")
     arb = Arbiter("GPU", state_path=str(tmp_path / "s.json"), interval_s=3600, autoscaled=False)

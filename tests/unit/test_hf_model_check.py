@@ -6,7 +6,7 @@ import json
 import pytest
 
 from spotfill.config.errors import ConfigError
-from spotfill.train.presets import check_hf_model
+from spotfill.config.presets import check_hf_model
 
 
 def _model_dir(tmp_path, **conf):

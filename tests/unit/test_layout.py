@@ -11,19 +11,19 @@ import spotfill
 
 PURE = [
     "spotfill.planning.planner", "spotfill.planning.hardware", "spotfill.planning.sizing", "spotfill.cli.plan",
-    "spotfill.train.batching", "spotfill.train.capacity", "spotfill.train.spares", "spotfill.train.presets", "spotfill.sim.scenario",
+    "spotfill.config.batching", "spotfill.train.capacity", "spotfill.train.spares", "spotfill.config.presets", "spotfill.sim.scenario",
     "spotfill.sim.outcomes", "spotfill.config", "spotfill.telemetry.ledger", "spotfill.telemetry.diagnosis",
     "spotfill.telemetry.html", "spotfill.telemetry.report", "spotfill.telemetry.live",
     "spotfill.telemetry.throughput", "spotfill.telemetry.progress", "spotfill.telemetry.liveview",
     "spotfill.telemetry.nvml", "spotfill.train.summary", "spotfill.cli.status",
     "spotfill.storage.lineage", "spotfill.train.preflight", "spotfill.train.step_policy",
-    "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.train.opcache",
+    "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.ray_compat.opcache",
     "spotfill.fillin.policy", "spotfill.fillin.journal", "spotfill.fillin.lending", "spotfill.fillin.hosts",
     "spotfill.fillin.turns",
     "spotfill.fillin.let_go", "spotfill.fillin.busy", "spotfill.config.batch", "spotfill.fillin.batch_plan", "spotfill.sim.fillin_spec", "spotfill.sim.nodes", "spotfill.sim.autoscaler_config",
     "spotfill.fillin.sweep_policy", "spotfill.config.sweep", "spotfill.fillin.cpu_priority",
     "spotfill.devices", "spotfill.fillin.cluster_kind",
-    "spotfill.train.pipe_layout", "spotfill.train.bubble", "spotfill.train.pipeline_summary",
+    "spotfill.config.pipe_layout", "spotfill.train.bubble", "spotfill.train.pipeline_summary",
     "spotfill.planning.pipeline_advice", "spotfill.config.failure_detection",
 ]
 HEAVY = {"ray", "torch", "deepspeed", "boto3"}
@@ -69,3 +69,56 @@ def test_public_sdk_names_resolve():
         assert callable(getattr(spotfill, name)), name
     with pytest.raises(AttributeError):
         spotfill.no_such_thing  # noqa: B018
+
+
+def _subpackage_imports() -> dict[tuple[str, str], str]:
+    """(importer, imported) subpackage -> the first file:line of such an import, counting imports inside
+    functions too (the same graph as ../shared/tools/import_cycles.py); spotfill/devices.py is its own unit."""
+    import ast
+    root = pathlib.Path(spotfill.__file__).parent
+    edges: dict[tuple[str, str], str] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = ["spotfill", *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if len(parts) < 2:
+            continue
+        src = parts[1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ["spotfill", *path.relative_to(root).with_suffix("").parts]
+                mod = ".".join(base[:len(base) - node.level] + ([node.module] if node.module else [])) \
+                    if node.level else (node.module or "")
+                targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            else:
+                continue
+            for t in targets:
+                p = t.split(".")
+                if p[0] == "spotfill" and len(p) > 1 and p[1] != src:
+                    edges.setdefault((src, p[1]), f"{path.relative_to(root)}:{node.lineno}")
+    return edges
+
+
+def test_subpackages_import_down_only():
+    """No two subpackages reach each other through imports (inside functions too): the layers stay a
+    ladder -- config < ray_compat < spot < storage < planning < telemetry < train < generation < fillin
+    < serving < testing < sim < cli (README.md, "Layout")."""
+    edges = _subpackage_imports()
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    closure = {u: reaches(u) for u in graph}
+    cycles = sorted(f"{a} -> {b} ({where}), and back" for (a, b), where in edges.items() if a in closure.get(b, ()))
+    assert cycles == [], "subpackage import cycles:\n" + "\n".join(cycles)

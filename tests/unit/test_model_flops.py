@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from spotfill.train.model import GPT, count_params, model_flops  # noqa: E402
-from spotfill.train.presets import preset  # noqa: E402
+from spotfill.config.presets import preset  # noqa: E402
 
 
 def _params(name: str) -> int:

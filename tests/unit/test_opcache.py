@@ -1,7 +1,7 @@
 """DeepSpeed JIT op cache: one folder per environment, and stale build locks told from live ones."""
 from __future__ import annotations
 
-from spotfill.train.opcache import (STALE_UNOWNED_S, extensions_dir, owner_record, parse_owner, stale_reason)
+from spotfill.ray_compat.opcache import (STALE_UNOWNED_S, extensions_dir, owner_record, parse_owner, stale_reason)
 
 HOST, BOOT = "node-a", "boot-1"
 

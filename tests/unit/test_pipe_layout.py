@@ -1,4 +1,4 @@
-"""Pipeline layout and batch arithmetic (train/pipe_layout.py), and the job config's pipeline checks."""
+"""Pipeline layout and batch arithmetic (config/pipe_layout.py), and the job config's pipeline checks."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 
 from spotfill.config.errors import ConfigError
 from spotfill.config.job import JobConfig, from_mapping
-from spotfill.train.batching import rank_positions
-from spotfill.train.pipe_layout import (check_pipeline_range, layout, micro_batch_size, pipeline_batch_shape,
+from spotfill.config.batching import rank_positions
+from spotfill.config.pipe_layout import (check_pipeline_range, layout, micro_batch_size, pipeline_batch_shape,
                                         round_to_replicas)
 
 

@@ -27,7 +27,7 @@ PLATFORM = REPO / "platform"
 ENTRY_MODULES = ["spotfill.cli.main", "spotfill.cli.demo", "spotfill.cli.serve", "spotfill.cli.spot_watch",
                  "spotfill.cli.status", "spotfill.cli.bench", "spotfill.train.job", "spotfill.train.worker_loop",
                  "spotfill.train.elastic", "spotfill.train.sink", "spotfill.train.teardown", "spotfill.train.engine",
-                 "spotfill.fillin.training_hook", "spotfill.fillin.arbiter", "spotfill.fillin.sweep",
+                 "spotfill.train.fillin_claims", "spotfill.fillin.arbiter", "spotfill.fillin.sweep",
                  "spotfill.fillin.batch", "spotfill.spot.watcher", "spotfill.sim.cluster", "spotfill.sim.autoscaling",
                  "spotfill.testing.fake_market", "spotfill.train.pipeline", "spotfill.train.bubble_probe",
                  "spotfill.train.backend", "spotfill.fillin.wiring", "spotfill.fillin.cluster_kind", "serving.app"]

@@ -12,7 +12,7 @@ import pickle
 import numpy as np
 import pytest
 
-from spotfill.train.batching import batch_shape, rank_positions
+from spotfill.config.batching import batch_shape, rank_positions
 from spotfill.train.sample_ledger import FeedRecorder, SampleLedger, normalize, runs
 
 
@@ -180,7 +180,7 @@ def test_loader_fault_reaches_the_ledger(tmp_path):
     batch from the wrong slice is counted, and the feed's check refuses that batch outright."""
     from spotfill.config.errors import DataMismatch
     from spotfill.storage.base import open_storage
-    from spotfill.train.batching import rows_to_stream
+    from spotfill.config.batching import rows_to_stream
     from spotfill.train.data import ShardReader, ShardWriter, read_step
     from spotfill.train.feed import fed_positions
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from spotfill.config.errors import ConfigError
-from spotfill.config.serve_app import ServeArgs, check_deployable
+from spotfill.serving.args import ServeArgs, check_deployable
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

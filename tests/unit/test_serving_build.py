@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from serving.app import ServeArgs, build, keep_external_target  # noqa: E402
+from spotfill.serving.app import ServeArgs, build, keep_external_target  # noqa: E402
 from spotfill.config.errors import ConfigError  # noqa: E402
 
 

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from serving.app import Ingress, ServeArgs  # noqa: E402
+from spotfill.serving.app import Ingress, ServeArgs  # noqa: E402
 from spotfill.train.model import GPT, preset  # noqa: E402
 from ray.exceptions import ActorDiedError  # noqa: E402
 

@@ -17,7 +17,7 @@ from spotfill.config.errors import DataMismatch
 from spotfill.config.job import JobConfig, from_mapping
 from spotfill.storage.base import open_storage
 from spotfill.train import feed, worker_loop
-from spotfill.train.batching import batch_shape
+from spotfill.config.batching import batch_shape
 from spotfill.train.data import ShardReader, ShardWriter
 from spotfill.train.feed import DATA_KEY, LEDGER_KEY
 from spotfill.train.sample_ledger import SampleLedger

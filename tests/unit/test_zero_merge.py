@@ -1,7 +1,7 @@
-"""train/zero_merge.py: a rank's window of the aligned concatenation, numbers worked out by hand."""
+"""ray_compat/zero_merge.py: a rank's window of the aligned concatenation, numbers worked out by hand."""
 import torch
 
-from spotfill.train.zero_merge import copy_window, merged_part_bounds, zero_past
+from spotfill.ray_compat.zero_merge import copy_window, merged_part_bounds, zero_past
 
 
 def test_parts_of_seven_elements_over_three_ranks_with_alignment_six():

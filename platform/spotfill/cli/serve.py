@@ -9,7 +9,7 @@ import time
 from spotfill.config.errors import ConfigError
 
 MAX_NEAREST = 5
-# flags that are the Serve app's own args (config/serve_app.py ServeArgs): arg name -> flag
+# flags that are the Serve app's own args (serving/args.py ServeArgs): arg name -> flag
 APP_FLAGS = {"checkpoint": "--checkpoint", "draft": "--draft", "num_draft_tokens": "--num-draft-tokens",
              "max_queue_wait_s": "--max-queue-wait-s", "floor_replicas": "--floor-replicas"}
 
@@ -80,7 +80,7 @@ def _s3_runs(root: str) -> list[str]:
 def check(args: argparse.Namespace) -> dict | None:
     """Every flag, and a committed checkpoint at --checkpoint (unless --wait-for-checkpoint): one line and
     exit 2 otherwise. Returns the checkpoint's `latest` pointer."""
-    from spotfill.config.serve_app import ServeArgs, check_deployable
+    from spotfill.serving.args import ServeArgs, check_deployable
     if not 1 <= args.port <= 65535:
         raise ConfigError("--port", args.port, accepted="1..65535")
     if not port_free(args.port):
@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     _stop_on_signals()
     import ray
 
-    from spotfill.fillin.wiring import deploy_serve, runtime_env
+    from spotfill.fillin.wiring import runtime_env
+    from spotfill.serving.deploy import deploy_serve
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths
 
     cluster = EmbeddedCluster()

@@ -190,8 +190,8 @@ class TrainingConfig:
         return self.workers[-1]
 
     def validate(self, path: str) -> None:
-        from spotfill.train.batching import check_elastic_range
-        from spotfill.train.presets import PRESETS
+        from spotfill.config.batching import check_elastic_range
+        from spotfill.config.presets import PRESETS
 
         if len(self.workers) not in (1, 2) or any(w < 1 for w in self.workers):
             raise ConfigError(join_path(path, "workers"), self.workers, accepted="[n] or [min, max] with 1 <= min")
@@ -210,7 +210,7 @@ class TrainingConfig:
         check_choice(path, "elastic_restarts", self.elastic_restarts, ["spotfill", "stock", "stock-tuned"])
         check_choice(path, "on_no_intact_checkpoint", self.on_no_intact_checkpoint, ["fail", "restart"])
         check_choice(path, "precision", self.precision, ["auto", "bf16", "fp16", "fp32"])
-        from spotfill.train.presets import RECOMPUTE
+        from spotfill.config.presets import RECOMPUTE
         check_choice(path, "activation_checkpointing", self.activation_checkpointing, list(RECOMPUTE))
         if self.model.startswith("hf:") and self.activation_checkpointing == "selective":
             raise ConfigError(join_path(path, "activation_checkpointing"), "selective",
@@ -226,7 +226,7 @@ class TrainingConfig:
                                   reason="bubbles come with pipeline stages", accepted="training.pipeline_stages > 1")
             check_elastic_range(self.global_batch, self.min_workers, self.max_workers)
             return
-        from spotfill.train.pipe_layout import check_pipeline_range
+        from spotfill.config.pipe_layout import check_pipeline_range
         if self.activation_checkpointing != "none":
             raise ConfigError(join_path(path, "activation_checkpointing"), self.activation_checkpointing,
                               reason="pipeline stages run their layers without recomputation",

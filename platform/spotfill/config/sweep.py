@@ -55,7 +55,7 @@ class SweepSpec:
     max_failures: int = 3
 
     def validate(self, path: str) -> None:
-        from spotfill.train.presets import PRESETS
+        from spotfill.config.presets import PRESETS
 
         check_choice(path, "model", self.model, list(PRESETS))
         for name in ("steps", "batch", "steps_per_report", "checkpoint_every", "eval_rows"):

@@ -6,9 +6,8 @@ import os
 import tempfile
 
 from spotfill.fillin.policy import DEFAULT_ORDER
+from spotfill.train.arbiter_link import ARBITER_NAME, NAMESPACE, get_arbiter  # noqa: F401 - training's side
 
-ARBITER_NAME = "spotfill-arbiter"
-NAMESPACE = "spotfill"
 
 
 def default_state_path() -> str:
@@ -54,12 +53,3 @@ def ensure_arbiter(gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_O
                                                            turn_s=turn_s)
     ray.get(handle.ping.remote(), timeout=60)
     return handle
-
-
-def get_arbiter():
-    """The running arbiter actor, or None."""
-    import ray
-    try:
-        return ray.get_actor(ARBITER_NAME, namespace=NAMESPACE)
-    except ValueError:
-        return None

@@ -78,6 +78,12 @@ class BubbleFiller:
                 "overrun_s": {"p50": percentile(self.overruns, 50), "p99": percentile(self.overruns, 99)}}
 
 
+def bubble_filler(output: str, rank: int, world: int, device=None, sync=None) -> BubbleFiller:
+    """A training rank's filler for `training.bubble_fill: <output>`: the batch job's evaluation units there.
+    Passed to TrainingJob(bubble_filler=...), which hands it to each worker (training sits below fill-in)."""
+    return BubbleFiller(EvalUnitsWork(output, rank, world, device=device), sync=sync)
+
+
 class EvalUnitsWork:
     """A batch job's evaluation units (its output holds the plan and the pinned model) as fill work."""
 

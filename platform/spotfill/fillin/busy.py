@@ -9,7 +9,7 @@ optimizer steps, a Serve generation step) and reports it as `fillin_busy` events
         the tenant's `gpus` GPUs computed `busy_s` seconds (each) between t0 and t1
 
 sent to the fill-in arbiter (`Arbiter.report_busy`), which journals them; every training run's driver copies
-the journal into its events.jsonl (fillin/forward.py), where the GPU-seconds ledger books them as
+the journal into its events.jsonl (train/arbiter_link.py LeaseForwarder), where the GPU-seconds ledger books them as
 `gpu_seconds.fillin_busy` and the harvest ratio is computed on them (telemetry/ledger.py). `lease_id` is the
 holder's key as the arbiter's lease has it (the actor id; a placement group's `<group id>:<bundle index>`),
 so the report can say, per lease, how long after the lend its GPU first computed (`lend_to_busy_s`).

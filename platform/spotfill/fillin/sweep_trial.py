@@ -48,7 +48,7 @@ def trainable_class():
             from spotfill.storage.base import open_storage
             from spotfill.train.data import ShardReader
             from spotfill.train.model import GPT
-            from spotfill.train.presets import preset
+            from spotfill.config.presets import preset
 
             lower_cpu_priority()     # fill-in: lowest CPU priority ($SPOTFILL_FILLIN_CPU_NICE, default 19)
             torch.set_num_threads(1)

@@ -1,35 +1,35 @@
 """Fill-in on a cluster, wired in one place: the arbiter, the training jobs it must put first, the tenants.
 
 Every way spotfill runs calls these, the same way: `jobs/pretrain.py` and the SDK (TrainingJob.fit announces
-its job), a deployed Serve app (serving/app.py registers itself -- `serve deploy`, `serve run`, `spotfill
+its job), a deployed Serve app (spotfill/serving/app.py registers itself -- `serve deploy`, `serve run`, `spotfill
 serve` alike), batch and sweep drivers submitted with `ray job submit` (fillin/grant.py), `spotfill status`,
 and the scenario runner behind `spotfill demo`, which adds only fake nodes, a timeline and invariants.
+Deploying spotfill's own Serve app is spotfill/serving/deploy.py (the app sits above fill-in).
 
     arbiter(...)            the running arbiter, or one started detached on the head. Whether the cluster
                             autoscales is found out on the head (fillin/cluster_kind.py), not passed in.
     announce_training(...)  a training job that fill-in must never take GPUs from: recorded in the GCS's
                             key-value store (an arbiter started later reads it) and told to a running arbiter
     register_serve_app(...) a Serve application deployed with `external_scaler_enabled` becomes a tenant
-    deploy_serve(...)       spotfill's generation app on this cluster (Serve started on loopback or not)
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import sys
 import threading
 import time
 
-from spotfill.config.errors import ConfigError
-from spotfill.fillin.arbiter import ensure_arbiter, get_arbiter
+from spotfill.fillin.arbiter import ensure_arbiter
+# training's side of the protocol (train/arbiter_link.py), re-exported: fill-in's one place to wire things
+from spotfill.train.arbiter_link import (TRAINING_KEY, announce_training, get_arbiter,  # noqa: F401
+                                         training_record, withdraw_training)
 from spotfill.fillin.policy import DEFAULT_ORDER
 
 log = logging.getLogger("spotfill.fillin.wiring")
-TRAINING_KEY = "fillin/training/"          # GCS KV (namespace spotfill): one record per announced training job
 
 
-# -- where the library and serving/ are, for processes Ray starts --------------------------------------------
+# -- where the library is, for processes Ray starts --------------------------------------------
 def library_env() -> dict[str, str]:
     """PYTHONPATH that finds the spotfill this process imported (a checkout's platform/ or site-packages),
     ahead of the caller's."""
@@ -39,21 +39,10 @@ def library_env() -> dict[str, str]:
     return {"PYTHONPATH": platform_dir + (os.pathsep + path if path else "")}
 
 
-def repo_root() -> str:
-    """The checkout holding serving/ (next to platform/, where spotfill is imported from)."""
-    import spotfill
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(spotfill.__file__))))
-    if not os.path.isfile(os.path.join(root, "serving", "app.py")):
-        raise ConfigError("serving", root, reason="serving/app.py not found next to platform/",
-                          accepted="a spotfill checkout (serving/ lives in the repository, not the package)")
-    return root
-
-
 def runtime_env() -> dict:
-    """A runtime_env whose workers import spotfill and serving/ from where this process found them."""
-    env = library_env()
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo_root()])
-    return {"env_vars": env}
+    """A runtime_env whose workers import spotfill from where this process found it (the Serve app too:
+    spotfill/serving/app.py)."""
+    return {"env_vars": library_env()}
 
 
 def connect_ray(runtime_env: dict | None = None) -> None:
@@ -80,50 +69,6 @@ def arbiter(gpu_resource: str = "GPU", *, order: tuple[str, ...] = DEFAULT_ORDER
 
 
 # -- training jobs ----------------------------------------------------------------------------------------
-def training_record(name: str, min_workers: int, max_workers: int, gpus_per_worker: int = 1,
-                    ray_job_id: str | None = None) -> dict:
-    return {"job": name, "min_workers": int(min_workers), "max_workers": int(max_workers),
-            "gpus_per_worker": int(gpus_per_worker), "ray_job_id": ray_job_id, "t": round(time.time(), 3)}
-
-
-def announce_training(name: str, min_workers: int, max_workers: int, gpus_per_worker: int = 1) -> bool:
-    """Tell fill-in that training job `name` runs here and may use up to `max_workers` x `gpus_per_worker`
-    GPUs: recorded in the GCS key-value store (an arbiter that starts later registers it from there, and drops
-    it when the job's driver is gone) and registered with the running arbiter, if any. Returns whether an
-    arbiter was told now. Never raises: fill-in must not stop training."""
-    import ray
-
-    from spotfill import ray_compat
-    try:
-        job_id = ray.get_runtime_context().get_job_id()
-        ray_compat.kv_put(TRAINING_KEY + name, json.dumps(training_record(name, min_workers, max_workers,
-                                                                         gpus_per_worker, job_id)))
-        running = get_arbiter()
-        if running is None:
-            return False
-        ray.get(running.register_job.remote(name, min_workers, max_workers, gpus_per_worker), timeout=30)
-        return True
-    except Exception as exc:  # noqa: BLE001
-        log.warning("fill-in: training job %s not announced (%s: %s); fill-in may lend GPUs it could grow into",
-                    name, type(exc).__name__, exc)
-        return False
-
-
-def withdraw_training(name: str) -> None:
-    """The job is done: its record goes and a running arbiter releases it. Never raises."""
-    import ray
-
-    from spotfill import ray_compat
-    try:
-        ray_compat.kv_del(TRAINING_KEY + name)
-        running = get_arbiter()
-        if running is not None:
-            ray.get(running.release_job.remote(name), timeout=10)
-    except Exception as exc:  # noqa: BLE001
-        log.warning("fill-in: training job %s not withdrawn (%s); the arbiter drops it once its driver is gone",
-                    name, exc)
-
-
 def announced_training() -> list[dict]:
     """Every training record in the GCS key-value store (the arbiter reads these on its ticks)."""
     from spotfill import ray_compat
@@ -170,51 +115,3 @@ def register_in_background(app: str, deployment: str, retry_s: float = 2.0, **kw
     thread = threading.Thread(target=run, name=f"fillin-register-{app}", daemon=True)
     thread.start()
     return thread
-
-
-# Serve places a replica on the node it fits best (the fewest GPUs left: a lent fragment on a small node before
-# a node whose free GPUs training may still take as a whole group), not spread over the emptiest nodes
-SERVE_CONTROLLER_ENV = {"RAY_SERVE_USE_PACK_SCHEDULING_STRATEGY": "1",
-                        # Serve's control loop runs every 0.1 s by default, each pass reading the node list
-                        # from the GCS: 0.5 s makes it (and the GCS's share) a fifth, beside training, and a
-                        # scale-down the arbiter asks for starts at most 0.5 s later (hand-back target 5 s)
-                        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
-                        # the HTTP proxy (started by the controller, with its environment) exports cached
-                        # request metrics once a second, not every 0.1 s (serving/app.py QUIET_METRICS)
-                        "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
-
-
-def serve_controller_env(gpu_resource: str = "GPU") -> dict:
-    """The Serve controller's environment for fill-in: pack replicas, best fit by GPUs first (a custom GPU
-    resource such as GPU_SLOT is ranked first too; Serve ranks GPU, CPU, memory, then custom ones)."""
-    env = dict(SERVE_CONTROLLER_ENV)
-    if gpu_resource != "GPU":
-        env["RAY_SERVE_HIGH_PRIORITY_CUSTOM_RESOURCES"] = gpu_resource
-    return env
-
-
-def start_serve(port: int, gpu_resource: str = "GPU") -> None:
-    """Serve's controller and HTTP proxy (on the head, 127.0.0.1:`port`), packing replicas."""
-    from ray import serve
-    serve.start(http_options={"host": "127.0.0.1", "port": int(port), "location": "HeadOnly"},
-                controller_options={"runtime_env": {"env_vars": serve_controller_env(gpu_resource)}})
-
-
-def deploy_serve(checkpoint: str, *, port: int, gpu_resource: str = "GPU", max_replicas: int = 2,
-                 replicas: int = 0, **serve_args) -> dict:
-    """Deploy spotfill's generation app (serving/app.py) on HTTP 127.0.0.1:`port`. With `replicas` 0 (the
-    default) only the arbiter's lends create Generator replicas -- the app registers itself with the arbiter
-    as `serve deploy serving/config.yaml` does -- so Serve never asks for a GPU the arbiter did not lend. The
-    arbiter must already run with the caller's settings, or is started with the defaults. Returns {"url"}."""
-    from ray import serve
-
-    root = repo_root()
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from serving.app import APP_NAME, ServeArgs, build
-
-    args = ServeArgs.parse({"checkpoint": checkpoint, "gpu_resource": gpu_resource, "replicas": int(replicas),
-                            "max_replicas": max(1, int(max_replicas)), **serve_args})
-    start_serve(port, gpu_resource)
-    serve.run(build(args), name=APP_NAME, route_prefix="/", blocking=False, external_scaler_enabled=True)
-    return {"url": f"http://127.0.0.1:{port}"}

@@ -1,5 +1,5 @@
 """Text generation: KV-cached decoding with continuous batching, sampling, stop sequences and speculative
-decoding (pure torch, no Ray; the Serve app in serving/app.py is a thin layer over it).
+decoding (pure torch, no Ray; the Serve app in spotfill/serving/app.py is a thin layer over it).
 
   decoders.py     a model behind one interface: spotfill's GPT with a slot KV cache, or any
                   `forward(idx) -> logits` model recomputed (a Hugging Face model, a test model)

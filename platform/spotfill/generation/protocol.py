@@ -1,7 +1,7 @@
 """The OpenAI-compatible surface, as data: request bodies to generation calls, results to response bodies,
 server-sent-event chunks, errors in OpenAI's JSON shape. Pure (no torch, no Ray, no web framework).
 
-Routes served with these shapes (serving/app.py): POST /v1/completions and /v1/chat/completions (both with
+Routes served with these shapes (spotfill/serving/app.py): POST /v1/completions and /v1/chat/completions (both with
 `stream: true`), GET /v1/models. Supported request fields: model, prompt (a string, or a list of one),
 messages, max_tokens (max_completion_tokens for chat), temperature, top_p, n (1 only), stop (a string or up
 to 4), seed, stream, stream_options.include_usage, and the extension ignore_eos. Fields OpenAI defines that

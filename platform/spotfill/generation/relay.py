@@ -11,7 +11,7 @@ is lost (`Lost`: admitted, then lost -- a failure, not a refusal).
 
 A replica answers a job with a stream of dicts: first {"admitted": true, "replica": id, ...} when it takes the
 job, then updates {"ids", "text", "finish_reason", "completion_tokens", "emitted", ...}, or one
-{"error": message, "code": ...}. Pure asyncio: the replica calls are passed in (serving/app.py).
+{"error": message, "code": ...}. Pure asyncio: the replica calls are passed in (spotfill/serving/app.py).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What a serving replica does: build an engine for a loaded model (and its draft), and answer a job as an
-async stream of chunks (the protocol relay.py describes). No Ray: serving/app.py's Generator calls these."""
+async stream of chunks (the protocol relay.py describes). No Ray: spotfill/serving/app.py's Generator calls these."""
 from __future__ import annotations
 
 import asyncio

@@ -33,7 +33,7 @@ MUON_MODULES = {
 # DeepSpeed ZeRO-1/2 internals the elastic (no conversion) resharding load uses, checked by name in the
 # installed source (the driver checks before any worker starts, without importing DeepSpeed) and by
 # signature when first used (ray_compat.deepspeed_engine). At another data-parallel size each rank copies its
-# window of the merge of the saved partitions (train/zero_merge.py redoes DeepSpeed's
+# window of the merge of the saved partitions (ray_compat/zero_merge.py redoes DeepSpeed's
 # flatten_dense_tensors_aligned + get_data_parallel_partitions arithmetic with the optimizer's
 # nccl_start_alignment_factor; the load also checks the window's size against the live partition).
 ZERO_ELASTIC_SOURCES = {
@@ -259,7 +259,7 @@ HOOKS = _hooks(
     Hook("fillin_claims", REQUIRED, "ray", RAY,
          "training claims the GPUs fill-in lent before a worker group starts, restarts or grows",
          "fill-in beside training (the claim of lent GPUs before a worker group starts)",
-         "fillin.training_hook.FillinClaimCallback: without the claim training would wait for tenants that "
+         "train.fillin_claims.FillinClaimCallback: without the claim training would wait for tenants that "
          "are never told to hand back",
          names=(f"{_CB}:ControllerCallback.before_controller_execute_resize_decision(resize_decision)",)),
     Hook("drain_aware_restarts", ROBUSTNESS, "ray", RAY,

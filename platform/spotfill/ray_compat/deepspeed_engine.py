@@ -93,7 +93,7 @@ def zero_load_elastic(engine, load_dir: str, tag: str) -> dict:
     client optimizer spotfill uses) does not keep. So: the module, LR scheduler and client state through
     the public load (optimizer states off); then this rank's partition of every optimizer state and of the
     fp32 weights, and the learning rate from the restored scheduler. At the saved size a rank reads its own
-    file; at another size its part of the merge of every saved partition (train/zero_merge.py), cut from
+    file; at another size its part of the merge of every saved partition (ray_compat/zero_merge.py), cut from
     the saved files memory-mapped, so it reads only the pages of its part and never holds the merge.
     Returns the client state."""
     require("zero_elastic_load")
@@ -105,7 +105,7 @@ def zero_load_elastic(engine, load_dir: str, tag: str) -> dict:
     import torch.distributed as dist
     from deepspeed.checkpoint import constants as ds_keys
 
-    from spotfill.train.zero_merge import copy_window, merged_part_bounds, zero_past
+    from spotfill.ray_compat.zero_merge import copy_window, merged_part_bounds, zero_past
 
     opt = engine.optimizer
     _, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=False,

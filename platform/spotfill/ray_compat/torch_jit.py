@@ -3,7 +3,7 @@
 torch up to 2.13 locks an op's build with a FileBaton: a lock FILE whose mere existence blocks, so a
 builder killed mid-build (spot loss, OOM) leaves a lock every later load waits on forever. The guard here
 writes the owner into the lock and lets a waiter remove one whose owner is gone (decisions:
-spotfill.train.opcache). torch 2.14 locks with an OS lock the kernel releases when its holder dies; there
+spotfill.ray_compat.opcache). torch 2.14 locks with an OS lock the kernel releases when its holder dies; there
 the guard is not needed and is not applied (hook jit_build_lock_guard, catalog.py).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ def owned_file_baton() -> type:
     """torch's FileBaton subclass that records its owner (built when first used: torch is imported then)."""
     from torch.utils.file_baton import FileBaton
 
-    from spotfill.train.opcache import boot_id, owner_record, parse_owner, pid_alive, stale_reason
+    from spotfill.ray_compat.opcache import boot_id, owner_record, parse_owner, pid_alive, stale_reason
 
     class OwnedFileBaton(FileBaton):
         """torch's JIT build lock, with its owner written in it and a wait that ends when the owner is gone

@@ -83,6 +83,7 @@ def _gpu_capacity(resource: str):
 def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, wait_for_fillin: bool = False,
                   cpu_layout: dict | None = None) -> dict:
     from spotfill.sim.cluster import EmbeddedCluster, quiet_expected_node_deaths, worker_env
+    from spotfill.fillin.bubble_fill import bubble_filler
     from spotfill.train.job import TrainingJob
 
     say = (lambda m: None) if view is None else view.note
@@ -91,7 +92,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
                           "the loopback S3 endpoint the runner starts itself", accepted="leave --storage out")
     if scenario.training.model.startswith("hf:"):  # checked against the shards the runner will prepare
         from spotfill.train.data import BYTE_VOCAB
-        from spotfill.train.presets import check_hf_model
+        from spotfill.config.presets import check_hf_model
         check_hf_model(scenario.training.model, BYTE_VOCAB, SEQ_LEN)
     if storage:  # bad URI, bucket or credentials: one line and exit 2 before any cluster starts
         from spotfill.storage.base import open_storage
@@ -117,9 +118,6 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
     if not storage.startswith("s3://") and os.path.isdir(storage):
         shutil.rmtree(storage)
     serve_on = scenario.fillin.serve_enabled
-    if serve_on:   # Serve's replicas import serving/ from the checkout, like the spotfill package itself
-        from spotfill.fillin.wiring import repo_root
-        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], repo_root()])
     if serve_on or scenario.fillin.batch_enabled or scenario.fillin.sweep_enabled:
         from spotfill.fillin.cpu_priority import ENV as CPU_NICE_ENV, IDLE_ENV as CPU_IDLE_ENV
         env[CPU_NICE_ENV] = str(scenario.fillin.cpu_nice)     # fill-in processes renice themselves
@@ -164,7 +162,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
             "name": name, "run_dir": out_dir, "storage": storage,
             "data": {"path": data_dir}, "cluster": {"gpu_resource": scenario.cluster.gpu_resource}})
         job_cfg.training = scenario.training
-        job = TrainingJob(job_cfg, runtime_env={"env_vars": env})
+        job = TrainingJob(job_cfg, runtime_env={"env_vars": env}, bubble_filler=bubble_filler)
         job.render_report = False          # rendered once below, with the scenario's sections
         if fillin:
             fillin.ready()
@@ -310,7 +308,7 @@ class ServeFillin:
         self.start()
 
     def _prestart_run(self) -> None:
-        from spotfill.fillin.wiring import start_serve
+        from spotfill.serving.deploy import start_serve
         try:
             self.arbiter = fillin_arbiter(self.scenario, self.name, self.out_dir, self.env)
             start_serve(self.port, self.scenario.cluster.gpu_resource)
@@ -330,7 +328,7 @@ class ServeFillin:
 
     def _start(self) -> None:
         from spotfill.fillin.load import ServeLoad
-        from spotfill.fillin.wiring import deploy_serve
+        from spotfill.serving.deploy import deploy_serve
         spec, c = self.scenario.fillin.serve, self.scenario.cluster      # total: + what may be launched
         total = sum(n.get("gpus", 1) for n in c.nodes) + sum(t.gpus * t.max_workers for t in c.node_types())
         self.ready()

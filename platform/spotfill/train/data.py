@@ -30,7 +30,7 @@ import numpy as np
 
 from spotfill.config.errors import ConfigError, DataMismatch
 from spotfill.storage.base import sha256_file
-from spotfill.train.batching import stream_to_rows
+from spotfill.config.batching import stream_to_rows
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,10 @@ from spotfill.config import constants
 from spotfill.ray_compat import (ElasticScalingPolicy, available_resources_per_node, draining_node_ids,
                                  kv_get, kv_list, kv_put, usable, use_spotfill_controller)
 from spotfill.spot.early_warning import without_warned
+from spotfill.train.arbiter_link import fillin_reclaimable
 from spotfill.train.capacity import (GrowDecision, GrowGate, NodeCapacity, capacity_state, count_workers,
                                      free_resources, reachable, workers_by_node)
-from spotfill.train.pipe_layout import round_to_replicas
+from spotfill.config.pipe_layout import round_to_replicas
 from spotfill.train.readiness import GrowPlanner, GrowStep, ready_by_node, record_prefix, restart_size, short
 
 log = logging.getLogger(__name__)
@@ -165,19 +166,6 @@ def _train_run_name() -> str:
     """This Ray Train run's name (one per TrainingJob.fit), from inside a worker."""
     import ray.train
     return ray.train.get_context().get_experiment_name()
-
-
-def fillin_reclaimable() -> dict[str, dict[str, float]]:
-    """GPUs per node lent to fill-in, which training's claim takes back before its group starts (the
-    arbiter's view); {} without an arbiter or when it does not answer in time -- sizing then counts only
-    what is free, as it would without fill-in."""
-    try:
-        from spotfill.fillin.arbiter import get_arbiter
-        arbiter = get_arbiter()
-        return ray.get(arbiter.reclaimable.remote(), timeout=5) if arbiter is not None else {}
-    except Exception as exc:  # noqa: BLE001 - fill-in never stops training
-        log.warning("fill-in: cannot read reclaimable GPUs (%s); sizing the restart without them", exc)
-        return {}
 
 
 class DrainAwareElasticPolicy(ElasticScalingPolicy):

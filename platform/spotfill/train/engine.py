@@ -8,7 +8,7 @@ It is torch's fused implementation (one kernel over all parameters, CPU and GPU,
 default on a CPU is a Python loop of per-tensor ops, which took 600 ms where FusedAdam takes 330 ms on the
 57M model (one thread) -- 6% of every step, the whole of spotfill's step overhead there.
 JIT ops DeepSpeed still loads (the CPU shared-memory comm op) build in a cache folder of this environment
-and through a lock that cannot outlive its owner (spotfill.train.opcache); on a GPU nothing is JIT-built
+and through a lock that cannot outlive its owner (spotfill.ray_compat.opcache); on a GPU nothing is JIT-built
 (DeepSpeed's CUDA accelerator has no such comm op), so an arch list such as TORCH_CUDA_ARCH_LIST=9.0a, which
 DeepSpeed's op builder cannot parse, never reaches it.
 
@@ -71,7 +71,7 @@ def jit_cache_dir(base: str | None = None) -> str:
     """This environment's own JIT op cache (interpreter, torch and DeepSpeed versions in its name)."""
     from importlib.metadata import version
 
-    from spotfill.train.opcache import extensions_dir
+    from spotfill.ray_compat.opcache import extensions_dir
     base = base or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
     return extensions_dir(base, sys.executable, sys.version.split()[0], version("torch"), version("deepspeed"))
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from spotfill.config.errors import DataMismatch
-from spotfill.train.batching import BatchShape, rank_positions, rows_to_stream, stream_to_rows
+from spotfill.config.batching import BatchShape, rank_positions, rows_to_stream, stream_to_rows
 from spotfill.train.data import ShardReader, StepBatch, read_step
 from spotfill.train.sample_ledger import SampleLedger
 

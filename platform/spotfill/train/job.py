@@ -68,7 +68,8 @@ class TrainingJob:
     # itself (the scenario runner) turns this off so the picture is drawn once.
     render_report = True
 
-    def __init__(self, config: JobConfig, runtime_env: dict | None = None, live: bool = False):
+    def __init__(self, config: JobConfig, runtime_env: dict | None = None, live: bool = False,
+                 bubble_filler=None):
         # Ray Train workers chdir into their own run folder: local paths must be absolute.
         for section, key in ((config, "storage"), (config.data, "path"), (config.training, "export_on_finish")):
             value = getattr(section, key)
@@ -79,6 +80,10 @@ class TrainingJob:
         # live=True: a live view on stderr while fit() runs (a panel on a TTY, one line per event elsewhere),
         # and Ray started with its worker and raylet output kept in its log files, off the user's screen.
         self.live = live
+        # training.bubble_fill: what runs in the pipeline's bubbles comes from fill-in, above training --
+        # `bubble_filler(output, rank, world, device, sync)` builds a rank's filler inside each worker
+        # (spotfill.fillin.bubble_fill.bubble_filler; jobs/pretrain.py and the scenario runner pass it)
+        self.bubble_filler = bubble_filler
         self.run_dir = os.path.abspath(config.run_dir)
         self.events_path = os.path.join(self.run_dir, "events.jsonl")
         self._manifest: dict | None = None
@@ -91,13 +96,19 @@ class TrainingJob:
         from spotfill.train.data import read_manifest
 
         cfg = self.config
+        if cfg.training.bubble_fill and self.bubble_filler is None:
+            from spotfill.config.errors import ConfigError
+            raise ConfigError("training.bubble_fill", cfg.training.bubble_fill,
+                              reason="this TrainingJob was given no bubble filler",
+                              accepted="TrainingJob(config, bubble_filler=spotfill.fillin.bubble_fill.bubble_filler)"
+                                       " (jobs/pretrain.py passes it), or training.bubble_fill \"\"")
         open_storage(cfg.storage).check()
         data = open_storage(cfg.data.path)
         data.check(write=False)
         # Preset models take their vocabulary from the dataset (worker_loop builds them with it).
         manifest = read_manifest(data)
         if cfg.training.model.startswith("hf:"):
-            from spotfill.train.presets import check_hf_model
+            from spotfill.config.presets import check_hf_model
             check_hf_model(cfg.training.model, int(manifest["vocab_size"]), int(manifest["seq_len"]))
         from spotfill.train.preflight import check_storage_from_worker, preflight
         self._init_ray()
@@ -113,7 +124,7 @@ class TrainingJob:
 
         from spotfill.train.backend import DeviceAwareTorchConfig
         from spotfill.train.elastic import spotfill_trainer
-        from spotfill.fillin.training_hook import training_callbacks
+        from spotfill.train.fillin_claims import training_callbacks
         from spotfill.train.sink import RestartCauseCallback
         from spotfill.train.teardown import UnreachableWorkerReaper
 
@@ -133,7 +144,8 @@ class TrainingJob:
         trainer_cls = spotfill_trainer(t.pipeline_stages, sink=(sink_name, namespace)) if spotfill else TorchTrainer
         return trainer_cls(
             train_loop_per_worker,
-            train_loop_config={"job": _as_dict(cfg), "sink": sink_name, "namespace": namespace},
+            train_loop_config={"job": _as_dict(cfg), "sink": sink_name, "namespace": namespace,
+                               "bubble_filler": self.bubble_filler},
             scaling_config=scaling,
             # every collective of the default group gives up after SPOTFILL_COLLECTIVE_TIMEOUT_S (constants.py)
             torch_config=(DeviceAwareTorchConfig(timeout_s=constants.COLLECTIVE_TIMEOUT_S) if use_gpu
@@ -201,8 +213,7 @@ class TrainingJob:
         error = None
         view, follower = self._live_view(offset)
         # fill-in leases, reclaims and the GPU nodes the arbiter sees, into this run's events (no arbiter: none)
-        from spotfill.fillin.forward import LeaseForwarder
-        from spotfill.fillin.wiring import announce_training, withdraw_training
+        from spotfill.train.arbiter_link import LeaseForwarder, announce_training, withdraw_training
         t = self.config.training
         # fill-in never lends the GPUs this job may grow into (an arbiter started later reads the record too)
         announce_training(self.config.name, t.min_workers, t.max_workers, int(self.config.cluster.gpus_per_worker))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from spotfill.config.errors import ConfigError
-from spotfill.train.presets import PRESETS, RECOMPUTE, GPTConfig, preset  # noqa: F401 - re-exported
+from spotfill.config.presets import PRESETS, RECOMPUTE, GPTConfig, preset  # noqa: F401 - re-exported
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import os
 from dataclasses import asdict, fields, replace
 
 from spotfill.config.errors import ConfigError
-from spotfill.train.presets import PRESETS, GPTConfig, preset
+from spotfill.config.presets import PRESETS, GPTConfig, preset
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spotfill.train.model import Block
-from spotfill.train.presets import GPTConfig
+from spotfill.config.presets import GPTConfig
 
 
 def _init_layer(module: nn.Module, seed: int, index: int, n_layer: int) -> None:
@@ -128,8 +128,8 @@ class PipelineRun:
     """The pipeline path of one rank of the worker loop (train/worker_loop.py): its place, its share of
     each step's samples, its engine and its step."""
 
-    def __init__(self, job, world: int, rank: int, node_id: str = ""):
-        from spotfill.train.pipe_layout import check_pipeline_range, layout, pipeline_batch_shape
+    def __init__(self, job, world: int, rank: int, node_id: str = "", bubble_filler=None):
+        from spotfill.config.pipe_layout import check_pipeline_range, layout, pipeline_batch_shape
 
         t = job.training
         self.layout = layout(t.pipeline_stages, world, rank)
@@ -138,14 +138,16 @@ class PipelineRun:
         self.shape = pipeline_batch_shape(t.global_batch, self.layout.replicas, micro)
         self.probe = None
         self.node_id, self.replica_nodes = node_id, []
-        self.filler = None      # fill work for the bubbles (fillin/bubble_fill.py), set before build_engine
+        self.filler = None      # fill work for the bubbles, set before build_engine, or built there by
+        self.bubble_filler = bubble_filler      # bubble_filler(output, rank, world, device, sync) -- passed in:
+                                                # fill-in (fillin/bubble_fill.py) sits above training
 
     def positions(self, step: int):
         """The stream positions this rank reads at `step`: its replica's share on the first and last stage
         (inputs and labels of the same rows), none on a middle stage."""
         import numpy as np
 
-        from spotfill.train.batching import rank_positions
+        from spotfill.config.batching import rank_positions
         if not self.layout.reads_data:
             return np.zeros(0, dtype=np.int64)
         return rank_positions(step, self.shape, self.layout.replica)
@@ -159,7 +161,7 @@ class PipelineRun:
         """(engine, vocab, flops) as worker_loop._engine returns them, for this rank's stage."""
         from spotfill.train.engine import build_engine, ds_config
         from spotfill.train.model import count_params, model_flops
-        from spotfill.train.presets import preset
+        from spotfill.config.presets import preset
 
         t = job.training
         cfg = preset(t.model, seq_len=seq_len, vocab_size=vocab_size)
@@ -169,10 +171,8 @@ class PipelineRun:
         self._check_grid(engine.grid)
         from spotfill.train.bubble_probe import BubbleProbe
         sync = torch.cuda.synchronize if getattr(engine.device, "type", "") == "cuda" else None
-        if t.bubble_fill and self.filler is None:
-            from spotfill.fillin.bubble_fill import BubbleFiller, EvalUnitsWork
-            self.filler = BubbleFiller(EvalUnitsWork(t.bubble_fill, self.layout.rank, self.layout.world,
-                                                     device=engine.device), sync=sync)
+        if t.bubble_fill and self.filler is None and self.bubble_filler is not None:
+            self.filler = self.bubble_filler(t.bubble_fill, self.layout.rank, self.layout.world, engine.device, sync)
         self.probe = BubbleProbe(engine, filler=self.filler, sync=sync)
         params = _whole_model_params(cfg)
         fm, fh = model_flops(cfg, params, seq_len, recompute="none")

@@ -39,7 +39,7 @@ def _load() -> None:
 # What the worker's main thread imports next, all after torch: the training function's module, the run
 # config's callbacks Ray Train unpickles into every worker's train context, Ray Train's torch backend.
 AFTER_TORCH = ("ray.train.torch", "spotfill.train.worker_loop", "spotfill.train.sink", "spotfill.train.teardown",
-               "spotfill.fillin.training_hook")
+               "spotfill.train.fillin_claims")
 
 
 def start() -> None:

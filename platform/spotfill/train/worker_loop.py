@@ -26,7 +26,7 @@ from spotfill.ray_compat import local_preemption_info
 from spotfill.storage.base import open_storage
 from spotfill.storage.checkpoint_store import CheckpointStore
 from spotfill.storage.fence import WriterFence
-from spotfill.train.batching import BatchShape, batch_shape
+from spotfill.config.batching import BatchShape, batch_shape
 from spotfill.train.checkpointing import Checkpointer, checkpoint_events
 from spotfill.train.data import Prefetcher, ShardReader
 from spotfill.train.engine import build_engine, ds_config, load_checkpoint, resolve_precision
@@ -131,7 +131,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     except WriterFenced as exc:
         return _fenced(sink, rank, attempt, [exc.record()])
     prep_s = time.perf_counter() - t0
-    pipe = _pipeline(job, world, rank, plan.stages, node_id)    # None without pipeline stages
+    pipe = _pipeline(job, world, rank, plan.stages, node_id,    # None without pipeline stages
+                     loop_config.get("bubble_filler"))
     shape = pipe.shape if pipe else batch_shape(t.global_batch, world, t.max_micro_batch)
 
     # the device Ray Train assigned this worker (Ray's GPU resource -> CUDA_VISIBLE_DEVICES; the CPU where
@@ -366,13 +367,13 @@ def _finish(sink, rank: int, verdict: dict) -> None:
         ray.get(sink.finish.remote(verdict))
 
 
-def _pipeline(job: JobConfig, world: int, rank: int, saved_stages: int, node_id: str):
+def _pipeline(job: JobConfig, world: int, rank: int, saved_stages: int, node_id: str, bubble_filler=None):
     """The pipeline path (train/pipeline.py) with training.pipeline_stages; with 1 stage too when the run's
     checkpoint was saved by a pipeline (its weights are per layer); None otherwise."""
     if job.training.pipeline_stages <= 1 and not saved_stages:
         return None
     from spotfill.train.pipeline import PipelineRun
-    return PipelineRun(job, world, rank, node_id)
+    return PipelineRun(job, world, rank, node_id, bubble_filler=bubble_filler)
 
 
 def _assigned_gpus(gpu_resource: str) -> float:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from spotfill.ray_compat import ControllerCallback, require
+from spotfill.train.arbiter_link import get_arbiter
 
-log = logging.getLogger("spotfill.fillin.training_hook")
+log = logging.getLogger("spotfill.train.fillin_claims")
 CLAIM_DEADLINE_S = 10.0
 
 
@@ -34,7 +35,6 @@ def claim_via_arbiter(spec: ClaimSpec, gpus: int, gpus_per_worker: int) -> dict 
     """The arbiter's answer to a claim, or None when no arbiter runs on this cluster."""
     import ray
 
-    from spotfill.fillin.arbiter import get_arbiter
     arbiter = get_arbiter()
     if arbiter is None:
         return None
@@ -45,7 +45,6 @@ def claim_via_arbiter(spec: ClaimSpec, gpus: int, gpus_per_worker: int) -> dict 
 def release_via_arbiter(spec: ClaimSpec) -> None:
     import ray
 
-    from spotfill.fillin.arbiter import get_arbiter
     arbiter = get_arbiter()
     if arbiter is not None:
         ray.get(arbiter.release_job.remote(spec.job), timeout=10)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spotfill.config.errors import ConfigError
-from spotfill.train.batching import BatchShape
+from spotfill.config.batching import BatchShape
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The arguments of the Serve generation app (serving/app.py: `serve run serving.app:app k=v`, the `args` of
+"""The arguments of the Serve generation app (spotfill/serving/app.py: `serve run serving.app:app k=v`, the `args` of
 serving/config.yaml, `spotfill serve`), checked when the app is built: a bad value is one line naming the key,
 the value and what is accepted -- at deploy, never later as 503s.
 
@@ -80,7 +80,7 @@ class ServeArgs:
             raise ConfigError(f"{FIELD} checkpoint", reason="required",
                               accepted="a run's storage URI, e.g. file:///runs/demo or s3://bucket/run")
         self._storage("checkpoint", self.checkpoint)
-        from spotfill.train.presets import PRESETS
+        from spotfill.config.presets import PRESETS
         need(self.model == "auto" or self.model in PRESETS, "model", f"auto, {', '.join(PRESETS)}")
         need(bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_:\-]*", self.gpu_resource)), "gpu_resource",
              "GPU, or the name of a custom resource the GPU nodes declare (e.g. GPU_SLOT)")
