@@ -19,3 +19,13 @@ def test_bubble_fill_without_a_filler_is_refused_naming_the_field(tmp_path):
         TrainingJob(_config(tmp_path)).validate()
     assert "bubble_filler" in str(err.value)
 
+
+
+def test_the_sdks_training_job_brings_spotfills_bubble_filler(tmp_path):
+    """`spotfill.TrainingJob` (the SDK users import) fills bubbles without being told how."""
+    import spotfill
+    from spotfill.fillin.bubble_fill import bubble_filler
+    job = spotfill.TrainingJob(_config(tmp_path))
+    assert isinstance(job, TrainingJob) and job.bubble_filler is bubble_filler
+    mine = object()
+    assert spotfill.TrainingJob(_config(tmp_path), bubble_filler=mine).bubble_filler is mine
