@@ -55,7 +55,7 @@ def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | Non
         tokenizer = tokenizer_of(card, manifest["path"], os.path.join(work_dir, f"tokenizer-{manifest['tag']}"))
     finally:
         shutil.rmtree(manifest["path"], ignore_errors=True)
-    net.to(device=device or "cpu", dtype=dtype)
+    net.to(device=device or "cpu", dtype=dtype).eval()          # no dropout in generation
     return Loaded(net, manifest["tag"], int(manifest["step"]), time.perf_counter() - t0, time.time(), card,
                   tokenizer)
 

@@ -130,7 +130,7 @@ class Generator:
                                                 device=self.device, dtype=self.dtype)
                 draft_model = self.draft_loaded.model
             engine = build_engine(new.model, spec, draft_model, self.args.num_draft_tokens,
-                                  self.args.max_batch, meter=self.busy_meter).start()
+                                  self.args.max_batch, meter=self.busy_meter, tokenizer=new.tokenizer).start()
         except Exception as exc:  # noqa: BLE001 - keep serving the model we have
             log.warning("checkpoint reload failed, keeping %s: %s", self.loaded and self.loaded.tag, exc)
             if self.loaded is None and type(exc).__name__ == "ConfigError":
@@ -361,7 +361,7 @@ class Ingress:
         params = call.params()
         if params["seed"] is None:          # fixed now: a continuation elsewhere draws the same numbers
             params["seed"] = random.getrandbits(63)
-        job = {"request_id": call.request_id, "prompt": call.prompt, "params": params}
+        job = call.job(params)           # a chat keeps its messages: the replica's tokenizer renders them
 
         async def ready() -> bool:
             return await self._await_replica(new=False) is None
