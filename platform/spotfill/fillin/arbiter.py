@@ -40,6 +40,7 @@ CLAIM_HOLD_S = 30.0        # freed GPUs stay reserved for the claiming job this 
 IDLE_RECLAIM_S = 10.0      # autoscaled cluster: leases on a node training left this long ago are reclaimed
 RECORDS_EVERY_S = 2.0     # how often the training jobs announced in the GCS are read
 FORCE_MARGIN_S = 1.0       # a job tenant still holding a reclaimed unit this long after its grace: forced
+TENANT_EVENT_KINDS = ("fillin_start",)   # report_events journals these
 
 
 class Arbiter:
@@ -212,6 +213,13 @@ class Arbiter:
             self.journal.add(good)
             for ev in (e for e in good if e.get("lease_id")):
                 self.turns.busy(ev["lease_id"], ev["t0"])
+        return len(good)
+
+    def report_events(self, events: list) -> int:
+        """A tenant's other events (TENANT_EVENT_KINDS), journaled like busy time; returns how many were kept."""
+        good = [e for e in events if isinstance(e, dict) and e.get("kind") in TENANT_EVENT_KINDS and "t" in e]
+        with self.lock:
+            self.journal.add(good)
         return len(good)
 
     # -- reading (no lock held) ------------------------------------------------------------------------

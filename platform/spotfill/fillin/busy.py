@@ -161,6 +161,19 @@ class BusyReporter:
             self._arbiter = None
             log.debug("busy time not sent: %s", exc)
 
+    def send(self, events: list[dict]) -> bool:
+        """Send other events of this tenant to the arbiter's journal (Arbiter.report_events: how a replica
+        started); never raises, never waits."""
+        arbiter = self._find_arbiter()
+        if arbiter is None:
+            return False
+        try:
+            arbiter.report_events.remote(events)
+            return True
+        except Exception as exc:  # noqa: BLE001 - telemetry: the tenant's work goes on
+            log.debug("events not sent: %s", exc)
+            return False
+
     def _find_arbiter(self):
         if self._arbiter is None and time.monotonic() - self._looked_at >= ARBITER_RETRY_S:
             self._looked_at = time.monotonic()

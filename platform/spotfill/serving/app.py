@@ -21,10 +21,8 @@ through Serve's scale endpoint (spotfill/fillin/serve_tenant.py).
 """
 
 import asyncio
-import collections
 import logging
 import random
-import tempfile
 import threading
 import time
 
@@ -37,13 +35,12 @@ from spotfill import ray_compat     # light: each private hook loads when first 
 from spotfill.serving.args import ServeArgs, check_deployable  # noqa: F401 - ServeArgs re-exported
 from spotfill.generation import protocol
 from spotfill.generation.relay import GenerationFailed, Lost, NotAdmitted, Relay
+from spotfill.serving.generator import (  # noqa: F401 - Generator, _metric re-exported
+    GENERATOR, GRACEFUL, MODEL_ID, NO_CHECKPOINT, NO_CHECKPOINT_REASON, Generator, _metric)
 
 log = logging.getLogger("spotfill.serving")
 APP_NAME = "spotfill-serve"
-GENERATOR = "Generator"
 FLOOR = "GeneratorFloor"       # replicas on capacity the app owns (ServeArgs.floor_replicas): never lent
-MODEL_ID = "spotfill"
-GRACEFUL = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 3.0}
 # running-request metrics from the replicas, not the Ingress's handle: a stopping replica's requests in
 # flight are not counted as load with no replica running
 NO_HANDLE_METRICS = {"RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE": "0"}
@@ -61,152 +58,16 @@ STATUS_TTL_S = 0.5         # how long the Ingress trusts one read of the deploym
 # these settings make the controller see the queue empty again within about a second.
 COLD_START_METRICS = {"metrics_interval_s": 1.0, "look_back_period_s": 2.0, "aggregation_function": "min"}
 # why a request was not answered: metric label and OpenAI error code
-STARTING, RECLAIMED, NOT_LENT, LOST, NOT_PICKED, NO_CHECKPOINT = (
-    "replica_starting", "replicas_reclaimed", "no_replica_lent", "replica_lost", "not_picked_up", "no_checkpoint")
+STARTING, RECLAIMED, NOT_LENT, LOST, NOT_PICKED = (
+    "replica_starting", "replicas_reclaimed", "no_replica_lent", "replica_lost", "not_picked_up")
 REASONS = {
     STARTING: "no generation replica ready: one is starting and did not come up within max_queue_wait_s",
     RECLAIMED: "no generation replica: their GPUs were reclaimed (training claimed them, or their node "
                "drained); retry later",
     NOT_LENT: "no generation replica: none has been lent a GPU yet",
     NOT_PICKED: "no generation replica picked the request up; retry later",
-    NO_CHECKPOINT: "no committed checkpoint yet",
+    NO_CHECKPOINT: NO_CHECKPOINT_REASON,
 }
-
-
-def _metric(kind: str, name: str, description: str, tags: tuple[str, ...] = (), **kw):
-    from ray.util import metrics
-    return getattr(metrics, kind)(name, description=description, tag_keys=tags, **kw)
-
-
-@serve.deployment(name=GENERATOR, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64, **GRACEFUL)
-class Generator:
-    def __init__(self, args: ServeArgs, floor: bool = False):
-        from spotfill.fillin.cpu_priority import lower_cpu_priority
-        lower_cpu_priority(args.cpu_nice, idle=args.cpu_idle)    # fill-in: the CPU time training leaves
-        from spotfill.generation.replica import replica_device
-        from spotfill.storage.base import open_storage
-        from spotfill.storage.checkpoint_store import CheckpointStore
-
-        self.args, self.floor = args, floor
-        self.device, self.dtype = replica_device()             # what Ray assigned: cuda:0, or the CPU
-        ctx = serve.get_replica_context()
-        self.replica = ctx.replica_id.unique_id
-        # busy time for the fill-in ledger: each engine step is the lent GPU computing (fillin/busy.py); a
-        # floor replica computes on capacity the app owns, which is no fill-in and reports nothing
-        from spotfill.fillin.busy import serve_reporter
-        self.busy_meter = None if floor else serve_reporter(ctx.app_name, GENERATOR, gpu_resource=args.gpu_resource)
-        self.store = CheckpointStore(open_storage(args.checkpoint))
-        self.work = tempfile.mkdtemp(prefix="spotfill-serve-")
-        self.loaded, self.engine, self.draft_loaded = None, None, None
-        self.draining: list = []                               # engines of older checkpoints, finishing
-        self.holding = collections.Counter()                   # engine -> stream() calls that took it
-        self.lock = threading.Lock()
-        self.reloads: list[dict] = []
-        self.metrics = {
-            "tokens": _metric("Counter", "spotfill_serve_generated_tokens", "tokens generated"),
-            "drafted": _metric("Counter", "spotfill_serve_spec_drafted_tokens", "tokens a draft proposed"),
-            "accepted": _metric("Counter", "spotfill_serve_spec_accepted_tokens", "drafted tokens accepted"),
-            "accepted_length": _metric("Histogram", "spotfill_serve_spec_accepted_length",
-                                       "tokens per verify step, per request", boundaries=[1, 1.5, 2, 3, 4, 6, 9]),
-            "acceptance": _metric("Gauge", "spotfill_serve_spec_acceptance_rate",
-                                  "accepted / drafted tokens of the last finished request with a draft")}
-        self._reload()
-        threading.Thread(target=self._watch, daemon=True, name="checkpoint-reload").start()
-
-    def _reload(self) -> None:
-        from spotfill.fillin.generate import load_newest
-        from spotfill.generation.replica import build_engine
-        spec = self.args.draft_spec
-        try:
-            new = load_newest(self.store, self.work, self.args.model, newer_than=self.loaded.tag if self.loaded
-                              else None, device=self.device, dtype=self.dtype)
-            if new is None:
-                return
-            draft_model = None
-            if spec.kind == "uri":
-                from spotfill.storage.base import open_storage
-                from spotfill.storage.checkpoint_store import CheckpointStore
-                self.draft_loaded = load_newest(CheckpointStore(open_storage(spec.uri)), self.work, "auto",
-                                                device=self.device, dtype=self.dtype)
-                draft_model = self.draft_loaded.model
-            engine = build_engine(new.model, spec, draft_model, self.args.num_draft_tokens,
-                                  self.args.max_batch, meter=self.busy_meter, tokenizer=new.tokenizer).start()
-        except Exception as exc:  # noqa: BLE001 - keep serving the model we have
-            log.warning("checkpoint reload failed, keeping %s: %s", self.loaded and self.loaded.tag, exc)
-            if self.loaded is None and type(exc).__name__ == "ConfigError":
-                raise                                         # a draft that cannot fit this model: at start
-            return
-        old, old_engine = (self.loaded.tag if self.loaded else None), self.engine
-        with self.lock:
-            self.loaded, self.engine = new, engine
-            if old_engine is not None:
-                self.draining.append(old_engine)              # its requests finish on the weights they began
-        self.reloads.append({"tag": new.tag, "step": new.step, "load_s": round(new.load_s, 3), "from": old})
-        log.info("serving checkpoint %s (step %d) on %s (%s), loaded in %.2fs (was %s)", new.tag, new.step,
-                 self.device, self.dtype, new.load_s, old)
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(self.args.reload_s)
-            if self.busy_meter is not None:
-                self.busy_meter.flush()     # what an engine measured before it went idle (no-op when nothing)
-            self._reload()
-            with self.lock:       # not one a stream() took and has not submitted to yet (busy 0 there)
-                for eng in [e for e in self.draining if not e.busy and not self.holding[e]]:
-                    eng.stop()
-                    self.draining.remove(eng)
-
-    def __del__(self):
-        """Serve stops this replica (its GPU reclaimed, or scaled down): the busy time not sent yet goes now."""
-        busy = getattr(self, "busy_meter", None)
-        if busy is not None:
-            busy.flush()
-
-    def info(self) -> dict:
-        m = self.loaded
-        out = {"replica": self.replica, "floor": self.floor, "device": str(self.device),
-               "dtype": str(self.dtype).replace("torch.", ""),
-               "draft": str(self.args.draft_spec) or None, "reloads": self.reloads[-10:]}
-        out["busy"] = self.engine.busy if self.engine is not None else 0
-        if m is None:
-            return {**out, "tag": None}
-        return {**out, "tag": m.tag, "step": m.step, "load_s": round(m.load_s, 3), "loaded_at": m.loaded_at,
-                "context": m.model.cfg.seq_len}
-
-    def _finished(self, update) -> None:
-        # Ray's Counter.inc refuses 0: a request may end with no token, a draft may have every token rejected
-        for name, value in (("tokens", update.completion_tokens), ("drafted", update.drafted),
-                            ("accepted", update.accepted)):
-            if value > 0:
-                self.metrics[name].inc(value)
-        if update.verify_steps:
-            self.metrics["acceptance"].set(update.accepted / max(1, update.drafted))
-            self.metrics["accepted_length"].observe((update.accepted + update.verify_steps) / update.verify_steps)
-
-    async def stream(self, job: dict):
-        """A job's chunks (spotfill/generation/relay.py): admitted, then the engine's updates."""
-        from spotfill.generation.replica import job_request, stream_job
-        with self.lock:
-            loaded, engine = self.loaded, self.engine
-            if loaded is not None:
-                self.holding[engine] += 1      # a reload now drains it, but stops it only once we let go
-        if loaded is None:
-            yield {"error": REASONS[NO_CHECKPOINT], "code": NO_CHECKPOINT}
-            return
-        try:
-            req = job_request(job, engine.tokenizer, loaded.model.cfg.seq_len)
-            if self.args.max_tokens:
-                from dataclasses import replace
-                req.params = replace(req.params, max_tokens=min(req.params.max_tokens, self.args.max_tokens))
-            yield {"admitted": True, "replica": self.replica, "floor": self.floor, "model": MODEL_ID,
-                   "checkpoint": {"tag": loaded.tag, "step": loaded.step}}
-            async for chunk in stream_job(engine, req, on_finish=self._finished):
-                yield chunk
-        finally:
-            with self.lock:
-                self.holding[engine] -= 1
-                if self.holding[engine] <= 0:
-                    del self.holding[engine]
 
 
 api = FastAPI(title="spotfill fill-in generation")
@@ -257,6 +118,11 @@ class Ingress:
             from spotfill.fillin.wiring import register_in_background
             register_in_background(app_name, GENERATOR, gpu_resource=args.gpu_resource,
                                    max_replicas=args.max_replicas, grace_s=GRACEFUL["graceful_shutdown_timeout_s"])
+            if args.standby_per_node:        # warm standbys on the nodes whose GPUs may be lent
+                from spotfill.serving.standby import StandbyKeeper
+                self.keeper = StandbyKeeper(app_name, args.checkpoint, args.model, args.gpu_resource,
+                                            args.standby_per_node)
+                threading.Thread(target=self.keeper.run, daemon=True, name="standby-keeper").start()
 
     @property
     def live(self) -> int:
@@ -543,6 +409,12 @@ def build(args: ServeArgs):
     env = dict(QUIET_METRICS)
     if args.replicas == 0:
         env.update(NO_HANDLE_METRICS)
+    if args.standby_per_node and args.under_arbiter:
+        # the Ingress and the Generator share one runtime_env: the Ingress's keeper prestarts standbys with
+        # it, and Ray hands a Generator replica an idle process of the same job and runtime_env
+        from spotfill.ray_compat import worker_setup_hook_env
+        from spotfill.serving.standby import HOOK
+        env = worker_setup_hook_env(HOOK, env)
     actor = {"num_cpus": 0, "runtime_env": {"env_vars": dict(env)}}
     actor.update({"num_gpus": 1} if args.gpu_resource == "GPU" else {"resources": {args.gpu_resource: 1}})
     ongoing = max(16, 4 * args.max_batch)        # the engine queues what its batch cannot take yet

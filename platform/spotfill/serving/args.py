@@ -44,6 +44,9 @@ class ServeArgs:
                                          # on a node the app owns, e.g. an on-demand node type)
     floor_cpus: float = 1.0              # Ray CPUs a floor replica asks for (0: none reserved)
     floor_node: str = "head"             # head (the head node: on-demand in cluster.yaml) or any
+    standby_per_node: int = 1            # warm standby processes per node with lendable GPUs (serving/
+                                         # standby.py): imports done, the checkpoint in host memory, no GPU
+                                         # held; a lend there starts its replica on one. 0: cold starts only
 
     @classmethod
     def parse(cls, args: dict | None) -> "ServeArgs":
@@ -97,6 +100,7 @@ class ServeArgs:
         need(self.floor_device in ("cpu", "gpu"), "floor_device", "cpu, gpu")
         need(0 <= self.floor_cpus <= 256, "floor_cpus", "a number of CPUs from 0 to 256")
         need(self.floor_node in ("head", "any"), "floor_node", "head, any")
+        need(0 <= self.standby_per_node <= 8, "standby_per_node", "an integer from 0 to 8 (0: no standby)")
         from spotfill.fillin.cpu_priority import configured_nice
         configured_nice(self.cpu_nice, f"{FIELD} cpu_nice")
         from spotfill.generation.replica import DraftSpec

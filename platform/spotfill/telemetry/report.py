@@ -123,6 +123,35 @@ def fillin_section(events: list[dict], window: tuple[float, float]) -> dict | No
     latency = lend_to_busy_summary(leases)
     if latency:
         out["lend_to_busy_s"] = latency
+    starts = starts_summary([e for e in events if e["kind"] == "fillin_start" and start <= e["t"] <= end], leases)
+    if starts:
+        out["starts"] = starts
+    return out
+
+
+def starts_summary(starts: list[dict], leases: list[dict]) -> dict:
+    """Per workload, how its lent replicas started (`fillin_start` events, serving/standby.py): warm (on a
+    standby holding the model) or cold, the constructor's seconds for each (median, max), the warm ones'
+    wake (weights to the device) and the cold ones' load from storage. Each lease gets its `start`."""
+    import statistics
+
+    def stats(values: list) -> dict | None:
+        values = [float(v) for v in values if v is not None]
+        return {"median": round(statistics.median(values), 3), "max": round(max(values), 3)} if values else None
+
+    by_lease = {str(e.get("lease_id")): e for e in starts if e.get("lease_id")}
+    for le in leases:
+        e = by_lease.get(str(le.get("lease_id")))
+        if e is not None:
+            le["start_kind"], le["init_s"] = ("warm" if e.get("warm") else "cold"), e.get("init_s")
+    out: dict[str, dict] = {}
+    for w in sorted({e.get("workload") or "serve" for e in starts}):
+        mine = [e for e in starts if (e.get("workload") or "serve") == w]
+        warm, cold = [e for e in mine if e.get("warm")], [e for e in mine if not e.get("warm")]
+        out[w] = {"warm": len(warm), "cold": len(cold), "init_s_warm": stats([e.get("init_s") for e in warm]),
+                  "init_s_cold": stats([e.get("init_s") for e in cold]),
+                  "wake_s": stats([e.get("wake_s") for e in warm]), "load_s": stats([e.get("load_s") for e in cold]),
+                  "notes": sorted({e["standby_note"] for e in mine if e.get("standby_note")})}
     return out
 
 

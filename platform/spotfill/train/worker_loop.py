@@ -35,6 +35,7 @@ from spotfill.train.model_card import for_checkpoints
 from spotfill.train.feed import DATA_KEY, LEDGER_KEY, StepFeed, data_identity, resume_point
 from spotfill.train.sample_ledger import FeedRecorder, SampleLedger
 from spotfill.train.step_policy import CONTINUE, FINISH, StepDecision, StepFacts, StepPolicy
+from spotfill.telemetry.process import process_start_time
 from spotfill.telemetry.throughput import split_step, step_metrics
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     withdraw()          # this process is the group's now, no spare: its readiness record goes (train.readiness)
     # per rank: its node, its process's start (before the restart: a warm spare) and the GPUs Ray assigned it
     # -- summed, the group's GPUs in the attempt event: the ledger and goodput count them, not the plan
-    placed = comms.gather_objects((node_id, _process_start_time(), _assigned_gpus(job.cluster.gpu_resource)))
+    placed = comms.gather_objects((node_id, process_start_time(), _assigned_gpus(job.cluster.gpu_resource)))
     info = comms.bcast(ray.get(sink.begin_attempt.remote(world, gpus=sum(p[2] for p in placed)))
                        if rank == 0 else None)
     if info["give_up"]:
@@ -294,7 +295,7 @@ def _start_marks(entered: float, restored: float, imported: float, engine: float
     had DeepSpeed imported and its engine built: the recovery breakdown splits worker start-up with them."""
     marks = {"loop_entered_t": round(entered, 3), "restored_t": round(restored, 3),
              "imported_t": round(imported, 3), "engine_t": round(engine, 3)}
-    started = _process_start_time()
+    started = process_start_time()
     if started is not None:
         marks["process_started_t"] = round(started, 3)
     import torch
@@ -302,18 +303,6 @@ def _start_marks(entered: float, restored: float, imported: float, engine: float
     from spotfill.train.spares import idle_threads
     from spotfill.train.warm import marks as warm_marks
     return {**marks, **warm_marks, "idle_threads": idle_threads(), "torch_threads": torch.get_num_threads()}
-
-
-def _process_start_time() -> float | None:
-    """This process's creation time (unix s) from /proc; None where there is no /proc."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            booted = time.time() - float(f.read().split()[0])     # /proc/stat's btime is whole seconds
-        return booted + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _warm_imports():
