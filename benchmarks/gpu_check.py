@@ -23,6 +23,10 @@ as it goes), the file rewritten after every section; each section's scratch fold
               speculative draft in fp32 and bf16 (divergences counted, benchmarks/serve_gpu_check.py), then
               benchmarks/serve.py on the 125m preset: tokens/s at batch 1 and 8, the first loop vs the engine,
               with and without the draft self:4, acceptance and mean accepted length
+  vllm        (only with `--only vllm`: a device command of its own) where vLLM imports (the [llm] extra): a
+              tiny Llama served by Ray Serve LLM as `spotfill serve --engine vllm` deploys it -- lent, one chat
+              completion, reclaimed by a training claim, device memory freed (benchmarks/gpu_vllm.py); the
+              default run records it as skipped, saying why
 After the sections, `comparison`: Ray Train's MFU against DeepSpeed's and plain PyTorch bf16's on the same
 preset and micro-batch (the target: Ray Train >= 0.9 x plain PyTorch bf16).
 `--cpu-dry-run`: the same wiring on a machine without CUDA (tiny models, the CPU) -- to check that the
@@ -48,6 +52,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # in this order, each with its weight: its cap is its weight's share of the budget left (gpu_sections.share);
 # with the default budget and every section running to its cap, the caps are these seconds
 SECTIONS = {"env": 30, "pytest_gpu": 65, "bench_gpu": 120, "ray_train": 140, "tenants": 50, "serve": 75}
+# run only when named (`--only vllm`): vLLM's start (engine, CUDA graphs) needs a device command of its own
+OPT_IN = {"vllm": 1}
 DEFAULT_BUDGET_S = 480     # sections only; the wheels' install (~40 s) before: one 600 s device command in all
 GPU_FREE_WAIT_S = 30       # before a section: wait this long at most for the last one's GPU processes to end
 RAY_TRAIN_STEPS = 30
@@ -337,9 +343,23 @@ def _wait_gpu_free(timeout_s: float = GPU_FREE_WAIT_S) -> float | None:
         time.sleep(1.0)
 
 
+def section_vllm(dry: bool, deadline: float) -> dict:
+    from benchmarks import gpu_vllm
+    return gpu_vllm.run(dry, deadline)
+
+
+def vllm_skip_reason() -> str:
+    """Why the default run leaves the vLLM section out."""
+    from spotfill.serving.llm import EXTRA, vllm_missing
+    missing = vllm_missing()
+    return (f"skipped: {missing} ({EXTRA})" if missing else
+            "skipped: vLLM imports here; run it as a device command of its own: "
+            "bash benchmarks/gpu_check.sh --only vllm")
+
+
 def run_section(name: str, dry: bool, deadline: float) -> dict:
     fn = globals()[f"section_{name}"]
-    return fn(dry, deadline) if name in ("ray_train", "pytest_gpu") else fn(dry)
+    return fn(dry, deadline) if name in ("ray_train", "pytest_gpu", "vllm") else fn(dry)
 
 
 # -- the driver ---------------------------------------------------------------------------------------
@@ -370,19 +390,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--budget-s: {args.budget_s:g}; accepted: seconds > 0 (default {DEFAULT_BUDGET_S})", file=sys.stderr)
         return 2
     names = [s for s in (args.only.split(",") if args.only else SECTIONS) if s]
-    unknown = [s for s in names if s not in SECTIONS]
+    weights = {**SECTIONS, **OPT_IN}
+    unknown = [s for s in names if s not in weights]
     if unknown:
-        print(f"--only: unknown section(s) {unknown}; accepted: {', '.join(SECTIONS)}", file=sys.stderr)
+        print(f"--only: unknown section(s) {unknown}; accepted: {', '.join(weights)}", file=sys.stderr)
         return 2
     t_start = time.time()
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.cpu_dry_run, "budget_s": args.budget_s,
-           "caps_if_each_ran_to_its_cap": {k: round(v, 1) for k, v in caps({n: SECTIONS[n] for n in names},
+           "caps_if_each_ran_to_its_cap": {k: round(v, 1) for k, v in caps({n: weights[n] for n in names},
                                                                             args.budget_s).items()},
            "sections": {}}
+    if not args.only:
+        doc["sections"]["vllm"] = {"ok": True, "skipped": vllm_skip_reason()}
     _write(args.out, doc)
     for i, name in enumerate(names):
         left = args.budget_s - (time.time() - t_start)
-        cap = share(name, names[i:], SECTIONS, left) * float(os.environ.get("GPU_CHECK_CAP_SCALE", "1"))
+        cap = share(name, names[i:], weights, left) * float(os.environ.get("GPU_CHECK_CAP_SCALE", "1"))
         if cap < 15:
             doc["sections"][name] = {"ok": False, "error": f"skipped: {left:.0f}s of the budget left"}
             _write(args.out, doc)
@@ -478,6 +501,9 @@ def _headline(name: str, rec: dict) -> str:
         return f"passed {rec.get('passed', 0)} failed {rec.get('failed', 0)} skipped {rec.get('skipped', 0)}"
     if name == "tenants":
         return f"on the assigned GPU: {rec.get('on_assigned_gpu')}"
+    if name == "vllm":
+        return rec.get("skipped") or (f"answered {(rec.get('answer') or {}).get('text')!r}, reclaimed in "
+                                      f"{rec.get('reclaim_s')}s, memory freed: {rec.get('memory_freed_s') is not None}")
     return ""
 
 

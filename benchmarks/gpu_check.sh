@@ -7,6 +7,8 @@
 # after every section: a section that fails or overruns leaves the others' numbers) and $OUT/gpu_check.log.
 #
 #   bash benchmarks/gpu_check.sh                     # on the lent machine ($OUT set there)
+#   bash benchmarks/gpu_check.sh --only vllm         # vLLM via Ray Serve LLM, lent and reclaimed (docs/vllm.md):
+#                                                    # where vLLM imports only, else recorded as skipped
 #   GPU_CHECK_BUDGET_S=480 (default): seconds for the sections, the install not counted (~40 s): with the
 #   machine's start, one device call of timeout_s 590 (docs/metrics.md)
 #   bash benchmarks/gpu_dry_run.sh                   # here first: the carried wheels against the image

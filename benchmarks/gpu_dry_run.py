@@ -29,7 +29,7 @@ IMAGE_LIST = os.path.join(REPO, "benchmarks", "gpu_image_packages.txt")
 CHECK_MODULES = ("torch", "numpy", "ray", "ray.train", "ray.train.torch", "ray.tune", "ray.serve", "ray.data",
                  "deepspeed", "deepspeed.runtime.zero.stage_1_and_2", "pydantic", "pyarrow", "pytest",
                  "benchmarks.gpu_check", "benchmarks.gpu", "benchmarks.gpu_sections", "benchmarks.gpu_tenants",
-                 "benchmarks.serve", "benchmarks.serve_gpu_check", "benchmarks.pipeline", "spotfill.devices")
+                 "benchmarks.serve", "benchmarks.serve_gpu_check", "benchmarks.gpu_vllm", "benchmarks.pipeline", "spotfill.devices")
 CHECK_PACKAGES = ("spotfill.config", "spotfill.train", "spotfill.ray_compat", "spotfill.telemetry",
                   "spotfill.generation", "spotfill.fillin", "spotfill.planning")
 NOT_ON_THE_PATH = ("spotfill.storage.s3", "spotfill.testing")   # boto3 / moto: S3 only, not in the check

@@ -205,3 +205,18 @@ def test_bad_budget_exits_2_with_one_line():
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "platform"), REPO])})
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert proc.stderr.startswith("--budget-s: 0; accepted:"), proc.stderr
+
+
+# -- the vLLM section ---------------------------------------------------------------------------------------
+def test_the_vllm_section_is_opt_in_and_skipped_saying_why_without_vllm():
+    """Not in the default run (its budget stays the six sections'), runnable with --only vllm; without vLLM
+    it returns at once with the reason and the extra to install, starting nothing."""
+    import importlib.util
+
+    from benchmarks import gpu_vllm
+    assert "vllm" not in gpu_check.SECTIONS and "vllm" in gpu_check.OPT_IN
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    rec = gpu_vllm.run(True, time.time() + 60)
+    assert set(rec) == {"skipped"} and "pip install 'spotfill[llm]'" in rec["skipped"]
+    assert gpu_check.vllm_skip_reason().startswith("skipped: vLLM is not installed")

@@ -1,6 +1,8 @@
 """`spotfill serve --checkpoint STORAGE_URI [--draft URI|self:L] [--num-draft-tokens K] [--port N]`: generation
 from a run's newest committed checkpoint on a local embedded cluster (fill-in: the arbiter lends the cluster's
-idle GPU slots to Serve replicas; Serve deploys none of its own)."""
+idle GPU slots to Serve replicas; Serve deploys none of its own).
+`spotfill serve --engine vllm --model-dir DIR ...`: vLLM through Ray Serve LLM over an exported folder, on
+GPUs, lent the same way (cli/serve_vllm.py)."""
 from __future__ import annotations
 
 import argparse
@@ -15,9 +17,15 @@ APP_FLAGS = {"checkpoint": "--checkpoint", "draft": "--draft", "num_draft_tokens
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="serve generation from a run's newest checkpoint on a local cluster")
-    p.add_argument("--checkpoint", required=True, metavar="STORAGE_URI",
-                   help="the run's storage URI (file:///path or s3://bucket/prefix), checkpoints/ inside")
+    p = sub.add_parser("serve", help="serve generation from a run's newest checkpoint on a local cluster, or "
+                                     "an exported folder with vLLM on GPUs (--engine vllm)")
+    p.add_argument("--engine", choices=("spotfill", "vllm"), default="spotfill",
+                   help="spotfill (default): spotfill's engine over --checkpoint on a local embedded cluster; "
+                        "vllm: Ray Serve LLM's OpenAI app over --model-dir on this machine's or --address's GPUs "
+                        "(needs pip install 'spotfill[llm]')")
+    p.add_argument("--checkpoint", default="", metavar="STORAGE_URI",
+                   help="--engine spotfill (required there): the run's storage URI (file:///path or "
+                        "s3://bucket/prefix), checkpoints/ inside")
     p.add_argument("--draft", default="", metavar="URI|self:L",
                    help="speculative decoding: a run with the same tokenizer, or self:L (the model's first L "
                         "layers and its head); off by default")
@@ -36,6 +44,8 @@ def register(sub) -> None:
     p.add_argument("--wait-for-checkpoint", action="store_true",
                    help="start although no checkpoint is committed there yet (requests get 503 until one is)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: Ctrl-C)")
+    from spotfill.cli import serve_vllm
+    serve_vllm.add_flags(p)
     p.set_defaults(func=run)
 
 
@@ -81,11 +91,12 @@ def check(args: argparse.Namespace) -> dict | None:
     """Every flag, and a committed checkpoint at --checkpoint (unless --wait-for-checkpoint): one line and
     exit 2 otherwise. Returns the checkpoint's `latest` pointer."""
     from spotfill.serving.args import ServeArgs, check_deployable
-    if not 1 <= args.port <= 65535:
-        raise ConfigError("--port", args.port, accepted="1..65535")
-    if not port_free(args.port):
-        raise ConfigError("--port", args.port, reason="in use on 127.0.0.1 (another spotfill serve, or another "
-                          "server, listens there)", accepted=f"a free port, e.g. --port {port_free(0) or 8001}")
+    from spotfill.cli.serve_vllm import refuse_flags
+    refuse_flags(args)
+    if not args.checkpoint:
+        raise ConfigError("--checkpoint", reason="required with --engine spotfill",
+                          accepted="a run's storage URI (file:///path or s3://bucket/prefix)")
+    check_port(args.port)
     for name in ("nodes", "gpus_per_node"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), accepted="an integer >= 1")
@@ -103,6 +114,14 @@ def check(args: argparse.Namespace) -> dict | None:
                                                        "; none found nearby"),
                           accepted="a run's storage URI with a committed checkpoint, or add --wait-for-checkpoint")
     return latest
+
+
+def check_port(port: int) -> None:
+    if not 1 <= port <= 65535:
+        raise ConfigError("--port", port, accepted="1..65535")
+    if not port_free(port):
+        raise ConfigError("--port", port, reason="in use on 127.0.0.1 (another spotfill serve, or another "
+                          "server, listens there)", accepted=f"a free port, e.g. --port {port_free(0) or 8001}")
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> int:
@@ -131,6 +150,9 @@ def _stop_on_signals() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from spotfill.cli.serve_vllm import run as run_vllm
+        return run_vllm(args)
     latest = check(args)
     _stop_on_signals()
     import ray

@@ -33,6 +33,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from spotfill import ray_compat     # light: each private hook loads when first used
 from spotfill.serving.args import ServeArgs, check_deployable  # noqa: F401 - ServeArgs re-exported
+# the Generator's Serve policy: the arbiter's count, no decision of Serve's own (re-exported)
+from spotfill.serving.scaling import keep_external_target  # noqa: F401
 from spotfill.generation import protocol
 from spotfill.generation.relay import GenerationFailed, Lost, NotAdmitted, Relay
 from spotfill.serving.generator import (  # noqa: F401 - Generator, _metric re-exported
@@ -392,14 +394,6 @@ class Ingress:
     async def healthz(self):
         st = await self._status()
         return {"replicas": st["replicas"], "state": st["state"], "checkpoint": st["checkpoint"]}
-
-
-def keep_external_target(ctx):
-    """Serve autoscaling policy of the fill-in Generator: no decision of its own -- the replica count stays
-    what the arbiter set through the external scaler (Serve still scales a deployment with 0 running
-    replicas to 1 when requests wait for it, before this policy runs; the Ingress answers 503 instead of
-    forwarding then, and the arbiter asks for its own count again)."""
-    return ctx.target_num_replicas, {}
 
 
 def build(args: ServeArgs):
