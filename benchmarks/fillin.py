@@ -37,6 +37,10 @@ training restarts at full size (2) on the slots it takes back from Serve -- the 
   from the lend decision to the lent GPU's first measured compute (report.json fillin.lend_to_busy_s): the
   median and worst, and the median of its two parts -- lend -> the tenant holding the GPU (to_hold_median)
   and holding it -> computing (hold_to_busy_median: imports, checkpoint load, the first request).
+- serve_warm_vs_cold: the first run's Serve replicas started on warm standbys (serving/standby.py, the
+  default `standby_per_node: 1`); a fifth run is the same scenario with `standby_per_node: 0` (every lent
+  replica starts cold). Side by side: how each start went (report.json fillin.starts: warm/cold counts, the
+  constructor's seconds, wake and load), lend -> first compute, and the harvest.
 - cpu_layout: where the runs' processes ran. On a cluster the head (Serve's controller and proxy, the arbiter,
   the training driver) and each GPU node are machines of their own. Where this machine has enough cores (one
   for the head, one per GPU slot: 5), every run gives the head and each node cores of their own
@@ -64,8 +68,8 @@ from spotfill.sim.scenario import parse_scenario
 NODE_SLOTS = [2, 1, 1]     # GPU slots of the scenario's nodes
 
 
-def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool = False) -> dict:
-    fillin: dict = {"serve": {"enabled": serve, "load_rps": load_rps, "max_replicas": 2}}
+def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool = False, standby: int = 1) -> dict:
+    fillin: dict = {"serve": {"enabled": serve, "load_rps": load_rps, "max_replicas": 2, "standby_per_node": standby}}
     if jobs:    # one lent GPU each, and big enough to be running when training claims them back after node
         # 0's loss, about 10 s after the kill here (a 200-step trial took 17 s and had finished by then;
         # 4096 rows of evaluation + 72 prompts took 9 s: the whole prepared data is evaluated instead)
@@ -164,18 +168,18 @@ def _kill_step(run_dir: str, at: float) -> int | None:
 
 
 def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: float = 2.0,
-         jobs: bool = False, cpu_layout: dict | None = None) -> dict:
+         jobs: bool = False, cpu_layout: dict | None = None, standby: int = 1) -> dict:
     # with fill-in the runner's timeline waits until Serve answers (and the batch and sweep jobs hold their
     # GPUs): the kill fires then (or at kill_at, if later); the side without fill-in kills at the step the
     # first side's kill met
     steps, default_kill = (1000, 40) if quick else (2000, 600)
     kill_at = kill_at or default_kill
-    name = "fillin-jobs" if jobs else "fillin-serve" if serve else "fillin-off"
+    name = "fillin-jobs" if jobs else ("fillin-serve" + ("" if standby else "-cold")) if serve else "fillin-off"
     out = tempfile.mkdtemp(prefix=f"spotfill-bench-{name}-")
     say(f"{name}: {steps} steps, node 0 killed at step {kill_at}" + (f", load {load_rps:g} rps" if serve else "")
         + (", batch + sweep fill-in" if jobs else ""))
     with CpuSampler() as cpu:
-        report = run_scenario(parse_scenario(_scenario(serve, steps, kill_at, load_rps, jobs), name), out,
+        report = run_scenario(parse_scenario(_scenario(serve, steps, kill_at, load_rps, jobs, standby), name), out,
                               quiet=True, wait_for_fillin=serve or jobs, cpu_layout=cpu_layout)
     tr = report["training"]
     fill = report.get("fillin") or {}
@@ -185,7 +189,7 @@ def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: fl
             "harvest_ratio_reserved": report.get("harvest_ratio_reserved"),
             "handback_seconds": fill.get("handback_seconds") or [], "leases": len(fill.get("leases") or []),
             "handback_by_workload": handback_by_workload(fill.get("leases") or []),
-            "lend_to_busy_s": fill.get("lend_to_busy_s") or {},
+            "lend_to_busy_s": fill.get("lend_to_busy_s") or {}, "starts": fill.get("starts") or {},
             "batch": fill.get("batch"), "sweep": fill.get("sweep"),
             "serve": fill.get("serve"), "seconds": report.get("seconds"), "run_dir": out,
             "kill_step": next((_kill_step(out, p["at"]) for p in report.get("preemptions") or []), None),
@@ -224,6 +228,9 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu
     say(f"without fill-in: {without['tokens_per_s']} tokens/s")
     no_load = _run(True, quick, say, kill_at=with_fill["kill_step"], load_rps=0.0, cpu_layout=layout)
     say(f"with fill-in, no load: {no_load['tokens_per_s']} tokens/s")
+    cold = _run(True, quick, say, kill_at=with_fill["kill_step"], cpu_layout=layout, standby=0)
+    say(f"with fill-in, Serve without standbys: lend -> busy {cold['lend_to_busy_s'].get('serve')}, "
+        f"harvest {cold['harvest_ratio']}")
     jobs = _run(False, quick, say, kill_at=with_fill["kill_step"], jobs=True, cpu_layout=layout)
     say(f"batch + sweep fill-in: hand-backs {jobs['handback_by_workload']}")
     a, b, c = with_fill["tokens_per_s"], without["tokens_per_s"], no_load["tokens_per_s"]
@@ -234,6 +241,14 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu
             "handback_s_max_by_workload": {k: max(v) for k, v in by_workload.items() if v},
             "batch": jobs["batch"], "sweep": jobs["sweep"],
             "lend_to_busy_s": {**jobs["lend_to_busy_s"], **with_fill["lend_to_busy_s"]},  # batch + sweep, Serve
+            # Serve's lent replicas started on warm standbys (the default) and, in the same scenario, cold
+            "serve_warm_vs_cold": {"starts": {"standby": with_fill["starts"].get("serve"),
+                                              "cold": cold["starts"].get("serve")},
+                                   "lend_to_busy_s": {"standby": with_fill["lend_to_busy_s"].get("serve"),
+                                                      "cold": cold["lend_to_busy_s"].get("serve")},
+                                   "harvest_ratio": {"standby": with_fill["harvest_ratio"],
+                                                     "cold": cold["harvest_ratio"]},
+                                   "serve": {"standby": with_fill["serve"], "cold": cold["serve"]}},
             "harvest_ratio": with_fill["harvest_ratio"],                     # on busy GPU-s (tenants measure)
             "harvest_ratio_reserved": with_fill["harvest_ratio_reserved"],   # on held GPU-s
             "training_tokens_s_with_fillin": a, "training_tokens_s_without": b,
@@ -252,8 +267,9 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu
             "gpu_seconds_fillin": (with_fill["gpu_seconds"] or {}).get("fillin"),
             "world_size_timeline": {"with_fillin": with_fill["world_size_timeline"],
                                     "without": without["world_size_timeline"]},
-            "invariants_ok": with_fill["ok"] and without["ok"] and no_load["ok"] and jobs["ok"],
+            "invariants_ok": with_fill["ok"] and without["ok"] and no_load["ok"] and jobs["ok"] and cold["ok"],
             "runs": {"with_fillin": with_fill, "without": without, "with_fillin_no_load": no_load,
+                     "with_fillin_cold": cold,
                      "batch_and_sweep": jobs},
             "cpu_layout": {**as_dict(layout), "training_workers_pinned": {
                 k: (r.get("cpu_layout") or {}).get("training_workers_pinned")

@@ -39,7 +39,8 @@ def test_unknown_top_level_key():
 def test_serve_fillin_parses_with_defaults():
     s = parse_scenario({"fillin": {"serve": {"enabled": True}}})
     assert s.fillin.serve_enabled and s.fillin.serve == {"enabled": True, "load_rps": 2.0, "max_replicas": None,
-                                                                "launch_nodes": False, "floor_replicas": 0}
+                                                                "launch_nodes": False, "floor_replicas": 0,
+                                                                "standby_per_node": 1}
     assert not parse_scenario({}).fillin.serve_enabled
     assert parse_scenario(DEFAULT_SCENARIO).fillin.serve["load_rps"] == 2
 

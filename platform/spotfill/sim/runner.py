@@ -338,7 +338,8 @@ class ServeFillin:
             out = deploy_serve(self.uri, port=self.port, gpu_resource=self.scenario.cluster.gpu_resource,
                                max_replicas=spec["max_replicas"] or total, max_tokens=16, fillin="true",
                                replicas=0 if self.scenario.cluster.autoscaler else 1, floor_cpus=0,
-                               floor_replicas=spec["floor_replicas"], cpu_nice=self.scenario.fillin.cpu_nice,
+                               floor_replicas=spec["floor_replicas"], standby_per_node=spec["standby_per_node"],
+                               cpu_nice=self.scenario.fillin.cpu_nice,
                                cpu_idle=self.scenario.fillin.cpu_idle)
             self.serving_since = time.time()
             self.load = ServeLoad(out["url"], spec["load_rps"], nice=LOAD_NICE).start()

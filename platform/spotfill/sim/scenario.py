@@ -143,7 +143,8 @@ class ClusterSpec:
                 raise ConfigError(f"{path}.nodes[{i}].gpus", gpus, accepted="an integer >= 1")
 
 
-SERVE_KEYS = {"enabled": False, "load_rps": 2.0, "max_replicas": None, "launch_nodes": False, "floor_replicas": 0}
+SERVE_KEYS = {"enabled": False, "load_rps": 2.0, "max_replicas": None, "launch_nodes": False, "floor_replicas": 0,
+              "standby_per_node": 1}
 
 
 @dataclass
@@ -153,6 +154,7 @@ class FillinSpec:
     default every GPU slot). `launch_nodes` (autoscaled clusters only, default false): let fill-in make the
     autoscaler launch nodes for Serve; by default it never does (docs/cluster-lifecycle.md). `floor_replicas`
     (default 0): replicas on the head node's CPU that answer while no lent replica runs (serving/app.py).
+    `standby_per_node` (default 1, 0 off): warm standby processes per GPU node (serving/standby.py).
     `fillin.batch`, `fillin.sweep` and `fillin.reclaim_order`: sim/fillin_spec.py. `cpu_nice` (default 19,
     0 off) and `cpu_idle` (default true: SCHED_IDLE): fill-in processes run at this CPU priority, so
     training's host-side work is not slowed by them (fillin/cpu_priority.py). `turn_s` (default: the
@@ -187,6 +189,9 @@ class FillinSpec:
         fl = serve["floor_replicas"]
         if isinstance(fl, bool) or not isinstance(fl, int) or not 0 <= fl <= 4:
             raise ConfigError(f"{path}.serve.floor_replicas", fl, accepted="an integer from 0 to 4")
+        sb = serve["standby_per_node"]
+        if isinstance(sb, bool) or not isinstance(sb, int) or not 0 <= sb <= 8:
+            raise ConfigError(f"{path}.serve.standby_per_node", sb, accepted="an integer from 0 to 8 (0: none)")
         if not isinstance(serve["launch_nodes"], bool):
             raise ConfigError(f"{path}.serve.launch_nodes", serve["launch_nodes"], accepted="true or false")
         self.serve = serve
