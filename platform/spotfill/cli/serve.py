@@ -13,7 +13,8 @@ from spotfill.config.errors import ConfigError
 MAX_NEAREST = 5
 # flags that are the Serve app's own args (serving/args.py ServeArgs): arg name -> flag
 APP_FLAGS = {"checkpoint": "--checkpoint", "draft": "--draft", "num_draft_tokens": "--num-draft-tokens",
-             "max_queue_wait_s": "--max-queue-wait-s", "floor_replicas": "--floor-replicas"}
+             "max_queue_wait_s": "--max-queue-wait-s", "floor_replicas": "--floor-replicas",
+             "standby_per_node": "--standby-per-node"}
 
 
 def register(sub) -> None:
@@ -38,6 +39,10 @@ def register(sub) -> None:
     p.add_argument("--floor-replicas", type=int, default=0, metavar="N",
                    help="replicas on the head's CPU that answer while no lent replica runs (training holds every "
                         "GPU, or none was lent yet); default 0")
+    p.add_argument("--standby-per-node", type=int, default=1, metavar="N",
+                   help="warm standby processes per node whose GPUs may be lent: the replica's imports done and "
+                        "the checkpoint in host memory, no GPU held, so a lent GPU answers within a second "
+                        "(default 1; 0: every lent replica starts cold)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1 (default 8000)")
     p.add_argument("--nodes", type=int, default=2, help="local worker nodes (default 2)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="GPU slots per local node (default 1)")

@@ -14,7 +14,8 @@ from spotfill.config.errors import ConfigError
 
 # flags of --engine spotfill only, with their defaults (cli/serve.py)
 SPOTFILL_ONLY = {"checkpoint": "", "draft": "", "num_draft_tokens": 4, "max_queue_wait_s": 15.0,
-                 "floor_replicas": 0, "nodes": 2, "gpus_per_node": 1, "wait_for_checkpoint": False}
+                 "floor_replicas": 0, "standby_per_node": 1, "nodes": 2, "gpus_per_node": 1,
+                 "wait_for_checkpoint": False}
 # flags of --engine vllm only, with their defaults
 VLLM_ONLY = {"model_dir": "", "model_id": "", "max_model_len": None, "max_replicas": None, "address": "",
              "print_config": False}
