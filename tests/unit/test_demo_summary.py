@@ -65,3 +65,17 @@ def test_the_summary_prints_each_restart_with_its_time_and_warm_or_cold():
     assert lines[1].endswith("warm on aaaaaa; cold on bbbbbb")
     assert "warm/cold not recorded" in lines[2]
     assert lines[3] == "goodput 0.61; recovery held 120 of 1000 GPU-seconds (12%)"
+
+
+def test_the_summary_says_how_serves_replicas_started():
+    report = {
+        "training": {"steps_completed": 10, "steps_target": 10, "final_loss": 3.0, "world_size_timeline": [[0, 2]],
+                     "samples": {"consumed": 120, "duplicates": 0, "missing": 0}},
+        "fillin": {"serve": {"requests_ok": 9, "requests_rejected_503": 0, "requests_failed": 0, "p50_ms": 40,
+                             "p99_ms": 90},
+                   "starts": {"serve": {"warm": 3, "cold": 1, "init_s_warm": {"median": 0.04, "max": 0.1},
+                                        "init_s_cold": {"median": 3.9, "max": 3.9}, "wake_s": {"median": 0.001},
+                                        "load_s": {"median": 0.07}, "notes": []}}},
+        "checkpoints": {"committed": 1, "stall_seconds_max": 0.1}, "ok": True, "seconds": 5}
+    assert ("serve replicas started: 3 warm on a standby (constructor 0.04s, wake 0.001s), 1 cold (constructor "
+            "3.9s, load 0.07s)") in summarize(report).splitlines()

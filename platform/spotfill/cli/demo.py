@@ -48,6 +48,13 @@ def summarize(report: dict) -> str:
                      f"{by.get('floor', 0)} by the floor)" if by.get("floor") else "") +
                      f", {sv['requests_rejected_503']} rejected at once (503), "
                      f"{sv['requests_failed']} failed; p50 {sv['p50_ms']} ms, p99 {sv['p99_ms']} ms")
+    st = (fill.get("starts") or {}).get("serve")
+    if st:
+        def med(d):
+            return f"{d['median']:g}s" if d else "-"
+        lines.append(f"serve replicas started: {st['warm']} warm on a standby (constructor {med(st['init_s_warm'])}, "
+                     f"wake {med(st['wake_s'])}), {st['cold']} cold (constructor {med(st['init_s_cold'])}, "
+                     f"load {med(st['load_s'])})" + (f"; {st['notes'][0]}" if st.get("notes") else ""))
     if fill.get("batch"):
         b = fill["batch"]
         lines.append(f"batch fill-in: {b.get('rows_written', 0)} of {b.get('rows_target', '?')} rows written, "
