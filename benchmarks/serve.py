@@ -203,7 +203,7 @@ def _bench(say, quick, preset, device, dtype, draft, k, new_tokens, checkpoint) 
                                 "acceptance_rate_batch8": sides[("specdec_fixed", 8)]["acceptance_rate"],
                                 "mean_accepted_length_batch8": sides[("specdec_fixed", 8)]["mean_accepted_length"]}},
         "runs": {f"{side}_batch{b}": v for (side, b), v in sides.items()}})
-    if preset == "tiny":
+    if not checkpoint:           # a Hugging Face model served the same way, beside the preset
         out["hf_llama"] = hf_llama(say, rounds, new_tokens, k, device)
     return out
 
