@@ -75,3 +75,10 @@ def test_the_start_event_says_warm_or_cold_and_the_report_sums_them():
     assert out["init_s_warm"] == {"median": 0.4, "max": 0.4} and out["init_s_cold"]["median"] == 9.0
     assert out["wake_s"]["median"] == 0.01 and out["load_s"]["median"] == 4.0
     assert [le.get("start_kind") for le in leases] == ["warm", "cold", None]
+
+
+def test_no_standby_is_asked_where_trainings_spares_are_still_warming_up():
+    from spotfill.train.readiness import record_key, record_value
+    records = {record_key("job", "a", 1): record_value(None, 500.0), record_key("job", "b", 2): record_value(90.0, 500.0),
+               record_key("job", "c", 3): record_value(None, 50.0)}               # c's keep-alive ran out
+    assert sb.training_warming(records, 100.0) == {"a"}

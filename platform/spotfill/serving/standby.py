@@ -22,6 +22,9 @@ assigned device) instead of loading one, and reports how it started (warm or col
 keeper then starts a new standby on that node. Reclaim is unchanged too: Serve stops the replica, its
 process exits, its device memory is gone with it, and only then is the GPU free again.
 
+Training comes first: a node where training's spare processes are still warming up gets its standby after them (a raylet
+starts only as many processes at once as its node has CPUs and drops the rest).
+
 A node's standbys hold host memory: a model over the budget (SPOTFILL_STANDBY_HOST_MEMORY_FRACTION of the
 node's memory, 0.25 by default) is not loaded by the standby (one line in the replica's log naming the
 budget; the standby keeps its imports, the replica loads the model itself).
@@ -75,6 +78,25 @@ def records_by_node(records: dict[str, str | bytes | None], now: float) -> dict[
             continue
         if until > now:
             out[parts[1]] = out.get(parts[1], 0) + 1
+    return out
+
+
+def training_warming(records: dict[str, str | bytes | None], now: float) -> set[str]:
+    """Nodes where training's spare processes are still warming up (train.readiness records without a
+    ready time): a raylet starts only as many processes at once as its node has CPUs and drops the rest, so
+    a standby waits there until training's spares are up -- training's transitions come first."""
+    from spotfill.train.readiness import node_of
+    out = set()
+    for key, raw in records.items():
+        node = node_of(key)
+        if node is None or raw is None:
+            continue
+        try:
+            value = json.loads(raw)
+            if value.get("ready_t") is None and float(value["until_t"]) > now:
+                out.add(node)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
     return out
 
 
@@ -253,6 +275,9 @@ class StandbyKeeper:
         nodes = {n["NodeID"]: float(n["Resources"].get(self.gpu_resource, 0)) for n in ray.nodes() if n["Alive"]}
         keys = kv_list(f"{RECORD_PREFIX}{self.app}:")
         have = records_by_node({k: kv_get(k) for k in keys}, now)
+        from spotfill.train.readiness import RECORD_PREFIX as SPARES
+        for node in training_warming({k: kv_get(k) for k in kv_list(SPARES)}, now):
+            nodes.pop(node, None)                   # training's spares start first there
         asks = standby_asks(nodes, have, self.asked, now, self.per_node)
         args = json.dumps({"app": self.app, "checkpoint": self.checkpoint, "model": self.model})
         for node, n in asks.items():
