@@ -22,8 +22,8 @@ assigned device) instead of loading one, and reports how it started (warm or col
 keeper then starts a new standby on that node. Reclaim is unchanged too: Serve stops the replica, its
 process exits, its device memory is gone with it, and only then is the GPU free again.
 
-Training comes first: a node where training's spare processes are still warming up gets its standby after them (a raylet
-starts only as many processes at once as its node has CPUs and drops the rest).
+Training comes first: a node where training's spare processes are still warming up gets its standby after
+them (a raylet starts only as many processes at once as its node has CPUs and drops the rest).
 
 A node's standbys hold host memory: a model over the budget (SPOTFILL_STANDBY_HOST_MEMORY_FRACTION of the
 node's memory, 0.25 by default) is not loaded by the standby (one line in the replica's log naming the
