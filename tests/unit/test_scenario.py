@@ -245,3 +245,12 @@ def test_missing_spares_counts_per_node_what_a_restart_there_lacks_the_leaving_n
     assert missing_spares(group, {"a": 1, "b": 2}, leaving="b") == {"a": 1}
     assert missing_spares(group, {}, leaving=None) == {"a": 2, "b": 2}
     assert missing_spares(group, {"a": 3, "b": 2, "c": 1}, leaving=None) == {}
+
+
+def test_the_corpus_tokenizer_is_bytes_or_a_local_hf_folder():
+    assert parse_scenario({}).data_tokenizer == "bytes"
+    assert parse_scenario({"data": {"tokenizer": "hf:/tmp/tok"}}).data_tokenizer == "hf:/tmp/tok"
+    with pytest.raises(ConfigError, match=r"^data.tokenizer.*bytes, or hf:"):
+        parse_scenario({"data": {"tokenizer": "sentencepiece"}})
+    with pytest.raises(ConfigError, match=r"^data\b"):
+        parse_scenario({"data": {"vocab": 3}})

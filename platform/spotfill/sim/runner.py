@@ -155,7 +155,8 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
                                 ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         with _quiet_logger("ray.data"):    # its INFO lines stay in the session's ray-data log file
             manifest = prepare(from_mapping(PrepareConfig, {
-                "source": corpus, "output": data_dir, "seq_len": SEQ_LEN, "suffixes": [".py"]}))
+                "source": corpus, "output": data_dir, "seq_len": SEQ_LEN, "suffixes": [".py"],
+                "tokenizer": scenario.data_tokenizer}))
         say(f"{manifest['num_samples']} sequences of 65 tokens in {manifest['seconds']:.1f}s")
         check_shard_refs(scenario.events, manifest)
         job_cfg = from_mapping(JobConfig, {

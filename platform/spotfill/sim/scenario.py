@@ -228,6 +228,7 @@ class Scenario:
     fillin: FillinSpec
     events: list[Event]
     name: str = "scenario"
+    data_tokenizer: str = "bytes"       # `data.tokenizer`: what the corpus is prepared with (bytes, hf:/dir)
 
     def needs_controlled_storage(self) -> bool:
         return any(e.action == "storage_outage" for e in self.events)
@@ -333,7 +334,7 @@ def _check_node_refs(events: list[Event], n_nodes: int, node_types: list | None 
 def parse_scenario(data: dict, name: str = "scenario") -> Scenario:
     if not isinstance(data, dict):
         raise ConfigError("scenario", data, accepted="a mapping")
-    allowed = ["cluster", "training", "fillin", "events"]
+    allowed = ["cluster", "training", "fillin", "events", "data"]
     for key in data:
         if key not in allowed:
             raise ConfigError(str(key), data[key], reason="unknown key", accepted=allowed)
@@ -362,7 +363,13 @@ def parse_scenario(data: dict, name: str = "scenario") -> Scenario:
     if training.min_workers > total:
         raise ConfigError("training.workers", training.workers,
                           reason=f"min workers exceed the cluster's {total} GPUs")
-    return Scenario(cluster, training, fillin, events, name)
+    data_cfg = data.get("data") or {}
+    if not isinstance(data_cfg, dict) or set(data_cfg) - {"tokenizer"}:
+        raise ConfigError("data", data_cfg, accepted="a mapping {tokenizer: bytes | hf:/local/tokenizer}")
+    tokenizer = data_cfg.get("tokenizer", "bytes")
+    if not isinstance(tokenizer, str) or not (tokenizer == "bytes" or tokenizer.startswith("hf:")):
+        raise ConfigError("data.tokenizer", tokenizer, accepted="bytes, or hf:/a/local/tokenizer/folder")
+    return Scenario(cluster, training, fillin, events, name, tokenizer)
 
 
 def pick_node(pick: str, owners: dict[str, dict], node_ids: list[str | None], alive) -> int | None:
