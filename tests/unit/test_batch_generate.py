@@ -93,7 +93,7 @@ def test_sampled_rows_are_reproducible_and_follow_their_seeds(model):
 def test_a_generation_unit_writes_the_one_at_a_time_rows(model, one_at_a_time):
     """UnitWorker._generate over units of 5 rows with an engine of its own (its cache made once)."""
     worker = UnitWorker.__new__(UnitWorker)
-    worker.model, worker.engine, worker.prompts = model, None, PROMPTS
+    worker.model, worker.engine, worker.prompts, worker.tokenizer = model, None, PROMPTS, None  # bytes
     worker.plan = {"prompt_ids": [f"p{i}" for i in range(len(PROMPTS))], "max_tokens": MAX_TOKENS,
                    "temperature": 0.0, "seed": 0, "generate_rows_per_unit": 5}
     rows = []
