@@ -19,7 +19,7 @@ PURE = [
     "spotfill.storage.lineage", "spotfill.train.preflight", "spotfill.train.step_policy",
     "spotfill.train.sample_ledger", "spotfill.train.restarts", "spotfill.ray_compat.opcache",
     "spotfill.fillin.policy", "spotfill.fillin.journal", "spotfill.fillin.lending", "spotfill.fillin.hosts",
-    "spotfill.fillin.turns",
+    "spotfill.fillin.turns", "spotfill.fillin.tenant", "spotfill.config.tenant_kinds",
     "spotfill.fillin.let_go", "spotfill.fillin.busy", "spotfill.config.batch", "spotfill.fillin.batch_plan", "spotfill.sim.fillin_spec", "spotfill.sim.nodes", "spotfill.sim.autoscaler_config",
     "spotfill.fillin.sweep_policy", "spotfill.config.sweep", "spotfill.fillin.cpu_priority",
     "spotfill.devices", "spotfill.fillin.cluster_kind",

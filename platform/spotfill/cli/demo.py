@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from spotfill.config.errors import JobFailed
+from spotfill.config.tenant_kinds import KINDS
 
 
 def register(sub) -> None:
@@ -114,7 +115,7 @@ def reclaims_by_workload(leases: list[dict]) -> str:
     """'serve 2 (to training 1.08s, 0.41s; node_draining 1), batch 1 (...)' -- every lease taken back, by
     workload and cause, with the hand-back seconds of those a training claim took; 'none' without any."""
     parts = []
-    for workload in ("serve", "batch", "sweep"):
+    for workload in KINDS:                        # the registry's order (config/tenant_kinds.py)
         taken = [le for le in leases if le.get("workload") == workload and le.get("ended_by") == "reclaim"]
         if not taken:
             continue

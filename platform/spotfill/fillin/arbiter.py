@@ -5,6 +5,9 @@ Thin around the pure decisions (fillin/policy.py, lending.py, hosts.py): every s
 lends what training cannot use. Training claims GPUs through `claim(job, gpus, deadline_s)`: leases are
 reclaimed in order, answered when the GPUs are free or at the deadline. Every decision is kept with its reason.
 
+Every tenant is a fill-in `Tenant` (fillin/tenant.py): the arbiter never asks which class it is; the kinds,
+their reclaim order and their classes are one registry (config/tenant_kinds.py).
+
 Its lock is never held across a slow call: reads before it (a tenant whose holdings came late is unknown for
 that round, not empty), decisions under it, tenant calls on threads of their own (fillin/tenant_calls.py).
 
@@ -25,11 +28,13 @@ from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
 from spotfill.fillin.lending import START_PATIENCE_S, TenantView, fair_share, lend_round
 from spotfill.fillin.let_go import LetGo
-from spotfill.fillin.policy import (DEFAULT_ORDER, Decision, DecisionLog, Lease, Snapshot, TrainingJob,
+from spotfill.config.tenant_kinds import reclaim_order
+from spotfill.fillin.policy import (Decision, DecisionLog, Lease, Snapshot, TrainingJob,
                                     claim_finished, decide_claim, extra_replicas, mark_reclaiming, ownership,
                                     reclaimable_by_node, rebuild_leases, reclaim_off_hosts, reconcile)
 from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
-from spotfill.fillin.tenant_calls import Scaled, TenantCalls
+from spotfill.fillin.tenant import Tenant, tenant_class
+from spotfill.fillin.tenant_calls import TenantCalls
 from spotfill.fillin.turns import TURN_S, TurnClock, take_turns
 
 from spotfill.fillin.arbiter_handle import (ARBITER_NAME, NAMESPACE, default_state_path, ensure_arbiter,  # noqa: F401
@@ -44,12 +49,13 @@ TENANT_EVENT_KINDS = ("fillin_start",)   # report_events journals these
 
 
 class Arbiter:
-    def __init__(self, gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_ORDER,
+    def __init__(self, gpu_resource: str = "GPU", order: tuple[str, ...] | None = None,
                  state_path: str | None = None, interval_s: float = 1.0, dashboard_url: str | None = None,
                  autoscaled: bool | None = None, launch_nodes: bool = False,
                  idle_reclaim_s: float = IDLE_RECLAIM_S, turn_s: float = TURN_S):
         logging.basicConfig(level=logging.INFO)
-        self.gpu_resource, self.order, self.interval_s = gpu_resource, tuple(order), interval_s
+        self.gpu_resource, self.interval_s = gpu_resource, interval_s
+        self.order = tuple(order) if order is not None else reclaim_order()     # the registry's, by default
         # Serve's scale endpoint and the job API live on the dashboard; found in the GCS when not given
         self.dashboard_url = dashboard_url or self._dashboard_url()
         self.forced: dict[str, float] = {}                    # job tenant -> when it was last forced
@@ -82,7 +88,7 @@ class Arbiter:
         # job until its new group holds them all (or the hold ends) -- a start, restart or grow places the
         # whole group, so the hold is the group's size, not just what the claim had to free
         self.pending: dict[str, tuple[int, float]] = {}
-        self.tenants: dict[str, Scaled | JobTenant] = {}
+        self.tenants: dict[str, Tenant] = {}
         self.asked_at: dict[str, float] = {}                  # tenant -> when it was last asked to grow
         self.reasserted: dict[str, float] = {}                # serve tenant -> when its count was last re-sent
         self.lent_at: dict[str, list[float]] = {}             # tenant -> when each unit not yet taken was lent
@@ -101,13 +107,8 @@ class Arbiter:
         threading.Thread(target=self._loop, name="arbiter-tick", daemon=True).start()
 
     # -- persistence -----------------------------------------------------------------------------------
-    def _keep(self, tenant):
-        """A Serve tenant is kept as Scaled: its scale calls go out off the lock."""
-        if isinstance(tenant, ServeTenant):
-            scaled = Scaled(tenant, self.calls)
-            scaled.target = tenant.target
-            return scaled
-        return tenant
+    def _keep(self, tenant) -> Tenant:
+        return tenant.kept(self.calls)        # a Serve tenant as a Scaled: its scale calls go out off the lock
 
     def _save(self) -> None:
         text = state_text(self)
@@ -142,25 +143,28 @@ class Arbiter:
                 raise RuntimeError("no dashboard address: Serve's scale endpoint cannot be reached (start "
                                    "the head with the dashboard, or give dashboard_url)")
             spec["dashboard_url"] = self.dashboard_url
-        with self.lock:
-            tenant = self._keep(ServeTenant(ServeTenantSpec(**spec)))
-            old = self.tenants.get(tenant.tenant)
-            tenant.target = old.target if old else None
-            tenant.acked = getattr(old, "acked", None)
-            self.tenants[tenant.tenant] = tenant
-        self.tick()                             # adopt what it already holds, lend what is spare
+        tenant = self._register(ServeTenant(ServeTenantSpec(**spec)))
         return {"tenant": tenant.tenant, "scale_url": tenant.scale_url, "target": tenant.target}
+
+    def register_kind(self, kind: str, spec: dict) -> dict:
+        """A tenant of any kind in the registry (config/tenant_kinds.py), built by its class from `spec`."""
+        tenant = self._register(tenant_class(kind).from_spec({**spec, "kind": kind}))
+        return {"tenant": tenant.tenant, "target": tenant.target}
+
+    def _register(self, built) -> Tenant:
+        """Keep `built` under its name, carrying over what a tenant registered before under it was set; then a
+        tick adopts what it already holds and lends what is spare."""
+        with self.lock:
+            tenant = self._keep(built)
+            tenant.adopt_from(self.tenants.get(tenant.tenant))
+            self.tenants[tenant.tenant] = tenant
+        self.tick()
+        return tenant
 
     def register_job_tenant(self, spec: dict) -> dict:
         """A batch or sweep driver (fillin/grant.py) asks for lent GPUs; it reads its target with
         `tenant_target` and yields to it within `grace_s`."""
-        with self.lock:
-            tenant = JobTenant(JobTenantSpec(**{"gpu_resource": self.gpu_resource, **spec}))
-            old = self.tenants.get(tenant.tenant)
-            tenant.target = old.target if isinstance(old, JobTenant) and old.spec.job_id == tenant.spec.job_id \
-                else None
-            self.tenants[tenant.tenant] = tenant
-        self.tick()
+        tenant = self._register(JobTenant(JobTenantSpec(**{"gpu_resource": self.gpu_resource, **spec})))
         return {"tenant": tenant.tenant, "target": tenant.target or 0}
 
     def tenant_target(self, tenant: str) -> dict:
@@ -169,21 +173,15 @@ class Arbiter:
         False: it must register again."""
         with self.lock:
             t = self.tenants.get(tenant)
-            return {"target": t.target or 0, "known": True} if isinstance(t, JobTenant) else {"target": 0,
-                                                                                                "known": False}
+            known = t is not None and t.pulls_target
+            return {"target": (t.target or 0) if known else 0, "known": known}
 
     def set_demand(self, tenant: str, demand: int) -> bool:
         """How many units job tenant `tenant` could use now (fewer as its work runs out): a target above it
         comes down to it, not below what the tenant still holds. False: the tenant is unknown."""
         with self.lock:
             t = self.tenants.get(tenant)
-            if not isinstance(t, JobTenant):
-                return False
-            if int(demand) != t.spec.demand:
-                t.spec = replace(t.spec, demand=max(0, int(demand)))
-                if t.target is not None and t.target > t.wanted_units:
-                    t.target = max(t.wanted_units, sum(1 for le in self.leases if le.tenant == tenant))
-            return True
+            return t is not None and t.set_demand(demand, sum(1 for le in self.leases if le.tenant == tenant))
 
     def unregister_tenant(self, tenant: str) -> None:
         """The tenant is done: its leases end as it lets go of them (release events)."""
@@ -383,20 +381,13 @@ class Arbiter:
         out = []
         for t in self.tenants.values():
             spec = t.spec
-            job = isinstance(t, JobTenant)
-            shape = t.shape() if job else {self.gpu_resource: float(spec.gpus_per_replica)}
             out.append(TenantView(t.tenant, spec.kind, spec.gpus_per_replica,
                                   float(getattr(spec, "cpus_per_replica", 0.0)), spec.grace_s, t.target,
-                                  t.wanted_units, scaled=not job, asked_at=self.asked_at.get(t.tenant),
-                                  demand=bool(demand and demand.covers(shape, t.pending_groups if job else ())),
+                                  t.wanted_units, scaled=not t.pulls_target, asked_at=self.asked_at.get(t.tenant),
+                                  demand=bool(demand and demand.covers(t.shape(self.gpu_resource), t.pending_groups)),
                                   waiting_since=self.turns.waiting_since.get(t.tenant),
                                   holding_since=self.turns.holding_since.get(t.tenant)))
         return out
-
-    def _set(self, tenant, n: int, *, takeover: bool = False, again: bool = False) -> bool:
-        if isinstance(tenant, Scaled):
-            return tenant.set_replicas(n, takeover=takeover, again=again)
-        return tenant.set_replicas(n)
 
     def _lend(self, snap: Snapshot, now: float, demand=None) -> None:
         """Grow every tenant from one pool (lending.lend_round), then move one unit toward a fair share
@@ -410,7 +401,7 @@ class Arbiter:
             if g.refusal is not None:
                 self._record([g.refusal])
             if g.target is not None:
-                self._set(tenant, g.target, takeover=g.takeover, again=g.reassert)
+                tenant.set_target(g.target, takeover=g.takeover, again=g.reassert)
             if g.lends:
                 self._record(list(g.lends))
                 self.lent_at.setdefault(g.tenant, []).extend(
@@ -426,7 +417,7 @@ class Arbiter:
         """A job tenant still holding a reclaimed unit past its grace is stopped (once per grace), off the
         lock (TenantCalls); the decision is recorded when the stop has been made."""
         for name, tenant in self.tenants.items():
-            if not isinstance(tenant, JobTenant):
+            if not tenant.forced_when_overdue:
                 continue
             late = [le for le in snap.leases if le.tenant == name and le.reclaiming_since is not None
                     and now > le.reclaiming_since + le.grace_s + FORCE_MARGIN_S]
@@ -453,7 +444,7 @@ class Arbiter:
                                 for le in self.leases)
             current = tenant.target if tenant.target is not None else len(
                 [le for le in self.leases if le.tenant == d.tenant])
-            if self._set(tenant, current - max(1, d.gpus // tenant.spec.gpus_per_replica)):
+            if tenant.set_target(current - max(1, d.gpus // tenant.spec.gpus_per_replica)):
                 self._record([d])
                 # the lease of this tenant that ends next is this reclaim (journal.lease_ended)
                 self.orders.append(ReclaimOrder(d.tenant, d.lease_id, requested_at or now, cause, d.reason, job))
@@ -467,7 +458,7 @@ class Arbiter:
         for, or keep a node fill-in gave back from going idle. Each extra one is a reclaim with `cause`
         (during a training claim its end is journaled as a hand-back from `requested_at`)."""
         for name, tenant in self.tenants.items():
-            if isinstance(tenant, JobTenant) or tenant.target is None:
+            if tenant.pulls_target or tenant.target is None:     # a driver that pulls starts no unit itself
                 continue
             held = [le for le in self.leases if le.tenant == name]
             stopping = sum(1 for o in self.orders if o.tenant == name)
@@ -475,7 +466,7 @@ class Arbiter:
             if not newest or now - self.reasserted.get(name, 0.0) < 1.0:
                 continue
             self.reasserted[name] = now
-            if not self._set(tenant, tenant.target, again=True):
+            if not tenant.set_target(tenant.target, again=True):
                 continue
             self._record([Decision("reclaim", name, le.gpus, at=now, node_id=le.node_id, lease_id=le.lease_id,
                                    deadline=now + le.grace_s, reason=(

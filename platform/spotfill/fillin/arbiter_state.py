@@ -5,15 +5,15 @@ and the head's CPU is shared."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
-from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
 from spotfill.fillin.journal import Journal, ReclaimOrder
 from spotfill.fillin.policy import Decision, Lease, TrainingJob
-from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
+from spotfill.fillin.tenant import tenant_class
 
-TENANT_TYPES = {"serve": (ServeTenant, ServeTenantSpec), "job": (JobTenant, JobTenantSpec)}
+log = logging.getLogger("spotfill.fillin.arbiter")
 
 
 def read_state(path: str) -> dict | None:
@@ -29,8 +29,12 @@ def restore(arb, state: dict) -> None:
     """Put `state` (read_state) back into the arbiter `arb`."""
     arb.jobs = {j["job"]: TrainingJob(**j) for j in state.get("jobs", [])}
     for spec in state.get("tenants", []):
-        cls, spec_cls = TENANT_TYPES[spec.get("type", "serve")]
-        tenant = cls(spec_cls(**spec["spec"]))
+        kind = spec["spec"].get("kind", "serve")
+        try:
+            tenant = tenant_class(kind).from_spec(spec["spec"])     # the registry's class (config/tenant_kinds.py)
+        except ValueError as exc:
+            log.warning("fill-in: tenant %s not restored: %s", spec["spec"], exc)
+            continue
         tenant.target = spec.get("target")
         arb.tenants[tenant.tenant] = tenant
     arb.leases = tuple(Lease(**le) for le in state.get("leases", []))
@@ -61,7 +65,7 @@ def state_text(arb) -> str:
     """What `restore` reads back, as the file's text."""
     return json.dumps({
         "jobs": [j.__dict__ for j in arb.jobs.values()],
-        "tenants": [{"type": t.type, "spec": t.spec.as_dict(), "target": t.target} for t in arb.tenants.values()],
+        "tenants": [{"spec": t.spec.as_dict(), "target": t.target} for t in arb.tenants.values()],
         "leases": [le.__dict__ for le in arb.leases], "reclaiming": arb.reclaiming,
         "decisions": [d.as_dict() for d in arb.decisions.items[-50:]],
         "handbacks": arb.handbacks[-200:], "journal_seq": arb.journal.seq,

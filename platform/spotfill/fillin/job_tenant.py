@@ -15,19 +15,19 @@ per unit; its key (lease id) is the actor id, or `<placement group id>:<bundle i
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from spotfill.config.tenant_kinds import kinds_of
 from spotfill.fillin.policy import Holding
 
 log = logging.getLogger(__name__)
 LIVE_ACTOR = ("ALIVE", "PENDING_CREATION", "RESTARTING")
-KINDS = ("batch", "sweep")
 
 
 @dataclass(frozen=True)
 class JobTenantSpec:
     name: str                          # e.g. "eval-ckpt-300"
-    kind: str                          # "batch" | "sweep" (the reclaim order)
+    kind: str                          # a kind the registry keeps as a JobTenant: "batch" | "sweep"
     job_id: str                        # the driver's Ray job id (hex), whose actors / groups it holds
     max_replicas: int = 4              # units it may ever hold
     gpus_per_replica: int = 1          # GPUs one unit (an actor, a trial) holds
@@ -38,8 +38,9 @@ class JobTenantSpec:
     demand: int | None = None          # units it could use now (None: max_replicas)
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"job tenant kind {self.kind!r}: accepted {', '.join(KINDS)}")
+        kinds = kinds_of(f"{__name__}:JobTenant")          # config/tenant_kinds.py
+        if self.kind not in kinds:
+            raise ValueError(f"job tenant kind {self.kind!r}: accepted {', '.join(kinds)}")
 
     @property
     def tenant(self) -> str:
@@ -50,22 +51,44 @@ class JobTenantSpec:
 
 
 class JobTenant:
-    """The arbiter's handle on a job tenant: what it holds, the target it reads, forcing it to let go."""
+    """The arbiter's handle on a job tenant -- a fill-in `Tenant` (fillin/tenant.py) that pulls its target:
+    what it holds, the target it reads, the demand it states, forcing it to let go."""
 
-    type = "job"
     scale_url = None
+    pulls_target = True
+    forced_when_overdue = True
 
     def __init__(self, spec: JobTenantSpec):
         self.spec = spec
         self.target: int | None = None      # units the driver may hold now (None: not decided yet)
         self.pending_groups: frozenset[str] = frozenset()   # its placement groups waiting (last read)
 
+    @classmethod
+    def from_spec(cls, spec: dict) -> "JobTenant":
+        return cls(JobTenantSpec(**spec))
+
+    def kept(self, calls) -> "JobTenant":
+        return self                         # no slow call but force_release (TenantCalls.force)
+
     @property
     def tenant(self) -> str:
         return self.spec.tenant
 
-    def shape(self) -> dict[str, float]:
-        """One unit's resource request, as the autoscaler reports it when it waits."""
+    def adopt_from(self, old) -> None:
+        """The target set for the same driver (same Ray job) registered before under this name; a new
+        driver starts undecided."""
+        same = old is not None and old.pulls_target and getattr(old.spec, "job_id", None) == self.spec.job_id
+        self.target = old.target if same else None
+
+    def set_demand(self, demand: int, held: int) -> bool:
+        if int(demand) != self.spec.demand:
+            self.spec = replace(self.spec, demand=max(0, int(demand)))
+            if self.target is not None and self.target > self.wanted_units:
+                self.target = max(self.wanted_units, held)
+        return True
+
+    def shape(self, gpu_resource: str | None = None) -> dict[str, float]:
+        """One unit's resource request, as the autoscaler reports it when it waits (in its own GPU resource)."""
         return {self.spec.gpu_resource: float(self.spec.gpus_per_replica),
                 **({"CPU": float(self.spec.cpus_per_replica)} if self.spec.cpus_per_replica else {})}
 
@@ -107,6 +130,9 @@ class JobTenant:
         """The driver reads this target (`tenant_target`) and grows or yields to it."""
         self.target = max(0, min(int(n), self.spec.max_replicas))
         return True
+
+    def set_target(self, n: int, *, takeover: bool = False, again: bool = False) -> bool:
+        return self.set_replicas(n)         # read by its driver: nothing to send, nothing to take over
 
     def force_release(self, dashboard_url: str | None = None) -> str:
         """The driver did not let go within its grace: stop its Ray job. Ray then ends every actor and

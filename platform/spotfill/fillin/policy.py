@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
-DEFAULT_ORDER = ("sweep", "batch", "serve")
+from spotfill.config.tenant_kinds import reclaim_order
+
+DEFAULT_ORDER = reclaim_order()          # ("sweep", "batch", "serve"): the registry's ranks (config/tenant_kinds.py)
 ACTIONS = ("lend", "refuse", "reclaim", "drop", "grant", "adopt")
 
 

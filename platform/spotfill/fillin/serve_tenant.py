@@ -41,7 +41,8 @@ class ServeTenantSpec:
 
 
 class ServeTenant:
-    type = "serve"
+    """Serve's side of a tenant: its scale call and what it holds. The arbiter keeps it as `kept()` -- a
+    tenant_calls.Scaled, the fill-in `Tenant` (fillin/tenant.py) whose scale calls go out off its lock."""
 
     def __init__(self, spec: ServeTenantSpec):
         self.spec = spec
@@ -49,6 +50,14 @@ class ServeTenant:
         self.scale_url = (f"{url.rstrip('/')}/api/v1/applications/{spec.app}/deployments/"
                           f"{spec.deployment}/scale")
         self.target: int | None = None      # last replica count asked for (None: not yet)
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> "ServeTenant":
+        return cls(ServeTenantSpec(**spec))
+
+    def kept(self, calls):
+        from spotfill.fillin.tenant_calls import Scaled
+        return Scaled(self, calls)
 
     @property
     def tenant(self) -> str:

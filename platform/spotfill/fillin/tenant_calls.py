@@ -25,9 +25,13 @@ BACKOFF_MAX_S = 5.0
 
 
 class Scaled:
-    """A tenant scaled by count from outside (a ServeTenant), whose scale call goes out on TenantCalls."""
+    """A tenant scaled by count from outside (a ServeTenant), whose scale call goes out on TenantCalls: a
+    fill-in `Tenant` (fillin/tenant.py) that does not pull its target and is never forced (Serve stops its
+    own replicas)."""
 
-    type = "serve"
+    pulls_target = False
+    forced_when_overdue = False
+    pending_groups: frozenset = frozenset()
 
     def __init__(self, inner, calls: "TenantCalls"):
         self.inner, self.calls = inner, calls
@@ -61,6 +65,26 @@ class Scaled:
         self.takeover = takeover
         self.calls.push(self, again=again)
         return True
+
+    def set_target(self, n: int, *, takeover: bool = False, again: bool = False) -> bool:
+        return self.set_replicas(n, takeover=takeover, again=again)
+
+    def shape(self, gpu_resource: str) -> dict[str, float]:
+        return {gpu_resource: float(self.spec.gpus_per_replica)}
+
+    def set_demand(self, demand: int, held: int) -> bool:
+        return False                # scaled to what it may hold: it states no demand
+
+    def adopt_from(self, old) -> None:
+        """The count set for the tenant it replaces, and what Serve last accepted of it."""
+        self.target = old.target if old else None
+        self.acked = getattr(old, "acked", None)
+
+    def kept(self, calls) -> "Scaled":
+        return self
+
+    def force_release(self, dashboard_url: str | None) -> str:
+        raise LookupError(f"{self.tenant} is scaled by count: Serve stops its replicas itself")
 
 
 class TenantCalls:

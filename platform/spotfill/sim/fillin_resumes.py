@@ -12,7 +12,9 @@ what each one measured itself, never from what the scenario planned:
 """
 from __future__ import annotations
 
-TENANTS = ("serve", "batch", "sweep")
+from spotfill.config.tenant_kinds import KINDS
+
+TENANTS = tuple(KINDS)          # ("serve", "batch", "sweep"): the registry's kinds (config/tenant_kinds.py)
 
 
 def taken_and_lent_again(leases: list[dict], workload: str) -> tuple[bool, str]:

@@ -20,7 +20,7 @@ from spotfill.fillin.policy import DEFAULT_ORDER
 
 BATCH_KEYS = {"enabled": False, "rows": 256, "prompts": 16, "max_units": None}
 SWEEP_KEYS = {"enabled": False, "trials": 4, "steps": 40, "max_units": None}
-TENANT_KINDS = ("sweep", "batch", "serve")
+TENANT_KINDS = DEFAULT_ORDER       # every kind in the registry (config/tenant_kinds.py)
 
 
 def batch_spec(spec, path: str) -> dict:

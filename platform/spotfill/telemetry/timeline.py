@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 
+from spotfill.config.tenant_kinds import colours
 from spotfill.telemetry.ledger import Ledger, lineage_keys
 
 STATE_COLORS = {            # RGB hex; fill-in workloads after training's states
@@ -17,7 +18,7 @@ STATE_COLORS = {            # RGB hex; fill-in workloads after training's states
     "idle": "#c7c7c7",
     "unaccounted": "#fde68a",
 }
-WORKLOAD_COLORS = {"serve": "#1f77b4", "batch": "#9467bd", "sweep": "#17becf"}
+WORKLOAD_COLORS = colours()      # each tenant kind's, from the registry (config/tenant_kinds.py)
 EXTRA_WORKLOAD_COLORS = ("#8c564b", "#e377c2", "#bcbd22", "#7f7f7f")
 MARKER_COLORS = {"preemption": "#000000", "handback": "#1f77b4", "checkpoint": "#8c564b"}
 SIZE_PX = (1400, 800)
