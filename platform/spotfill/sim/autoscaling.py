@@ -138,6 +138,13 @@ class AutoscalingCluster:
             return False
         return any(n["NodeID"] == self.node_ids[index] and n.get("Alive") for n in ray.nodes())
 
+    def kill_workers(self, index: int) -> int:
+        """The first half of a hard loss (remove_node follows): a listed node's worker processes SIGKILLed;
+        a launched node terminated outright (as remove_node does). Returns processes killed."""
+        from spotfill.ray_compat import kill_node_workers
+        node = self._static.get(self.node_ids[index])
+        return kill_node_workers(node) if node is not None else self.terminate_node(self.node_ids[index])
+
     def remove_node(self, index: int, graceful: bool) -> None:
         node_id = self.node_ids[index]
         node = self._static.pop(node_id, None)

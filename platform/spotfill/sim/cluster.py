@@ -132,13 +132,19 @@ class EmbeddedCluster:
     def alive(self, index: int) -> bool:
         return 0 <= index < len(self.nodes) and self.nodes[index] is not None
 
+    def kill_workers(self, index: int) -> int:
+        """SIGKILL the node's worker processes (the first half of a hard loss; remove_node follows): a mass
+        preemption kills every node's workers before removing the nodes one by one. Returns how many."""
+        from spotfill.ray_compat import kill_node_workers
+        node = self.nodes[index]
+        return kill_node_workers(node) if node is not None else 0
+
     def remove_node(self, index: int, graceful: bool) -> None:
         node = self.nodes[index]
         if node is None:
             return
         if not graceful:                   # a hard loss: the node's workers die with it, at once
-            from spotfill.ray_compat import kill_node_workers
-            kill_node_workers(node)
+            self.kill_workers(index)
         self.cluster.remove_node(node, allow_graceful=graceful)
         self.nodes[index] = None
         for r in self.records:

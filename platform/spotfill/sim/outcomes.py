@@ -91,6 +91,45 @@ def grow_outcome(events: list[dict], fired_at: float) -> dict:
             "lost_steps": max(0, prev[-1]["step"] - resume["step"]) if (prev and resume) else 0}
 
 
+def mass_outcome(events: list[dict], first_at: float, last_at: float) -> dict:
+    """What training did after a preempt_nodes action fired (its nodes between `first_at` and `last_at`):
+    the newest checkpoint committed before it, the step every later restore resumed from, whether training
+    stepped again after it (on a group started after it, if it restarted) and whether it finished."""
+    committed = [e["step"] for e in events if e["kind"] == "checkpoint" and e["t"] <= first_at]
+    nxt = _attempt_after(events, first_at)
+    later = [e for e in events if nxt is not None and e.get("attempt") is not None and e["attempt"] >= nxt]
+    return {
+        "committed_step_before": max(committed) if committed else None,
+        "restarted": nxt is not None,
+        "resumed_from_steps": [e["step"] for e in later if e["kind"] in ("resume", "start")],
+        "stepped_again": any(e["kind"] == "step" and e["t"] > last_at and (nxt is None or e["attempt"] >= nxt)
+                             for e in events),
+        "finished_after": any(e["kind"] == "finish" and e.get("ok") and e["t"] >= first_at for e in events),
+        "quarantined_after": sum(1 for e in events if e["kind"] == "checkpoint_quarantined" and e["t"] >= first_at),
+    }
+
+
+def mass_invariants(entries: list[dict]) -> dict:
+    """preempt_nodes events that fired (report events[] entries with mass_outcome's keys, `gpus_left` and
+    `min_workers`): no restore after one went back past a checkpoint committed before it (unless the scenario
+    itself damaged checkpoints: quarantined ones), and training stepped again after it whenever the nodes
+    left had GPUs for `min_workers` (below: it waits at its checkpoint, which is not a failure)."""
+    lost, stalled, kept, went_on = [], [], [], []
+    for e in entries:
+        before, resumed = e.get("committed_step_before"), e.get("resumed_from_steps") or []
+        if before is not None and any(s < before for s in resumed) and not e.get("quarantined_after"):
+            lost.append(f"event {e['index']}: resumed from {resumed}, step {before} was committed before it")
+        kept.append(f"event {e['index']}: committed {before}, resumed from {resumed}")
+        room = e.get("gpus_left") is None or e["gpus_left"] >= e["min_workers"]
+        if room and not (e.get("stepped_again") or (not e.get("restarted") and e.get("finished_after"))):
+            stalled.append(f"event {e['index']}: {e.get('gpus_left')} GPUs left, training never stepped again")
+        went_on.append(f"event {e['index']}: {e.get('gpus_left')} GPUs left (min {e['min_workers']}), "
+                       + ("stepped again" if e.get("stepped_again") else
+                          "finished" if e.get("finished_after") else "waits below min" if not room else "stalled"))
+    return {"mass_preemption_no_committed_checkpoint_lost": {"ok": not lost, "detail": "; ".join(lost or kept)},
+            "mass_preemption_training_continues": {"ok": not stalled, "detail": "; ".join(stalled or went_on)}}
+
+
 def invariants(report: dict, checkpoint_every: int) -> dict:
     tr = report["training"]
     inv = {
@@ -129,6 +168,9 @@ def invariants(report: dict, checkpoint_every: int) -> dict:
     if stale:
         from spotfill.sim.stale_writer import stale_writer_invariant
         inv["stale_writer_fenced"] = stale_writer_invariant(stale, report)
+    mass = [e for e in report.get("events", []) if e.get("action") == "preempt_nodes" and e.get("fired")]
+    if mass:
+        inv.update(mass_invariants(mass))
     return inv
 
 

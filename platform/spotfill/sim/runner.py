@@ -20,7 +20,10 @@ from spotfill.config.job import JobConfig, PrepareConfig, from_mapping
 from spotfill.config.errors import ConfigError
 from spotfill.sim import fillin_batch, fillin_sweep
 from spotfill.sim.data_faults import check_shard_refs, swap_outcome, swap_shards
+from spotfill.sim.corrupt import corrupt_newest_checkpoint
 from spotfill.sim.freeze import dead_since
+from spotfill.sim.mass import add_node_ends, choose_nodes, fire as fire_mass, gpus_of, mass_report
+from spotfill.sim.mass_spec import MASS_ACTION
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
 from spotfill.sim.scenario import Event, Scenario, pick_node
 from spotfill.sim.triggers import owners, spares_ready
@@ -209,6 +212,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         if scale_down is not None:
             report["autoscaler"]["scale_down"] = scale_down
         report["cluster"] = cluster.node_report()
+        add_node_ends(report)     # each preempted node's end (when, Ray's death reason)
         if cpu_layout is not None:
             from spotfill.sim.cpu_layout import as_dict
             report["cpu_layout"] = as_dict(cpu_layout, len(getattr(cluster, "training_pinned", ())))
@@ -412,35 +416,6 @@ def _await_scale_down(cluster, scenario: Scenario, say) -> dict:
     return out
 
 
-def corrupt_newest_checkpoint(job, say, wait_s: float = 15.0) -> dict:
-    """The corrupt_checkpoint action: flip one byte in every file of the newest committed checkpoint in
-    storage (the store's `latest`; any file a restore downloads is then damaged -- a node may still restore
-    it from its own kept snapshot, which matches the manifest). A save still uploading is waited for (up to
-    `wait_s`), so the damage lands on the checkpoint a restart would pick. Returns {"tag", "step", "file"
-    (the largest), "files", "t"} or {"skipped"}."""
-    from spotfill.storage.base import open_storage
-    from spotfill.storage.checkpoint_store import CheckpointStore
-
-    store = CheckpointStore(open_storage(job.config.storage).child(job.config.name))
-    deadline = time.time() + wait_s
-    while store.uploading() and time.time() < deadline:
-        time.sleep(0.1)
-    tag = store.latest_tag()
-    if tag is None:
-        say("skipped: corrupt_checkpoint (nothing committed yet)")
-        return {"skipped": "no committed checkpoint yet"}
-    manifest = store.manifest(tag)
-    files = manifest["files"]
-    for rel in sorted(files):
-        key = f"{store.prefix}/{tag}/{rel}"
-        data = bytearray(store.storage.get_bytes(key))
-        data[len(data) // 2] ^= 0xFF
-        store.storage.put_bytes(key, bytes(data))
-    rel = max(sorted(files), key=lambda r: files[r]["size"])
-    say(f"corrupted {tag} (one byte flipped in each of its {len(files)} files)")
-    return {"tag": tag, "step": int(manifest["step"]), "file": rel, "files": len(files), "t": round(time.time(), 3)}
-
-
 def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=None, gate=None) -> dict:
     """Run training and fire the timeline. `on_first_step` is called once training steps; while `gate()`
     is false no timeline event fires (Serve fill-in: the timeline waits until Serve answers, so every node
@@ -469,6 +444,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
     world_at: dict[int, int] = {}   # event index -> workers training ran on when the node event fired
     silent: dict[int, float] = {}   # frozen node index -> freeze time, until the GCS declares it dead
     declared_dead: dict[int, float] = {}
+    mass: dict[int, tuple] = {}     # preempt_nodes event index -> (its Choice, fire time per node, GPUs left)
+    gone: dict[int, float] = {}     # node index -> when the runner removed it
     while thread.is_alive():
         new = tail.poll()
         if feed is not None and new:
@@ -497,6 +474,7 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
         for when, index, graceful in [r for r in removals if r[0] <= now]:
             removals.remove((when, index, graceful))
             cluster.remove_node(index, graceful=graceful)
+            gone[index] = time.time()
             say(f"node {index} is gone (deadline reached)")
         for ev in list(pending) if gate is None or gate() else []:
             due = (ev.at_step is not None and step >= ev.at_step) or \
@@ -517,6 +495,12 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                 skipped.append((ev, f"node {ev.node} is not alive"))
                 say(f"skipped: {ev.describe()} (node {ev.node} is not alive)")
                 continue
+            if ev.action == MASS_ACTION:
+                choice = choose_nodes(ev, group, cluster.node_ids, cluster.alive)
+                if choice.skip:
+                    skipped.append((ev, choice.skip))
+                    say(f"skipped: {ev.describe()} ({choice.skip})")
+                    continue
             say(f"step {step}: {ev.describe()}")
             t = time.time()
             if ev.action == "drain_node":
@@ -545,7 +529,11 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                 corrupted[ev.index] = stale_write(job, say)
             elif ev.action == "swap_shards":
                 corrupted[ev.index] = swap_shards(job.config.data.path, ev.shards, say)
-            if ev.action in NODE_EVENTS:
+            elif ev.action == MASS_ACTION:
+                at = fire_mass(ev, choice.chosen, cluster, removals, gone)
+                mass[ev.index] = (choice, at, gpus_of(cluster, choice.left))
+                say(f"nodes {choice.chosen} preempted within {max(at.values()) - min(at.values()):.3f}s")
+            if ev.action in NODE_EVENTS or ev.action == MASS_ACTION:
                 world_at[ev.index] = world
                 world = 0          # unknown until the next start/resume (min_world waits for the regrow)
             fired.append((ev, t))
@@ -575,6 +563,12 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                                           "at": round(t, 3), "world_size_before": world_at.get(ev.index), **out})
         elif ev.action == "add_node":
             entry.update(grow_outcome(events, t))
+        elif ev.action == MASS_ACTION:
+            choice, at, left = mass[ev.index]
+            entries, out = mass_report(ev, choice, at, gone, events, cluster.node_ids, world_at.get(ev.index), left,
+                                       scenario.training.min_workers)
+            report["preemptions"].extend(entries)
+            entry.update(out)
         if ev.index in spares_waits:
             entry["spares"] = spares_waits[ev.index]
         elif ev.action in ("corrupt_checkpoint", "stale_writer"):

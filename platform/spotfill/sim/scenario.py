@@ -10,8 +10,9 @@ Actions: drain_node, remove_node, kill_node, freeze_node (SIGSTOP every process 
 no TCP reset, as a host that vanished), add_node, storage_outage, corrupt_checkpoint (flip a byte in every file
 of the newest committed checkpoint in storage; a restore that reads it from storage must quarantine it and go
 past it), stale_writer (the previous attempt's writer commits, moves `latest` and deletes: every write refused)
-and swap_shards (two data shards exchange their contents in storage; a worker that reads one fails the job
-with one line naming it: sim/data_faults.py).
+swap_shards (two data shards exchange their contents in storage; a worker that reads one fails the job
+with one line naming it: sim/data_faults.py) and preempt_nodes (several nodes at once, with or without
+notice: sim/mass_spec.py).
 A node event's `node` is an index, or (with fill-in on) a pick made when the event fires: `most_training`
 (the node where training holds the most GPUs) or `most_lent` (where fill-in holds the most).
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 from spotfill.config.job import TrainingConfig, from_mapping, load_yaml
 from spotfill.config.errors import ConfigError
+from spotfill.sim.mass_spec import MASS_ACTION, MASS_KEYS, check_mass_refs, parse_mass
 
 ACTIONS = {
     # action: (required keys, optional keys)
@@ -36,6 +38,8 @@ ACTIONS = {
     "swap_shards": (set(), {"shards"}),     # two data shards exchange their contents in storage
     # autoscaling clusters: close (available: false) or reopen the fake cloud's market for a node type
     "market": ({"node_type", "available"}, {"how"}),
+    # several nodes in one pass: `nodes` or `count`, with a notice each (drain + deadline) or killed at once
+    MASS_ACTION: (set(), MASS_KEYS),
 }
 TRIGGERS = {"at", "at_step"}
 # Any event may also wait until training runs on at least this many workers (e.g. grown onto new nodes),
@@ -69,6 +73,10 @@ class Event:
     spares_ready: bool = False          # fires only once the group's other nodes have ready warm spares
     picked: str | None = None           # the pick (NODE_PICKS) `node` was resolved from when it fired
     shards: tuple[int, int] = (0, 1)    # swap_shards: the two shards (indices in the dataset's manifest)
+    nodes: tuple[int, ...] | None = None  # preempt_nodes: these node indices ...
+    count: int | None = None            # ... or the `count` alive nodes training's group uses most
+    notice: bool = True                 # preempt_nodes: a drain with deadline_s each (false: killed at once)
+    allow_all: bool = False             # preempt_nodes: may leave no GPU node
 
     def describe(self) -> str:
         when = f"at step {self.at_step}" if self.at_step is not None else f"at {self.at:g}s"
@@ -91,8 +99,17 @@ class Event:
                 "stale_writer": "a stale writer of the previous attempt commits",
                 "swap_shards": f"swap the contents of data shards {self.shards[0]} and {self.shards[1]}",
                 "market": f"{'open' if self.available else 'close'} the market for {self.node_type}"
-                          + ("" if self.available else f" ({self.how})")}[self.action]
+                          + ("" if self.available else f" ({self.how})"),
+                MASS_ACTION: self._describe_mass()}[self.action]
         return f"{what} {when}"
+
+    def _describe_mass(self) -> str:
+        if self.action != MASS_ACTION:
+            return ""
+        which = (f"nodes {', '.join(map(str, self.nodes))}" if self.nodes is not None
+                 else f"the {self.count} nodes training uses most")
+        how = f"each with a notice, deadline {self.deadline_s:g}s" if self.notice else "no notice: killed"
+        return f"preempt {which} at once ({how})"
 
 
 AUTOSCALER_KEYS = {"node_types", "idle_timeout_s", "allocate_timeout_s", "max_workers"}
@@ -304,6 +321,8 @@ def parse_event(i: int, raw: Any) -> Event:
         if not isinstance(raw["remove"], bool):
             raise ConfigError(f"{path}.remove", raw["remove"], accepted="true or false")
         kwargs["remove"] = raw["remove"]
+    if action == MASS_ACTION:
+        kwargs.update(parse_mass(path, raw))
     if "shards" in raw:
         pair = raw["shards"]
         if not isinstance(pair, list) or len(pair) != 2 or any(isinstance(i, bool) or not isinstance(i, int)
@@ -325,6 +344,7 @@ def _check_node_refs(events: list[Event], n_nodes: int, node_types: list | None 
     known = n_nodes + sum(1 for e in events if e.action == "add_node")
     if node_types:   # every launch (replacements too) takes a new index: no upper bound known up front
         known = 10 ** 6
+    check_mass_refs(events, known, bool(node_types))
     for e in events:
         if isinstance(e.node, int) and e.node >= known:
             raise ConfigError(f"events[{e.index}].node", e.node,
