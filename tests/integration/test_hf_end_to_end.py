@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import time
 import pytest
 
 from spotfill.sim.outcomes import digest
-from test_serve_openai import ROOT, free_port, ready_state
+from test_serve_openai import ROOT, free_port, ready_state, stop_serve
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(900)
@@ -99,10 +98,5 @@ def test_the_export_loads_in_transformers_and_serve_chats_like_it(run, tmp_path)
         text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model="spotfill", messages=MESSAGES, max_tokens=12, temperature=0, stream=True) if c.choices)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_serve(proc)
     assert text == tok.decode(ref, skip_special_tokens=True), (text, ref)

@@ -6,14 +6,13 @@ weights, usage counts the model's tokens, a stop string ends the text."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from test_serve_openai import ROOT, free_port, ready_state
+from test_serve_openai import ROOT, free_port, ready_state, stop_serve
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -70,12 +69,7 @@ def served(tmp_path_factory):
             time.sleep(0.5)
         yield {"url": url, "model_dir": model_dir, "tok_dir": tok_dir}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_serve(proc)
 
 
 def greedy(model_dir: str, tok, prompt_ids: list[int], n: int) -> list[int]:

@@ -35,6 +35,16 @@ def module_checkpoint(uri: str, step: int) -> None:
     store.commit(tag_for(step), step, 1)
 
 
+def stop_serve(proc) -> None:
+    """Stop a `spotfill serve` subprocess as Ctrl-C does (its process group killed if it hangs)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -109,12 +119,7 @@ def served(tmp_path_factory):
         assert set(states) <= {"no_replica_lent", "replica_starting", "no_checkpoint"}, states
         yield {"url": url, "banner": banner, "proc": proc, "first": first}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_serve(proc)
 
 
 def test_the_first_completion_waits_for_the_replica_starting_instead_of_a_503(served):
