@@ -45,3 +45,15 @@ def s3_uri(s3_server, request) -> str:
     s3_server.start()  # a test that died mid-outage must not break the next one
     name = re.sub(r"[^a-zA-Z0-9-]+", "-", request.node.name)[:40].strip("-")
     return s3_server.uri(f"t/{name}-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_ray_connection_left_behind():
+    """A module that connected to Ray and did not disconnect (a job's validate, a test that failed before its
+    own shutdown) would make the next module's ray.init fail ("called ray.init twice"): disconnect after
+    each module."""
+    yield
+    import sys
+    ray = sys.modules.get("ray")
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        ray.shutdown()

@@ -17,6 +17,10 @@ from spotfill.sim.runner import run_scenario
 from spotfill.sim.scenario import parse_scenario
 from spotfill.telemetry.events import read_events
 
+# Slow (CI's 40-minute budget): about 75 s on 2 cores; a silent node's detection bound runs in CI in
+# tests/integration/test_cluster_head.py. Run with -m slow.
+pytestmark = pytest.mark.slow
+
 STEPS = 60
 SCENARIO = {
     "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": 1}, {"gpus": 1}]},

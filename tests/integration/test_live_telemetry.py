@@ -25,6 +25,10 @@ import pytest
 
 from spotfill.telemetry.events import read_events
 
+# Slow (CI's 40-minute budget): about 100 s on 2 cores; the live view runs in CI in
+# tests/unit/test_telemetry_live.py. Run with -m slow.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 900
 # tiny preset (presets.py): vocab 257, 64 positions, 2 layers of width 64, 4x MLP, untied head:

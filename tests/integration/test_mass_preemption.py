@@ -17,7 +17,10 @@ from spotfill.sim.outcomes import digest
 from spotfill.sim.runner import run_scenario
 from spotfill.sim.scenario import parse_scenario
 
-pytestmark = pytest.mark.timeout(900)
+# Slow (CI's 40-minute budget): the mass preemption scenario (8 nodes, twice: about 8 minutes on 2 cores) passed
+# in the full run of 2026-12-07 (see issue 34's note); its logic runs in CI in tests/unit/test_scenario_mass.py.
+# Run with -m slow.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 STEPS, BATCH, LOST = 60, 840, 5
 

@@ -8,6 +8,8 @@ The same run checks the restore's reads: the surviving node reads its own ranks'
 checkpoint from the snapshots it kept after uploading them, the rest from storage, and says so."""
 from __future__ import annotations
 
+import pytest
+
 import contextlib
 import io
 
@@ -17,6 +19,11 @@ from spotfill.sim.scenario import parse_scenario
 from spotfill.storage.base import open_storage
 from spotfill.storage.checkpoint_store import CheckpointStore, parse_tag
 from spotfill.telemetry.events import read_events
+
+# Slow (CI's 40-minute budget): about 75 s on 2 cores; the fence runs in CI in
+# tests/integration/test_writer_fence.py and tests/unit/test_lineage.py, test_fenced_report.py. Run with -m
+# slow.
+pytestmark = pytest.mark.slow
 
 TRAINING = {"model": "tiny", "workers": [1, 4], "global_batch": 12, "max_micro_batch": 3, "zero_stage": 2,
             "warmup_steps": 5, "steps": 50, "checkpoint_every": 10, "keep_checkpoints": 3}

@@ -6,6 +6,8 @@ rows. The job must end with one line naming the shard -- at the next start, not 
 training.max_failures restarts reading the same data -- and never report a clean run."""
 from __future__ import annotations
 
+import pytest
+
 import contextlib
 import io
 
@@ -13,6 +15,10 @@ from spotfill.sim.outcomes import digest
 from spotfill.sim.runner import run_scenario
 from spotfill.sim.scenario import parse_scenario
 from spotfill.telemetry.events import read_events
+
+# Slow (CI's 40-minute budget): about 70 s on 2 cores; the data identity checks run in CI in
+# tests/unit/test_data.py and test_scenario.py. Run with -m slow.
+pytestmark = pytest.mark.slow
 
 # far more steps than the run ever takes (it ends at the restart after step 8): the scenario runner adds a
 # node synchronously, and on a loaded 2-core machine that took as long as 60 steps -- every later trigger
