@@ -266,23 +266,17 @@ def plan_model(out, plan: dict, device=None, dtype=None):
 
 
 def plan_tokenizer(out, plan: dict):
-    """The pinned checkpoint's tokenizer: its own Hugging Face one (files under `_plan/tokenizer/`, copied to
+    """The pinned checkpoint's tokenizer: its own Hugging Face one (files under `_plan/tokenizer/`, written to
     a local folder), or the byte tokenizer of spotfill's presets (fillin/generate.tokenizer_of)."""
     from spotfill.fillin.generate import tokenizer_of
-    from spotfill.train.model_card import MODEL_DIR
     card = plan.get("model_card")
-    if ((card or {}).get("tokenizer") or {}).get("kind") != "hf":
-        return tokenizer_of(card, "", "")
-    tag_dir = tempfile.mkdtemp(prefix="spotfill-batch-tok-")
-    folder = os.path.join(tag_dir, "rank-0", MODEL_DIR)
-    os.makedirs(folder)
-    for key in out.list(f"{bp.TOKENIZER_DIR}/"):
-        with open(os.path.join(folder, os.path.basename(key)), "wb") as f:
-            f.write(out.get_bytes(key))
-    try:
-        return tokenizer_of(card, tag_dir, os.path.join(tag_dir, "tokenizer"))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    folder = None
+    if ((card or {}).get("tokenizer") or {}).get("kind") == "hf":
+        folder = tempfile.mkdtemp(prefix="spotfill-batch-tok-")
+        for key in out.list(f"{bp.TOKENIZER_DIR}/"):
+            with open(os.path.join(folder, os.path.basename(key)), "wb") as f:
+                f.write(out.get_bytes(key))
+    return tokenizer_of(card, folder)
 
 
 def eval_rows(model, tokens) -> tuple[list[float], list[int]]:

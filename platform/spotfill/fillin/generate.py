@@ -52,7 +52,8 @@ def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | Non
     try:
         state = consolidate(manifest["path"], manifest["tag"])
         net, card = model_from_state(state, manifest.get("meta"), model, where=f"checkpoint {manifest['tag']}")
-        tokenizer = tokenizer_of(card, manifest["path"], os.path.join(work_dir, f"tokenizer-{manifest['tag']}"))
+        tokenizer = tokenizer_of(card, _keep_model_files(manifest["path"], os.path.join(
+            work_dir, f"tokenizer-{manifest['tag']}")))
     finally:
         shutil.rmtree(manifest["path"], ignore_errors=True)
     net.to(device=device or "cpu", dtype=dtype).eval()          # no dropout in generation
@@ -60,25 +61,33 @@ def load_newest(store, work_dir: str, model: str = "auto", newer_than: str | Non
                   tokenizer)
 
 
-def tokenizer_of(card: dict | None, tag_dir: str, keep_dir: str):
+def _keep_model_files(tag_dir: str, keep_dir: str) -> str | None:
+    """The model files rank 0's part carries (rank-0/spotfill-model/: a tokenizer's), copied to `keep_dir`
+    (the restored tag is deleted after loading); None when it carries none."""
+    from spotfill.train.model_card import MODEL_DIR
+    src = os.path.join(tag_dir, "rank-0", MODEL_DIR)
+    if not os.path.isdir(src):
+        return None
+    shutil.rmtree(keep_dir, ignore_errors=True)
+    shutil.copytree(src, keep_dir)
+    return keep_dir
+
+
+def tokenizer_of(card: dict | None, folder: str | None):
     """The tokenizer a checkpoint's card names: the byte tokenizer, or the run's own Hugging Face tokenizer
-    from the files the checkpoint carries (rank-0/spotfill-model/, copied to `keep_dir`). A card naming a
-    Hugging Face tokenizer whose files the checkpoint lacks is refused (its text would be wrong)."""
+    from `folder` (the files the checkpoint carries, copied out of rank-0/spotfill-model/ by the caller). A
+    card naming a Hugging Face tokenizer whose files are missing is refused (its text would be wrong)."""
     from spotfill.config.errors import ConfigError
     from spotfill.generation.text import ByteTokenizer, HFTokenizer
-    from spotfill.train.model_card import MODEL_DIR
     tok = (card or {}).get("tokenizer") or {"kind": "bytes"}
     if tok.get("kind") != "hf":
         return ByteTokenizer()
-    src = os.path.join(tag_dir, "rank-0", MODEL_DIR)
-    if not tok.get("files") or not os.path.isdir(src):
+    if not tok.get("files") or not folder or not os.path.isdir(folder) or not os.listdir(folder):
         raise ConfigError("checkpoint tokenizer", tok.get("source"), reason="the checkpoint does not carry its "
                           "tokenizer's files", accepted="checkpoints of runs whose tokenizer folder was readable "
                           "on the training nodes")
-    shutil.rmtree(keep_dir, ignore_errors=True)
-    shutil.copytree(src, keep_dir)
-    return HFTokenizer(keep_dir, eos_ids=((card.get("generation_config") or {}).get("eos_token_id")
-                                          or (card.get("config") or {}).get("eos_token_id") or ()))
+    return HFTokenizer(folder, eos_ids=((card.get("generation_config") or {}).get("eos_token_id")
+                                        or (card.get("config") or {}).get("eos_token_id") or ()))
 
 
 def generate(model, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0,

@@ -85,19 +85,9 @@ def training_warming(records: dict[str, str | bytes | None], now: float) -> set[
     """Nodes where training's spare processes are still warming up (train.readiness records without a
     ready time): a raylet starts only as many processes at once as its node has CPUs and drops the rest, so
     a standby waits there until training's spares are up -- training's transitions come first."""
-    from spotfill.train.readiness import node_of
-    out = set()
-    for key, raw in records.items():
-        node = node_of(key)
-        if node is None or raw is None:
-            continue
-        try:
-            value = json.loads(raw)
-            if value.get("ready_t") is None and float(value["until_t"]) > now:
-                out.add(node)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
-    return out
+    from spotfill.train.readiness import ready_by_node
+    ready = ready_by_node(records, now)
+    return {node for node, n in ready_by_node(records, now, warming=True).items() if n > ready.get(node, 0)}
 
 
 def fits_budget(model_bytes: int, node_bytes: int, fraction: float) -> tuple[bool, str]:
