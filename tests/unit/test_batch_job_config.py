@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_the_example_config_parses():
     cfg = load_batch_config(os.path.join(ROOT, "examples", "batch-tiny.yaml"))
     assert cfg.grant.units == 0 and cfg.cluster.gpu_resource == "GPU" and cfg.eval.rows == 256
+    assert cfg.cluster.standby_per_node == 1          # warm standbys by default (fillin/batch_standby.py)
 
 
 @pytest.mark.parametrize("doc, field", [
@@ -29,6 +30,10 @@ def test_the_example_config_parses():
     ({"checkpoint": "/c", "eval": {"data": "/d"}}, "output"),
     ({"checkpoint": "/c", "output": "/o", "eval": {"data": "/d"}, "cluster": {"grace_s": 0}}, "cluster.grace_s"),
     ({"checkpoint": "/c", "output": "/o", "eval": {"data": "/d"}, "grant": {"units": -1}}, "grant.units"),
+    ({"checkpoint": "/c", "output": "/o", "eval": {"data": "/d"}, "cluster": {"standby_per_node": 9}},
+     "cluster.standby_per_node"),
+    ({"checkpoint": "/c", "output": "/o", "eval": {"data": "/d"}, "cluster": {"standby_per_node": True}},
+     "cluster.standby_per_node"),
 ])
 def test_bad_config_names_the_field(tmp_path, doc, field):
     path = tmp_path / "b.yaml"

@@ -7,7 +7,7 @@
     output: s3://bucket/batch/eval-tiny        # parquet parts + commit markers (fillin/batch_plan.py)
     eval: {data: /tmp/spotfill/data/heldout, rows: 0, rows_per_unit: 32, batch_size: 16}
     generate: {prompts: /path/prompts.jsonl, max_tokens: 32, temperature: 0.0, seed: 0, rows_per_unit: 4}
-    cluster: {gpu_resource: GPU_SLOT, max_units: 2, grace_s: 5.0, units_per_actor: 0}
+    cluster: {gpu_resource: GPU_SLOT, max_units: 2, grace_s: 5.0, units_per_actor: 0, standby_per_node: 1}
     grant: {units: 0}                          # 0: GPUs lent by the fill-in arbiter; N: N GPUs of its own
 """
 from __future__ import annotations
@@ -52,9 +52,15 @@ class BatchCluster:
     grace_s: float = 5.0         # how long it has to let go after its grant drops
     units_per_actor: int = 0     # work units per GPU actor in one wave; 0: all that is left (a wave ends
                                  # early when the grant falls, or rises for 2 s: the next wave takes it)
+    standby_per_node: int = 1    # warm standby processes per GPU node holding the pinned model in host
+                                 # memory (fillin/batch_standby.py); 0: every lent actor starts cold
 
     def validate(self, path: str) -> None:
         check_positive(path, "max_units", self.max_units)
+        if isinstance(self.standby_per_node, bool) or not isinstance(self.standby_per_node, int) \
+                or not 0 <= self.standby_per_node <= 8:
+            raise ConfigError(join_path(path, "standby_per_node"), self.standby_per_node,
+                              accepted="an integer from 0 to 8 (0: no standby)")
         check_positive(path, "grace_s", self.grace_s)
         check_positive(path, "units_per_actor", self.units_per_actor, allow_zero=True)
         if not self.gpu_resource or not self.gpu_resource.replace("_", "").isalnum():

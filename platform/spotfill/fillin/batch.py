@@ -178,6 +178,7 @@ class UnitWorker:
 
     def __init__(self, output: str, plan: dict, eval_batch: int, prompts: list[str] | None,
                  tenant: str = "batch", gpu_resource: str = "GPU"):
+        t_init = time.time()
         import torch
 
         from spotfill.fillin.busy import BusyReporter
@@ -196,14 +197,32 @@ class UnitWorker:
         self.dtype = compute_dtype(self.device)
         self.where = {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                       "gpu_ids": [str(g) for g in ray_gpu_ids()]}
-        self.model = plan_model(self.out, plan, self.device, self.dtype)
-        self.tokenizer = plan_tokenizer(self.out, plan)
+        self._take_or_load(output, plan, t_init)
         self.engine = None             # generation's KV-cached engine, made by the first generation unit
         self.reader = None
         if plan["eval_rows"]:
             from spotfill.train.data import ShardReader
             self.reader = ShardReader(open_storage(plan["eval_data"]), os.path.join(
                 tempfile.gettempdir(), "spotfill-batch-cache"))
+
+    def _take_or_load(self, output: str, plan: dict, t_init: float) -> None:
+        """The model and tokenizer: a warm standby's (fillin/batch_standby.py; wake: weights to this actor's
+        device) or read from the plan (cold); how it started goes to the arbiter's journal (`fillin_start`)."""
+        from spotfill.fillin.batch_standby import take
+        from spotfill.fillin.standby import start_event
+        standby = take(output, plan)
+        t0 = time.perf_counter()
+        if standby is not None and standby.get("loaded") is not None:
+            model, self.tokenizer = standby["loaded"]
+            self.model = model.to(self.device, self.dtype).eval()
+            load = {"wake_s": round(time.perf_counter() - t0, 3)}
+        else:
+            self.model = plan_model(self.out, plan, self.device, self.dtype)
+            self.tokenizer = plan_tokenizer(self.out, plan)
+            load = {"load_s": round(time.perf_counter() - t0, 3)}
+        self.start = start_event(self.busy.meter.tenant, "batch", self.busy.meter, t_init, standby,
+                                 {**load, "tag": plan.get("checkpoint_tag")})
+        self.busy.send([self.start])
 
     def __call__(self, batch: dict) -> dict:
         done, rows = [], []
@@ -325,6 +344,7 @@ class BatchJob:
         self.out = open_storage(cfg.output)
         self.waves: list[dict] = []
         self.stops: list[dict] = []
+        self.actor_env, self.keeper = None, None      # warm standbys (fillin/batch_standby.py), set by run()
 
     def prepare(self) -> tuple[dict, bool]:
         """Inputs checked, checkpoint pinned, units planned (no Ray needed): ConfigError on bad input."""
@@ -342,6 +362,8 @@ class BatchJob:
         units = units_of(plan)
         prompts = read_prompts(self.cfg.generate.prompts)[1] if plan["prompt_ids"] else None
         skipped_at_start = None
+        from spotfill.fillin.batch_standby import start_standbys, stop_keeper
+        self.actor_env, self.keeper = start_standbys(self.cfg)
         try:
             while True:
                 todo = bp.remaining(units, committed(self.out, units))
@@ -360,6 +382,7 @@ class BatchJob:
                 self._wave(bp.next_wave(todo, n, self.cfg.cluster.units_per_actor), n, plan, prompts)
         finally:
             self.grant.demand(0)
+            stop_keeper(self.keeper)
         summary = read_back(self.out, plan)
         summary.update({"waves": len(self.waves), "stops": self.stops, "resumed": resumed,
                         "units": len(units), "units_skipped_at_start": skipped_at_start,
@@ -374,6 +397,8 @@ class BatchJob:
         gpu = {"num_gpus": 1} if res == "GPU" else {"resources": {res: 1}}
         ds = ray.data.from_items([{"unit": json.dumps(u.as_dict())} for u in units],
                                  override_num_blocks=len(units))
+        if self.actor_env is not None:        # the standbys' runtime_env: Ray hands the actors their processes
+            gpu["runtime_env"] = self.actor_env
         ds = ds.map_batches(UnitWorker, batch_size=1, compute=ActorPoolStrategy(size=n), num_cpus=0,
                             max_restarts=0, fn_constructor_kwargs={
                                 "output": self.cfg.output, "plan": plan, "eval_batch": self.cfg.eval.batch_size,

@@ -1,11 +1,13 @@
-"""Warm standby Serve replicas (spotfill/serving/standby.py): which nodes the keeper asks standbys for, the
-records and tokens it counts them by, the host-memory budget, how a replica's start is reported, and the
-report's summary of warm and cold starts."""
+"""Warm standby processes of fill-in tenants (spotfill/fillin/standby.py; Serve's: serving/standby.py, a batch
+job's: fillin/batch_standby.py): which nodes a keeper asks standbys for, the records and tokens it counts them
+by, the host-memory budget, what an actor takes from a standby, how its start is reported, and the report's
+summary of warm and cold starts."""
 from __future__ import annotations
 
 import json
 
-from spotfill.serving import standby as sb
+from spotfill.fillin import standby as sb
+from spotfill.serving import standby as serve_sb
 from spotfill.telemetry.report import starts_summary
 
 
@@ -20,26 +22,29 @@ def test_each_node_with_lendable_gpus_gets_its_standbys_and_is_not_asked_twice_w
 
 
 def test_records_count_per_node_until_their_keep_alive_ends():
-    key = lambda node, pid: f"{sb.RECORD_PREFIX}app:{node}:{pid}"  # noqa: E731
+    key = lambda node, pid: f"{serve_sb.RECORD_PREFIX}app:{node}:{pid}"  # noqa: E731
     records = {key("a", 1): json.dumps({"until_t": 200}), key("a", 2): json.dumps({"until_t": 50}),
                key("b", 3): json.dumps({"until_t": 200}), key("b", 4): "not json", key("c", 5): None,
                "other:key": json.dumps({"until_t": 200})}
-    assert sb.records_by_node(records, 100.0) == {"a": 1, "b": 1}
+    assert sb.records_by_node(records, 100.0, serve_sb.RECORD_PREFIX) == {"a": 1, "b": 1}
 
 
 def test_a_token_is_claimed_once_on_its_own_node_and_stale_ones_are_dropped():
-    store = {f"{sb.TOKEN_PREFIX}app:a:90.000:x1": json.dumps({"app": "app", "checkpoint": "file:///r"}),
-             f"{sb.TOKEN_PREFIX}app:b:90.000:x2": json.dumps({"app": "app", "checkpoint": "file:///r"}),
-             f"{sb.TOKEN_PREFIX}app:a:1.000:x0": json.dumps({"app": "app", "checkpoint": "old"})}
+    store = {f"{serve_sb.TOKEN_PREFIX}app:a:90.000:x1": json.dumps({"app": "app", "checkpoint": "file:///r"}),
+             f"{serve_sb.TOKEN_PREFIX}app:b:90.000:x2": json.dumps({"app": "app", "checkpoint": "file:///r"}),
+             f"{serve_sb.TOKEN_PREFIX}app:a:1.000:x0": json.dumps({"app": "app", "checkpoint": "old"})}
 
     def keys(prefix):
         return [k for k in store if k.startswith(prefix)]
 
     def take(k):
         return store.pop(k, None)
-    assert sb.claim_token("a", keys, take, 130.0) == {"app": "app", "checkpoint": "file:///r"}
-    assert sb.claim_token("a", keys, take, 130.0) is None            # the stale one was dropped, not used
-    assert list(store) == [f"{sb.TOKEN_PREFIX}app:b:90.000:x2"]     # another node's is left
+    prefix = serve_sb.TOKEN_PREFIX
+    assert sb.claim_token(prefix, "a", keys, take, 130.0, owner="other") is None    # another owner's: left
+    assert len(store) == 3
+    assert sb.claim_token(prefix, "a", keys, take, 130.0) == {"app": "app", "checkpoint": "file:///r"}
+    assert sb.claim_token(prefix, "a", keys, take, 130.0) is None            # the stale one was dropped, not used
+    assert list(store) == [f"{prefix}app:b:90.000:x2"]     # another node's is left
 
 
 def test_a_model_over_the_host_memory_budget_is_refused_naming_the_budget():
@@ -50,21 +55,25 @@ def test_a_model_over_the_host_memory_budget_is_refused_naming_the_budget():
 
 def test_a_process_with_no_token_is_no_standby_and_take_gives_nothing(monkeypatch):
     monkeypatch.setattr(sb, "_STANDBY", {})
-    assert sb.take("app", "file:///r") is None
-    monkeypatch.setattr(sb, "_STANDBY", {"app": "app", "checkpoint": "file:///r", "loaded": "M",
-                                         "record": "k", "imports_s": 1.0})
+    assert serve_sb.take("app", "file:///r") is None
+    standby = {"kind": "serve", "owner": "app", "key": "file:///r", "loaded": "M", "record": "k", "imports_s": 1.0}
     monkeypatch.setattr(sb, "_kv", lambda: (None, None, None, lambda key: 1))
-    assert sb.take("other", "file:///r") is None and sb.take("app", "file:///other") is None
-    got = sb.take("app", "file:///r")
+    monkeypatch.setattr(sb, "_STANDBY", dict(standby))
+    assert serve_sb.take("other", "file:///r") is None                  # another app's standby: not ours
+    assert sb.take("batch", "app", "file:///r") is None                 # another kind's
+    got = serve_sb.take("app", "file:///other")                          # ours, holding another checkpoint
+    assert got["loaded"] is None and "file:///r" in got["note"]         # the replica loads it, and says why
+    monkeypatch.setattr(sb, "_STANDBY", dict(standby))
+    got = serve_sb.take("app", "file:///r")
     assert got["loaded"] == "M" and sb._STANDBY["loaded"] is None     # the replica owns the model now
 
 
 def test_the_start_event_says_warm_or_cold_and_the_report_sums_them():
     class Meter:
         node, lease_id = "n1", "lease-1"
-    warm = sb.start_event("serve:a/Generator", Meter(), 0.0, {"loaded": object(), "imports_s": 3.0},
+    warm = serve_sb.start_event("serve:a/Generator", Meter(), 0.0, {"loaded": object(), "imports_s": 3.0},
                           {"tag": "t", "wake_s": 0.01, "load_s": 0.5})
-    cold = sb.start_event("serve:a/Generator", Meter(), 0.0, None, {"tag": "t", "load_s": 4.0})
+    cold = serve_sb.start_event("serve:a/Generator", Meter(), 0.0, None, {"tag": "t", "load_s": 4.0})
     assert warm["warm"] and warm["load_s"] is None and warm["wake_s"] == 0.01 and warm["standby"]
     assert not cold["warm"] and cold["load_s"] == 4.0 and not cold["standby"]
     warm.update(init_s=0.4)
