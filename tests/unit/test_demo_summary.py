@@ -67,15 +67,24 @@ def test_the_summary_prints_each_restart_with_its_time_and_warm_or_cold():
     assert lines[3] == "goodput 0.61; recovery held 120 of 1000 GPU-seconds (12%)"
 
 
-def test_the_summary_says_how_serves_replicas_started():
+def test_the_summary_says_how_each_tenant_woke_and_slept():
     report = {
         "training": {"steps_completed": 10, "steps_target": 10, "final_loss": 3.0, "world_size_timeline": [[0, 2]],
                      "samples": {"consumed": 120, "duplicates": 0, "missing": 0}},
         "fillin": {"serve": {"requests_ok": 9, "requests_rejected_503": 0, "requests_failed": 0, "p50_ms": 40,
                              "p99_ms": 90},
+                   "batch": {"rows_written": 70, "rows_target": 100, "duplicates": 0, "missing": 30,
+                             "left_for_rerun": {"rows": 30, "units": 2, "why": "w"}, "stops": [{}]},
+                   "leases": [{"workload": "serve", "ended_by": "reclaim", "reclaim_s": 0.5},
+                              {"workload": "batch", "ended_by": "reclaim", "reclaim_s": 1.25},
+                              {"workload": "batch", "ended_by": "reclaim", "reclaim_s": 0.75},
+                              {"workload": "batch", "ended_by": "release", "reclaim_s": 9.0}],
                    "starts": {"serve": {"warm": 3, "cold": 1, "init_s_warm": {"median": 0.04, "max": 0.1},
                                         "init_s_cold": {"median": 3.9, "max": 3.9}, "wake_s": {"median": 0.001},
                                         "load_s": {"median": 0.07}, "notes": []}}},
         "checkpoints": {"committed": 1, "stall_seconds_max": 0.1}, "ok": True, "seconds": 5}
-    assert ("serve replicas started: 3 warm on a standby (constructor 0.04s, wake 0.001s), 1 cold (constructor "
-            "3.9s, load 0.07s)") in summarize(report).splitlines()
+    lines = summarize(report).splitlines()
+    assert ("serve wake: 3 warm on a standby (constructor 0.04s, wake 0.001s), 1 cold (constructor 3.9s, load "
+            "0.07s); sleep: 1 given back, median 0.50s, worst 0.50s") in lines
+    assert "batch wake: no start recorded; sleep: 2 given back, median 1.00s, worst 1.25s" in lines
+    assert any(ln.startswith("batch fill-in: 70 of 100 rows written, 0 duplicates, 30 left for its rerun") for ln in lines)

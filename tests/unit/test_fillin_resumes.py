@@ -71,3 +71,18 @@ def test_the_invariant_fails_when_any_tenant_did_not_carry_on_or_none_ran():
         "ok": False, "detail": "serve: yes (a); sweep: no (b)"}
     assert as_invariant({})["ok"] is False
     assert as_invariant({"batch": {"ok": True, "detail": "c"}})["ok"] is True
+
+
+def test_a_batch_job_stopped_at_trainings_end_counts_only_with_its_rest_left_for_its_rerun():
+    """On an autoscaled cluster no GPU is lent after training: a job stopped then may leave rows, but only
+    exactly those its uncommitted units hold (written + left = target, none twice)."""
+    from spotfill.sim.fillin_batch import invariant
+    leases = [_lease("batch", 20, 121, "reclaim", "fair_share"), _lease("batch", 160, 170, "release")]
+    left = {"rows_target": 56, "rows_written": 40, "duplicates": 0, "missing": 16,
+            "stops": [{"at": 120.0, "done": 2, "units": 7}], "left_for_rerun": {"rows": 16, "units": 2, "why": "w"}}
+    got = reclaimed_and_resumed(_fill(leases, batch=left))["batch"]
+    assert got["ok"] and "16 left for its rerun" in got["detail"]
+    assert invariant(left)["ok"] and "16 left for its rerun" in invariant(left)["detail"]
+    assert not invariant({**left, "left_for_rerun": None})["ok"]          # missing rows, no end-of-run stop
+    assert not invariant({**left, "duplicates": 1})["ok"]
+    assert not invariant({**left, "rows_written": 39})["ok"]               # a row neither written nor left

@@ -49,17 +49,13 @@ def summarize(report: dict) -> str:
                      f"{by.get('floor', 0)} by the floor)" if by.get("floor") else "") +
                      f", {sv['requests_rejected_503']} rejected at once (503), "
                      f"{sv['requests_failed']} failed; p50 {sv['p50_ms']} ms, p99 {sv['p99_ms']} ms")
-    st = (fill.get("starts") or {}).get("serve")
-    if st:
-        def med(d):
-            return f"{d['median']:g}s" if d else "-"
-        lines.append(f"serve replicas started: {st['warm']} warm on a standby (constructor {med(st['init_s_warm'])}, "
-                     f"wake {med(st['wake_s'])}), {st['cold']} cold (constructor {med(st['init_s_cold'])}, "
-                     f"load {med(st['load_s'])})" + (f"; {st['notes'][0]}" if st.get("notes") else ""))
+    lines += wake_sleep_lines(fill)
     if fill.get("batch"):
         b = fill["batch"]
+        left = (b.get("left_for_rerun") or {}).get("rows")
         lines.append(f"batch fill-in: {b.get('rows_written', 0)} of {b.get('rows_target', '?')} rows written, "
-                     f"{b.get('duplicates', '?')} duplicates, {b.get('missing', '?')} missing; stopped "
+                     f"{b.get('duplicates', '?')} duplicates, " + (f"{left} left for its rerun (stopped "
+                     "at training's end)" if left else f"{b.get('missing', '?')} missing") + "; stopped "
                      f"{len(b.get('stops') or [])} time(s) when its GPUs were taken back" + (", resumed" if b.get("resumed") else "")
                      + (f"; eval loss {b['eval']['loss']:.3f}" if (b.get("eval") or {}).get("loss") else ""))
     if fill.get("sweep"):
@@ -90,6 +86,29 @@ def summarize(report: dict) -> str:
         lines.append(f"{'PASS' if inv['ok'] else 'FAIL'} {name}: {inv['detail']}")
     lines.append(f"{'OK' if report['ok'] else 'FAILED'} in {report.get('seconds', 0):.0f}s")
     return "\n".join(lines)
+
+
+def wake_sleep_lines(fill: dict) -> list[str]:
+    """Per fill-in workload: how its lent actors woke (warm on a standby or cold: the constructor's seconds,
+    wake or load) and slept (reclaim -> the lent GPU free again: the hand-back's median and worst)."""
+    import statistics
+
+    def med(d):
+        return f"{d['median']:g}s" if d else "-"
+    lines = []
+    for workload in KINDS:
+        st = (fill.get("starts") or {}).get(workload)
+        back = sorted(le["reclaim_s"] for le in fill.get("leases") or [] if le.get("workload") == workload
+                      and le.get("ended_by") == "reclaim" and le.get("reclaim_s") is not None)
+        if not st and not back:
+            continue
+        wake = (f"{st['warm']} warm on a standby (constructor {med(st['init_s_warm'])}, wake {med(st['wake_s'])}), "
+                f"{st['cold']} cold (constructor {med(st['init_s_cold'])}, load {med(st['load_s'])})"
+                + (f" [{st['notes'][0]}]" if st.get("notes") else "")) if st else "no start recorded"
+        sleep = (f"{len(back)} given back, median {statistics.median(back):.2f}s, worst {back[-1]:.2f}s" if back
+                 else "none taken back")
+        lines.append(f"{workload} wake: {wake}; sleep: {sleep}")
+    return lines
 
 
 def restart_lines(report: dict) -> list[str]:

@@ -16,6 +16,10 @@ import time
 
 log = logging.getLogger(__name__)
 FINISH_S = 180.0          # after training: how long the runner waits for the job to finish
+# after training on an autoscaled cluster: fill-in lends only on nodes training uses, and those go idle and
+# away once training ends -- the job finishes the units it is running within this, then is stopped; what it
+# leaves is the next run's (a rerun resumes it), and its pending GPU request never keeps a node alive
+AUTOSCALED_FINISH_S = 20.0
 MAX_RERUNS = 2            # a driver stopped by force while training runs is started again at most this often
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -53,6 +57,7 @@ class DriverFillin(ABC):
         self._thread: threading.Thread | None = None
         self._held = False
         self._asked = 0.0
+        self.left: str | None = None        # why the job stopped unfinished, its rest left for its rerun
 
     @abstractmethod
     def _config(self) -> str:
@@ -130,8 +135,9 @@ class DriverFillin(ABC):
             self.say(f"{self.kind} fill-in holds lent GPUs")
         return self._held
 
-    def wait(self, timeout_s: float = FINISH_S, after: str = "") -> dict:
-        """After training: wait for the driver (bounded; stopped at the timeout) and return its summary."""
+    def wait(self, timeout_s: float = FINISH_S, after: str = "", left_ok: bool = False) -> dict:
+        """After training: wait for the driver (bounded; stopped at the timeout) and return its summary. A
+        driver stopped at the timeout is an error, or with `left_ok` a job left for its rerun (`self.left`)."""
         if self._thread is not None:
             self._thread.join(30)
         self._finishing.set()               # no rerun from here on: a driver stopped now stays stopped
@@ -140,9 +146,17 @@ class DriverFillin(ABC):
         try:
             out, _ = self.proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate()
-            self.error = f"{self.kind} job not finished {timeout_s:.0f}s after training; stopped{after}"
+            self.proc.terminate()
+            try:
+                self.proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate()
+            if left_ok:
+                self.left = f"not finished {timeout_s:.0f}s after training; stopped{after}"
+                self.say(f"{self.kind} fill-in {self.left}")
+            else:
+                self.error = f"{self.kind} job not finished {timeout_s:.0f}s after training; stopped{after}"
             return {}
         with open(os.path.join(self.dir, "driver.out"), "w") as f:
             f.write(out or "")

@@ -6,7 +6,8 @@ what each one measured itself, never from what the scenario planned:
 - each: one of its leases ended by a reclaim (the arbiter's journal: training's claim, a spot notice), and
   one of its leases started after that reclaim;
 - batch also: a wave stopped with units still to do (fillin.batch.stops, the job's own counters), and every
-  row written exactly once in the end (read back from its output);
+  row written exactly once in the end (read back from its output; on an autoscaled cluster, what it left
+  at training's end is its rerun's: sim/fillin_batch.invariant);
 - sweep also: a trial paused with its checkpoint and one restarted from it (fillin.sweep.paused / resumed,
   from the sweep's own trial events).
 """
@@ -31,11 +32,13 @@ def batch_outcome(batch: dict, leases: list[dict]) -> tuple[bool, str]:
     again, detail = taken_and_lent_again(leases, "batch")
     stops = batch.get("stops") or []
     mid = [s for s in stops if s.get("done", 0) < s.get("units", 0)]
-    finished = batch.get("rows_target") is not None and batch.get("rows_written") == batch.get("rows_target") \
-        and not batch.get("missing") and not batch.get("duplicates")
+    from spotfill.sim.fillin_batch import invariant
+    finished = batch.get("rows_target") is not None and invariant(batch)["ok"]
+    left = (batch.get("left_for_rerun") or {}).get("rows")
     return again and bool(mid) and finished, (f"{detail}; its waves stopped {len(stops)} time(s) ({len(mid)} "
                                               f"with units left), {batch.get('rows_written', 0)} of "
-                                              f"{batch.get('rows_target', '?')} rows written")
+                                              f"{batch.get('rows_target', '?')} rows written"
+                                              + (f", {left} left for its rerun" if left else ""))
 
 
 def sweep_outcome(sweep: dict, leases: list[dict]) -> tuple[bool, str]:

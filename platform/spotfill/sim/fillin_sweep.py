@@ -15,7 +15,7 @@ import json
 import logging
 import os
 
-from spotfill.sim.fillin_driver import FINISH_S, DriverFillin
+from spotfill.sim.fillin_driver import AUTOSCALED_FINISH_S, FINISH_S, DriverFillin
 
 log = logging.getLogger(__name__)
 GRID = {"lr": [1e-3, 3e-3, 1e-2, 3e-4], "warmup_steps": [0, 10]}     # 8 trials at most, in this order
@@ -52,8 +52,9 @@ class SweepFillin(DriverFillin):
         return f"sweep fill-in: {self.scenario.fillin.sweep['trials']} trials of the tiny GPT started on lent GPUs"
 
     def stop(self, timeout_s: float = FINISH_S) -> dict:
-        """After training: wait for the driver (bounded), then fillin.sweep from its report.json."""
-        return self.report(self.wait(timeout_s))
+        """After training: wait for the driver (bounded: on an autoscaled cluster no GPU is lent once training
+        ends, AUTOSCALED_FINISH_S), then fillin.sweep from its report.json."""
+        return self.report(self.wait(AUTOSCALED_FINISH_S if self.scenario.cluster.autoscaler else timeout_s))
 
     def report(self, summary: dict) -> dict:
         rep: dict = {"enabled": True}

@@ -170,7 +170,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
         job.render_report = False          # rendered once below, with the scenario's sections
         if fillin:
             fillin.ready()
-        scale_down = None
+        scale_down = batch_report = sweep_report = None
         arbiter = ((fillin and fillin.arbiter) or fillin_arbiter(scenario, name, out_dir, env)) \
             if scenario.fillin.batch_enabled or scenario.fillin.sweep_enabled else None
         batch = fillin_batch.start(cluster, scenario, run_storage_uri(storage, name), name, out_dir, env, say,
@@ -186,12 +186,18 @@ def _run_scenario(scenario: Scenario, out_dir: str, storage: str | None, view, w
                             on_first_step=(lambda: [f() for f in firsts]) if firsts else None,
                             gate=(lambda: all(g() for g in gates)) if wait_for_fillin and gates else None)
             if scenario.cluster.autoscaler:
+                # the job tenants first: no GPU is lent once training ends (its nodes go idle and away), they
+                # finish what they run and stop -- a pending GPU request of theirs never keeps a node alive
+                batch_report = batch.stop() if batch else None
+                sweep_report = sweep.stop() if sweep else None
                 # with Serve fill-in still deployed and under load: what it holds must not keep a node alive
                 scale_down = _await_scale_down(cluster, scenario, say)
         finally:
             serve_report = fillin.stop() if fillin else None
-            batch_report = batch.stop() if batch else None
-            sweep_report = sweep.stop() if sweep else None
+            if batch_report is None and batch:
+                batch_report = batch.stop()
+            if sweep_report is None and sweep:
+                sweep_report = sweep.stop()
         fillin_batch.merge(report, batch_report)
         fillin_sweep.merge(report, sweep_report)
         if serve_report is not None:
