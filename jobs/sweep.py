@@ -46,7 +46,7 @@ def main(args) -> dict:
     s = report["fillin"]["sweep"]
     return {"ok": report["ok"], "run_dir": cfg.run_dir, "report": os.path.join(cfg.run_dir, "report.json"),
             "trials": s["trials"], "completed": s["completed"], "paused": s["paused"], "resumed": s["resumed"],
-            "restored": s["restored"], "carried_over": s["carried_over"], "best": s["best"], "spotfill": jobkit.library_dir(), "shipped": jobkit.shipped()}
+            "resumed_from": s["resumed_from"], "restored": s["restored"], "carried_over": s["carried_over"], "best": s["best"], "spotfill": jobkit.library_dir(), "shipped": jobkit.shipped()}
 
 
 def build_parser():

@@ -240,6 +240,8 @@ def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_
         assert second[0]["restore_s"] is not None
     assert out["resumed_from"]["memory"] >= 1 and out["resumed_from"]["storage"] >= 1, out
     assert out["state_keeper"]["hits"] >= 1 and out["state_keeper"]["misses"] >= 1, out["state_keeper"]
+    # a completed trial's kept state is dropped: the keeper holds nothing at the end
+    assert out["state_keeper"]["dropped"] == 2 and out["state_keeper"]["states"] == 0, out["state_keeper"]
     assert all(r["history_ok"] for r in out["results"]) and len(out["results"]) == 2
     print(f"\nFixedGrant drop -> placement groups removed: {seen['handback_s']:.2f}s; restores by source "
           f"{out['resumed_from']}, seconds {out['restore_s']}")
