@@ -33,6 +33,11 @@ Tune's pieces, as Ray 2.60 runs them (tune/execution/tune_controller.py):
 The trainable (sweep_trial.py) is a class `tune.Trainable`: `save_checkpoint` writes the model, optimizer,
 step and the list of steps applied to these weights (`history`), so a pause checkpoint is exact and the
 history proves that a resumed trial continued rather than restarted, and that no step was applied twice.
+The driver also starts the sweep's state keeper (sweep_keeper.py: host memory, one actor per driver,
+`sweep.keep_in_memory_mb`); a trial hands it each checkpoint's bytes after writing them to storage and a
+restored trial takes them back when they are exactly the checkpoint Tune restores (sweep_memory.py), so a
+resume reads no storage. The first result of each restored incarnation says where its state came from
+(`resumed_from` and `restore_s` in the report, `via` on the event); a completed trial's state is dropped.
 """
 from __future__ import annotations
 
