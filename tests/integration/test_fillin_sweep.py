@@ -317,6 +317,8 @@ def test_a_trial_whose_actor_is_killed_resumes_from_its_checkpoint_without_repea
     # restarted from its last checkpoint (step CKPT_EVERY), not from 0 and not from the lost step
     assert runs[1][0]["restored_from"] == CKPT_EVERY and runs[1][0]["first_step"] == CKPT_EVERY + 1
     assert runs[1][0]["pid"] != killed["pid"]
+    # the keeper outlived the killed actor: its newest checkpoint's state came from host memory
+    assert runs[1][0]["restored_via"] == "memory", runs[1][0]
     # the final weights saw every step exactly once (their own history), one output per trial
     (res,) = out["results"]
     assert res["history_ok"] is True and res["history_len"] == res["history_unique"] == STEPS, res
