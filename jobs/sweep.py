@@ -12,7 +12,8 @@ Config file: spotfill.config.sweep.SweepJobConfig as YAML (unknown keys are reje
     cluster: {gpu_resource: GPU_SLOT, cpus_per_trial: 1}
 Trials (1 GPU unit each) start only while the arbiter lends the sweep a unit; when training claims GPUs,
 trials beyond the grant are paused with a checkpoint within the grace (the newest-started first) and are
-resumed from that checkpoint when units are lent again. A rerun with the same storage and name continues
+resumed from that checkpoint when units are lent again -- from the copy the pause kept in host memory
+(sweep.keep_in_memory_mb, default 1024; report.json fillin.sweep.resumed_from says memory or storage). A rerun with the same storage and name continues
 the experiment a stopped driver left (completed trials kept, the others from their last checkpoint;
 report.json fillin.sweep.restored). Flags override the file: --storage, --run-dir,
 --data, --name, --trials, --steps. Prints one JSON summary line on stdout.
@@ -46,7 +47,7 @@ def main(args) -> dict:
     s = report["fillin"]["sweep"]
     return {"ok": report["ok"], "run_dir": cfg.run_dir, "report": os.path.join(cfg.run_dir, "report.json"),
             "trials": s["trials"], "completed": s["completed"], "paused": s["paused"], "resumed": s["resumed"],
-            "restored": s["restored"], "carried_over": s["carried_over"], "best": s["best"], "spotfill": jobkit.library_dir(), "shipped": jobkit.shipped()}
+            "resumed_from": s["resumed_from"], "restored": s["restored"], "carried_over": s["carried_over"], "best": s["best"], "spotfill": jobkit.library_dir(), "shipped": jobkit.shipped()}
 
 
 def build_parser():

@@ -90,7 +90,8 @@ def recorder():
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             row = {"t": time.monotonic(), "trial": trial.trial_id, **{k: result.get(k) for k in (
-                "step", "restored_from", "first_step", "incarnation", "pid", "history_ok", "done")}}
+                "step", "restored_from", "first_step", "incarnation", "pid", "history_ok", "done",
+                "restored_via", "restore_s", "restore_why")}}
             with self.lock:
                 self.results.append(row)
             if self.on_result:
@@ -130,7 +131,45 @@ def incarnations(rows: list[dict]) -> list[list[dict]]:
     return out
 
 
+def sweep_keeper(name: str):
+    import ray
+
+    from spotfill.fillin.sweep_keeper import PREFIX
+    (found,) = [n for n in ray.util.list_named_actors() if n.startswith(f"{PREFIX}{name}:")]
+    return ray.get_actor(found)
+
+
+def plant_stale_state(keeper, tid: str) -> dict:
+    """Check the paused trial's state in the keeper against its storage checkpoint (written, same step,
+    same bytes), then put a stale state in its place: that checkpoint's state 4 steps back (step and
+    history), labelled honestly. A resume must not take it (it would repeat those 4 steps' count)."""
+    import io
+
+    import ray
+    import torch
+
+    from spotfill.fillin.sweep_memory import StateId, digest
+    kept = ray.get(keeper.peek.remote(tid), timeout=30)
+    assert kept is not None, f"trial {tid}'s pause left no state in the keeper"
+    path = os.path.join(kept["checkpoint"], "state.pt")
+    assert os.path.exists(path), f"the pause checkpoint {path} was not written to storage"
+    with open(path, "rb") as f:
+        data = f.read()
+    assert digest(data) == kept["sha256"], "the kept state is not the storage checkpoint's bytes"
+    state = torch.load(io.BytesIO(data), weights_only=False)
+    assert state["step"] == kept["step"], (state["step"], kept)
+    state["step"], state["history"] = state["step"] - 4, state["history"][:-4]
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    stale = StateId(tid, kept["step"] - 4, kept["checkpoint"], digest(buf.getvalue()))
+    assert ray.get(keeper.put.remote(stale.as_dict(), buf.getvalue()), timeout=30)["kept"]
+    return kept
+
+
 def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_their_checkpoint(env):
+    """... and a resumed trial takes its state from the keeper's host memory when it holds exactly its pause
+    checkpoint's state (no storage read), from storage when the keeper holds a stale one; the storage
+    checkpoint is written either way."""
     import ray
 
     from spotfill.fillin.grant import FixedGrant
@@ -156,6 +195,9 @@ def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_
             grant.set(0)
             wait_for(lambda: not job_pgs(job_id), 30, "the trials' placement groups removed", every=0.05)
             seen["handback_s"] = time.monotonic() - t_drop
+            # the first trial's kept state is replaced by a stale one: it must resume from storage
+            seen["stale_trial"] = rec.trials()[0]
+            seen["kept"] = plant_stale_state(sweep_keeper(cfg.name), seen["stale_trial"])
             n = len(rec.results)
             time.sleep(2.0)
             seen["results_while_zero"] = len(rec.results) - n
@@ -189,8 +231,20 @@ def test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_
         assert second[0]["first_step"] == paused_at + 1
         assert all(r["step"] > paused_at for r in second)
         assert runs[-1][-1]["step"] == PAUSE_STEPS and runs[-1][-1]["history_ok"] is True
+        if tid == seen["stale_trial"]:       # the keeper held a stale state: restored from storage instead
+            assert seen["kept"]["step"] == paused_at, seen["kept"]
+            assert second[0]["restored_via"] == "storage", second[0]
+            assert "step" in second[0]["restore_why"], second[0]
+        else:                                # exactly its pause checkpoint's state: from host memory
+            assert second[0]["restored_via"] == "memory", second[0]
+        assert second[0]["restore_s"] is not None
+    assert out["resumed_from"]["memory"] >= 1 and out["resumed_from"]["storage"] >= 1, out
+    assert out["state_keeper"]["hits"] >= 1 and out["state_keeper"]["misses"] >= 1, out["state_keeper"]
+    # a completed trial's kept state is dropped: the keeper holds nothing at the end
+    assert out["state_keeper"]["dropped"] == 2 and out["state_keeper"]["states"] == 0, out["state_keeper"]
     assert all(r["history_ok"] for r in out["results"]) and len(out["results"]) == 2
-    print(f"\nFixedGrant drop -> placement groups removed: {seen['handback_s']:.2f}s")
+    print(f"\nFixedGrant drop -> placement groups removed: {seen['handback_s']:.2f}s; restores by source "
+          f"{out['resumed_from']}, seconds {out['restore_s']}")
 
 
 @pytest.mark.slow   # CI's time budget: run with `python -m pytest -m slow`
@@ -263,6 +317,8 @@ def test_a_trial_whose_actor_is_killed_resumes_from_its_checkpoint_without_repea
     # restarted from its last checkpoint (step CKPT_EVERY), not from 0 and not from the lost step
     assert runs[1][0]["restored_from"] == CKPT_EVERY and runs[1][0]["first_step"] == CKPT_EVERY + 1
     assert runs[1][0]["pid"] != killed["pid"]
+    # the keeper outlived the killed actor: its newest checkpoint's state came from host memory
+    assert runs[1][0]["restored_via"] == "memory", runs[1][0]
     # the final weights saw every step exactly once (their own history), one output per trial
     (res,) = out["results"]
     assert res["history_ok"] is True and res["history_len"] == res["history_unique"] == STEPS, res

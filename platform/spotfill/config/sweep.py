@@ -15,6 +15,7 @@
       trials: 0                  # 0: the whole grid; N: the grid's first N combinations
       seed: 0
       max_failures: 3            # restarts of a trial whose actor died (from its last checkpoint)
+      keep_in_memory_mb: 1024    # host memory for paused trials' states (a resume reads no storage); 0: off
     fillin:
       grant: arbiter             # arbiter: GPUs the fill-in arbiter lends; fixed: `max_units` of one's own
       max_units: 4               # trials at once (1 GPU unit each)
@@ -53,6 +54,7 @@ class SweepSpec:
     trials: int = 0
     seed: int = 0
     max_failures: int = 3
+    keep_in_memory_mb: int = 1024
 
     def validate(self, path: str) -> None:
         from spotfill.config.presets import PRESETS
@@ -60,7 +62,7 @@ class SweepSpec:
         check_choice(path, "model", self.model, list(PRESETS))
         for name in ("steps", "batch", "steps_per_report", "checkpoint_every", "eval_rows"):
             check_positive(path, name, getattr(self, name))
-        for name in ("trials", "max_failures"):
+        for name in ("trials", "max_failures", "keep_in_memory_mb"):
             check_positive(path, name, getattr(self, name), allow_zero=True)
         if not self.search:
             raise ConfigError(join_path(path, "search"), self.search, accepted=f"a mapping of {', '.join(SEARCH_KEYS)} "

@@ -33,6 +33,11 @@ Tune's pieces, as Ray 2.60 runs them (tune/execution/tune_controller.py):
 The trainable (sweep_trial.py) is a class `tune.Trainable`: `save_checkpoint` writes the model, optimizer,
 step and the list of steps applied to these weights (`history`), so a pause checkpoint is exact and the
 history proves that a resumed trial continued rather than restarted, and that no step was applied twice.
+The driver also starts the sweep's state keeper (sweep_keeper.py: host memory, one actor per driver,
+`sweep.keep_in_memory_mb`); a trial hands it each checkpoint's bytes after writing them to storage and a
+restored trial takes them back when they are exactly the checkpoint Tune restores (sweep_memory.py), so a
+resume reads no storage. The first result of each restored incarnation says where its state came from
+(`resumed_from` and `restore_s` in the report, `via` on the event); a completed trial's state is dropped.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from spotfill.fillin import sweep_keeper
 from spotfill.fillin import sweep_policy as sp
 from spotfill.fillin.sweep_trial import METRIC, MODE, trainable_class as _trainable_class
 
@@ -91,16 +97,18 @@ class SweepControl:
         self.restored_pending: set[str] = set()  # restored unfinished trials that have not reported yet
         self.restore_trials: dict[str, dict] = {}   # restore: the trials of the saved experiment state
         self.restore_handed_out = 0                 # restore: the configurations those trials account for
+        self.keeper = None                          # the state keeper actor (sweep_keeper.py), or None
 
     def __getstate__(self) -> dict:
         # Tune pickles its config (searcher, scheduler) into the experiment folder; the grant, the lock and
         # the event sink are live objects of this driver: a restored copy has none (and grants nothing).
-        return {k: v for k, v in self.__dict__.items() if k not in ("grant", "lock", "emit", "clock")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("grant", "lock", "emit", "clock", "keeper")}
 
     def __setstate__(self, state: dict) -> None:
         from spotfill.fillin.grant import FixedGrant
         self.__dict__.update(state)
         self.grant, self.lock, self.emit, self.clock = FixedGrant(0), threading.RLock(), (lambda kind, **f: None), time.monotonic
+        self.keeper = None
 
     def note_result(self, tid: str, result: dict, config: dict | None = None) -> None:
         """A trial's result: the first one of an incarnation (a new trial actor) says whether it started,
@@ -110,6 +118,11 @@ class SweepControl:
         self.last_result[tid] = dict(result)
         if not first:
             return
+        via = result.get("restored_via")
+        source = {"via": via, "restore_s": result.get("restore_s"),
+                  **({"why": result.get("restore_why")} if via == "storage" else {})} if via else {}
+        if via:
+            self.tally.on_restore(via, result.get("restore_s"))
         if tid in self.restored_pending:
             self.restored_pending.discard(tid)
             self.tally.restored_trials += 1
@@ -117,7 +130,7 @@ class SweepControl:
                 self.started.add(tid)
                 self.tally.started += 1
             self.emit("sweep_trial", action="restored", trial=tid, step=result.get("restored_from"),
-                      cause="driver_restarted")
+                      cause="driver_restarted", **source)
         elif tid not in self.started:
             self.started.add(tid)
             self.tally.started += 1
@@ -127,11 +140,11 @@ class SweepControl:
                 self.paused_with_checkpoint.discard(tid)
                 self.tally.resumed += 1
                 self.emit("sweep_trial", action="resumed", trial=tid, step=result["restored_from"],
-                          cause="grant_rose")
+                          cause="grant_rose", **source)
             else:
                 self.tally.recovered += 1
                 self.emit("sweep_trial", action="recovered", trial=tid, step=result["restored_from"],
-                          cause="trial_actor_died")
+                          cause="trial_actor_died", **source)
 
     @property
     def unstarted(self) -> int:
@@ -353,6 +366,7 @@ def _scheduler_class():
                                     (result or {}).get(METRIC))
                 c.emit("sweep_trial", action="completed", trial=trial.trial_id, step=(result or {}).get("step"),
                        **{METRIC: (result or {}).get(METRIC)})
+                sweep_keeper.drop_state(c.keeper, trial.trial_id)      # done: its kept state is not needed
 
         def on_trial_error(self, tune_controller, trial):
             c = self.control
@@ -362,6 +376,8 @@ def _scheduler_class():
                 self.errored.add(trial.trial_id)     # failed for good unless Tune requeues it (on_trial_add)
                 c.emit("sweep_trial", action="error", trial=trial.trial_id, cause="trial_error",
                        retry=trial.should_recover())
+                if not trial.should_recover():
+                    sweep_keeper.drop_state(c.keeper, trial.trial_id)
 
         def on_trial_remove(self, tune_controller, trial):
             with self.control.lock:
@@ -395,6 +411,8 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
            "steps_per_report": s.steps_per_report, "eval_rows": s.eval_rows, "seed": s.seed,
            "step_sleep_s": step_sleep_s, "setup_sleep_s": setup_sleep_s,
            "tenant": f"sweep:{cfg.name}", "gpu_resource": cfg.cluster.gpu_resource}
+    if s.keep_in_memory_mb > 0:       # paused trials' states in host memory: resumes read no storage
+        control.keeper, job["keeper"] = sweep_keeper.start_keeper(cfg.name, s.keep_in_memory_mb * 2**20)
     control.job, control.experiment = dict(job), experiment_path(cfg.storage, cfg.name)
     resources = tune.PlacementGroupFactory([{"CPU": float(cfg.cluster.cpus_per_trial),
                                              cfg.cluster.gpu_resource: 1.0}])
@@ -406,6 +424,7 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
             restoring = _prepare_restore(control)
         except BaseException:
             grant.close()
+            _stop_keeper(control)
             raise
     if restoring:
         control.tally.restored = True
@@ -422,6 +441,7 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     finally:
         _LIVE_CONTROL = None
         grant.close()
+        keeper = _stop_keeper(control)
     results = []
     for r in grid:
         m = r.metrics or {}
@@ -434,8 +454,20 @@ def run_sweep(cfg, grant, *, emit: Callable[..., Any] | None = None, callbacks: 
     control.tally.failed = sum(1 for r in results if r["error"])
     out = control.tally.as_report()
     out.update({"steps_per_trial": s.steps, "seconds": round(time.time() - t0, 2), "storage": cfg.storage,
-                "results": results})
+                "state_keeper": keeper, "results": results})
     return out
+
+
+def _stop_keeper(control: SweepControl) -> dict | None:
+    """Stop the state keeper; its counts (kept, evicted, not kept and why, hits, misses) or None."""
+    keeper, control.keeper = control.keeper, None
+    if keeper is None:
+        return None
+    stats = sweep_keeper.stop_keeper(keeper)
+    for miss in stats.get("not_kept_detail", []):
+        control.emit("sweep_state_not_kept", trial=miss["trial"], step=miss["step"], bytes=miss["bytes"],
+                     cause="over_memory_budget", detail=miss["why"])
+    return stats
 
 
 def _prepare_restore(control: SweepControl) -> bool:

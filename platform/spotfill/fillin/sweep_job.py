@@ -4,7 +4,8 @@
 report.json here:
     {"ok": every trial completed, "invariants": {...},
      "fillin": {"sweep": {trials, started, completed, failed, paused, resumed, recovered, best,
-                          handback_seconds, results: [...]},
+                          resumed_from: {memory, storage}, restore_s: {memory: [...], storage: [...]},
+                          state_keeper: {...}, handback_seconds, results: [...]},
                 "handback_seconds": [...]}}       # this sweep's reclaims: training's claim -> GPU free
 `handback_seconds` come from the arbiter's journal (`reclaim` events of tenant `sweep:<name>`), measured by
 the arbiter as for Serve; empty with `fillin.grant: fixed`.

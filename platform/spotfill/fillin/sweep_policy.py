@@ -127,12 +127,22 @@ class SweepTally:
     state_set_aside: list[str] = field(default_factory=list)   # its damaged state files, renamed NAME.damaged
     state_recovered: list[str] = field(default_factory=list)   # experiment states put back from NAME.last
     pauses: list[dict] = field(default_factory=list)   # {"trial", "at", "step"}
+    # restarts from a checkpoint (resumed, recovered, restored) by where the state came from: the state
+    # keeper's host memory or the storage checkpoint; and how long each restore took (seconds)
+    resumed_from: dict = field(default_factory=lambda: {"memory": 0, "storage": 0})
+    restore_s: dict = field(default_factory=lambda: {"memory": [], "storage": []})
     best: dict | None = None              # {"trial", "config", "metric", "value"}
     mode: str = "min"
 
     def on_pause(self, trial_id: str, at: float, step: int | None = None) -> None:
         self.paused += 1
         self.pauses.append({"trial": trial_id, "at": at, "step": step})
+
+    def on_restore(self, source: str, seconds: float | None) -> None:
+        """A trial restarted from a checkpoint whose state came from `source` (memory | storage)."""
+        self.resumed_from[source] = self.resumed_from.get(source, 0) + 1
+        if seconds is not None:
+            self.restore_s.setdefault(source, []).append(round(float(seconds), 4))
 
     def on_complete(self, trial_id: str, config: dict, metric: str, value: float | None,
                     carried: bool = False) -> None:
@@ -151,7 +161,8 @@ class SweepTally:
                "failed": self.failed, "paused": self.paused, "resumed": self.resumed,
                "recovered": self.recovered, "restored": self.restored, "carried_over": self.carried_over,
                "restored_trials": self.restored_trials, "state_set_aside": list(self.state_set_aside),
-               "state_recovered": list(self.state_recovered), "best": None}
+               "state_recovered": list(self.state_recovered), "resumed_from": dict(self.resumed_from),
+               "restore_s": {k: list(v) for k, v in self.restore_s.items()}, "best": None}
         if self.best is not None:
             out["best"] = {"config": self.best["config"], "metric": self.best["value"],
                            "metric_name": self.best["metric"], "trial": self.best["trial"]}

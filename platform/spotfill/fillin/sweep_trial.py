@@ -11,9 +11,17 @@ CPU. Every result says where it ran (`device`, `dtype`, `gpu_ids`).
 (`history`), so a pause checkpoint is exact and the history proves that a resumed trial continued rather
 than restarted, and that no step was applied twice. A checkpoint loads on whatever device the resumed
 trial was given.
+
+`save` also hands those exact bytes to the sweep's state keeper (fillin/sweep_keeper.py: host memory that
+outlives the trial actor) once the storage checkpoint is written, and records their checksum in Tune's
+record of the checkpoint; `restore` takes the kept bytes when they are exactly that checkpoint's state
+(fillin/sweep_memory.py: trial, step, checkpoint path, checksum) and reads no storage then, else restores
+from storage. Every result says where the last restore came from (`restored_via`: memory | storage), how
+long it took (`restore_s`) and, from storage, why (`restore_why`).
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -21,6 +29,8 @@ import time
 import uuid
 
 METRIC, MODE = "eval_loss", "min"
+STATE_FILE = "state.pt"
+log = logging.getLogger("spotfill.fillin.sweep_trial")
 
 
 def lr_at(step: int, lr: float, warmup_steps: int, total: int, min_ratio: float = 0.1) -> float:
@@ -73,6 +83,7 @@ def trainable_class():
                                          **({"fused": True} if on_gpu else {}))
             self.scaler = torch.amp.GradScaler("cuda") if self.dtype == torch.float16 else None
             self.step_n, self.history, self.restored_from = 0, [], None
+            self.restore_info = {"restored_via": None, "restore_s": None, "restore_why": None}
             self.incarnation = uuid.uuid4().hex[:8]
             n = self.reader.num_samples
             self.eval_rows = np.arange(max(0, n - int(self.job["eval_rows"])), n)
@@ -115,7 +126,7 @@ def trainable_class():
                 time.sleep(float(self.job["step_sleep_s"]))      # tests: a trial long enough to reclaim
             out = {"step": self.step_n, "loss": sum(losses) / max(1, len(losses)),
                    "restored_from": self.restored_from, "first_step": self.first_step,
-                   "incarnation": self.incarnation, "pid": os.getpid(), **self.where}
+                   "incarnation": self.incarnation, "pid": os.getpid(), **self.where, **self.restore_info}
             if self.step_n >= total:
                 with torch.no_grad(), self.busy.measure():
                     rows = self.reader.rows(self.eval_rows)
@@ -144,18 +155,90 @@ def trainable_class():
             self.busy.flush()          # stopped (done, paused, reclaimed): what it measured last
 
         def save_checkpoint(self, checkpoint_dir: str):
+            import io
+
             import torch
             self.busy.flush()
+            buf = io.BytesIO()
             torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step_n,
                         "history": list(self.history), "incarnation": self.incarnation,
-                        **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})},
-                       os.path.join(checkpoint_dir, "state.pt"))
+                        **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}, buf)
+            data = buf.getvalue()
+            with open(os.path.join(checkpoint_dir, STATE_FILE), "wb") as f:    # the storage checkpoint
+                f.write(data)
+            self._saved = (self.step_n, data)       # save() hands these same bytes to the state keeper
             return None
 
+        def save(self, checkpoint_dir: str | None = None):
+            """Tune's save (the checkpoint written and persisted to storage), then the same bytes to the
+            sweep's state keeper; their checksum goes into Tune's record of the checkpoint."""
+            from spotfill import ray_compat
+            from spotfill.fillin import sweep_keeper
+            from spotfill.fillin.sweep_memory import SHA_KEY, StateId, digest
+
+            result = super().save(checkpoint_dir)
+            saved, self._saved = getattr(self, "_saved", None), None
+            path, metrics = ray_compat.tune_checkpoint_parts(result)
+            if saved is None or not self.job.get("keeper") or not path or metrics.get("step") != saved[0]:
+                return result
+            sid = StateId(self.trial_id, saved[0], path, digest(saved[1]))
+            kept = sweep_keeper.keep(self.job["keeper"], sid, saved[1])
+            if kept.get("kept"):
+                metrics[SHA_KEY] = sid.sha256       # a restore of this checkpoint asks for exactly this state
+            else:
+                log.warning("trial %s: state at step %d not kept in memory (%s); its resume reads storage",
+                            self.trial_id, saved[0], kept.get("why"))
+            return result
+
+        def restore(self, checkpoint_path):
+            """Restore the checkpoint Tune hands in: from the state keeper when it holds exactly that
+            checkpoint's state (no storage read), else from storage; `restore_info` says which, and why."""
+            import shutil
+
+            from spotfill import ray_compat
+            from spotfill.fillin import sweep_keeper
+            from spotfill.fillin.sweep_memory import MEMORY, STORAGE, wanted_state
+
+            t0 = time.perf_counter()
+            path, metrics = ray_compat.tune_checkpoint_parts(checkpoint_path)
+            data, why = None, "no state keeper (sweep.keep_in_memory_mb: 0)"
+            if self.job.get("keeper"):
+                wanted, why = wanted_state(self.trial_id, path, metrics)
+                if wanted is not None:
+                    data, why = sweep_keeper.fetch(self.job["keeper"], wanted)
+            stand_in = here = None
+            if data is not None:
+                here = tempfile.mkdtemp(prefix="spotfill-sweep-restore-")
+                stand_in = ray_compat.tune_result_on_local_dir(checkpoint_path, here)
+                if stand_in is None:
+                    why = "this Ray's checkpoint result cannot stand in (hook tune_restore_from_memory off)"
+            try:
+                if stand_in is not None:
+                    self._memory_state = data
+                    out = super().restore(stand_in)
+                else:
+                    out = super().restore(checkpoint_path)
+            finally:
+                self._memory_state = None
+                if here:
+                    shutil.rmtree(here, ignore_errors=True)
+            via = MEMORY if stand_in is not None else STORAGE
+            self.restore_info = {"restored_via": via, "restore_s": round(time.perf_counter() - t0, 4),
+                                 "restore_why": None if via == MEMORY else why}
+            if via == STORAGE:
+                log.info("trial %s restored step %s from storage: %s", self.trial_id, self.step_n, why)
+            return out
+
         def load_checkpoint(self, checkpoint_dir: str):
+            import io
+
             import torch
-            state = torch.load(os.path.join(checkpoint_dir, "state.pt"), map_location=self.device,
-                               weights_only=False)
+            data = getattr(self, "_memory_state", None)
+            if data is not None:                    # restore(): the kept bytes of exactly this checkpoint
+                source = io.BytesIO(data)
+            else:
+                source = os.path.join(checkpoint_dir, STATE_FILE)
+            state = torch.load(source, map_location=self.device, weights_only=False)
             self.model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["opt"])
             if self.scaler is not None and "scaler" in state:

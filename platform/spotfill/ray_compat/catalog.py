@@ -450,4 +450,11 @@ HOOKS = _hooks(
          "fillin.sweep leaves Tune's timeout as it is",
          names=(f"{_TUNE}._cleanup_stopping_actors(force_all)",),
          checks=(_sets_in_init(_TUNE, "_actor_force_cleanup_timeout"),)),
+    Hook("tune_restore_from_memory", ROBUSTNESS, "ray", RAY,
+         "a resumed sweep trial restores the state its pause kept in host memory, reading no storage",
+         "every resumed sweep trial reads its checkpoint from storage (a round trip per resume)",
+         "fillin.sweep's trials restore from the storage checkpoint, as Tune does",
+         names=("ray.train._internal.session:_TrainingResult.__init__(checkpoint, metrics)",
+                "ray.tune:Trainable.save(checkpoint_dir)", "ray.tune:Trainable.restore(checkpoint_path)",
+                "ray.tune:Checkpoint.from_directory(path)")),
 )

@@ -44,3 +44,32 @@ def tune_unstage_trial(controller, trial) -> bool:
         ctrl._unstage_trial_with_resources(trial)
         return True
     return False
+
+
+def tune_checkpoint_parts(value) -> tuple[str | None, dict]:
+    """(storage path, metrics) of the checkpoint Tune hands `Trainable.restore` or gets back from
+    `Trainable.save` -- in Ray 2.60 a _TrainingResult(checkpoint, metrics), whose metrics are Tune's record
+    of that checkpoint (the dict itself: a key set in it travels back to the controller with the result).
+    (None, {}) where this Ray's result is not that (hook tune_restore_from_memory off): the sweep's trials
+    then restore from storage."""
+    if isinstance(value, str):
+        return value, {}
+    if not usable("tune_restore_from_memory"):
+        return None, {}
+    checkpoint, metrics = getattr(value, "checkpoint", None), getattr(value, "metrics", None)
+    return getattr(checkpoint, "path", None), metrics if isinstance(metrics, dict) else {}
+
+
+def tune_result_on_local_dir(value, local_dir: str):
+    """A copy of Tune's checkpoint result `value` whose checkpoint is the local folder `local_dir` (its
+    metrics kept), so that `Trainable.restore` -- the bookkeeping it does (iteration, time) and its call of
+    `load_checkpoint` -- runs without reading the storage checkpoint (a sweep trial restoring its state
+    from host memory: fillin/sweep_keeper.py). None where this Ray has no such result class."""
+    if not usable("tune_restore_from_memory"):
+        return None
+    from ray.train._internal.session import _TrainingResult
+    from ray.tune import Checkpoint
+
+    if not isinstance(value, _TrainingResult):
+        return None
+    return _TrainingResult(checkpoint=Checkpoint.from_directory(local_dir), metrics=dict(value.metrics))
