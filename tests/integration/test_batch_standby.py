@@ -89,6 +89,9 @@ def test_a_lent_gpu_runs_its_first_unit_on_the_jobs_warm_standby(env, inputs, tm
     # the actor's process is the standby: it existed before the lend, with its imports and the model
     assert start["t"] - start["init_s"] - start["process_age_s"] < got["t_lend"], start
     assert start["host_bytes"] > 0 and start["tenant"] == "batch:warm", start
+    # the GPU it computes on is exactly its lease's: the process sees only what Ray assigned the actor
+    device = start["device"]
+    assert device["gpu_ids"] and device["cuda_visible_devices"].split(",") == device["gpu_ids"], start
     pids = {int(k.rsplit(":", 1)[1]) for k in got["before"]}
     assert pids, got["before"]
     assert sorted(ids_in_output(got["output"])) == expected_ids(EVAL_ROWS, PROMPTS), "every row exactly once"

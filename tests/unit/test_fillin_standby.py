@@ -91,3 +91,37 @@ def test_no_standby_is_asked_where_trainings_spares_are_still_warming_up():
     records = {record_key("job", "a", 1): record_value(None, 500.0), record_key("job", "b", 2): record_value(90.0, 500.0),
                record_key("job", "c", 3): record_value(None, 50.0)}               # c's keep-alive ran out
     assert sb.training_warming(records, 100.0) == {"a"}
+
+
+def test_a_woken_standby_computes_only_on_the_gpus_of_its_lease():
+    """Ray sets CUDA_VISIBLE_DEVICES to the lease's GPUs when the actor lands on the standby's process; CUDA
+    honours it only if the standby never initialised CUDA before (it does not: it holds weights on the CPU)."""
+    assert sb.device_visibility([], None, False) == (True, "")                   # the CPU: nothing to check
+    assert sb.device_visibility([3], "3", False) == (True, "")
+    assert sb.device_visibility(["1", "2"], "1,2", False) == (True, "")
+    ok, why = sb.device_visibility([3], "0,1,2,3", False)                          # it would compute on GPU 0
+    assert not ok and "CUDA_VISIBLE_DEVICES='0,1,2,3'" in why and "lease is GPU(s) 3" in why
+    ok, why = sb.device_visibility([3], "3", True)                                 # CUDA set up before the lease
+    assert not ok and "initialised" in why
+    assert not sb.device_visibility([3], None, False)[0]
+
+
+def test_take_refuses_to_wake_a_standby_on_a_device_other_than_its_lease(monkeypatch):
+    import pytest
+
+    import spotfill.devices as devices
+    monkeypatch.setattr(sb, "_kv", lambda: (None, None, None, lambda key: 1))
+    monkeypatch.setattr(devices, "ray_gpu_ids", lambda: [2])
+    standby = {"kind": "batch", "owner": "j", "key": "k", "loaded": "M", "record": "r"}
+    monkeypatch.setattr(sb, "_STANDBY", dict(standby))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    assert sb.take("batch", "j", "k")["device"] == {"gpu_ids": ["2"], "cuda_visible_devices": "2"}
+    monkeypatch.setattr(sb, "_STANDBY", dict(standby))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(RuntimeError, match="lease is GPU"):
+        sb.take("batch", "j", "k")
+    monkeypatch.setattr(sb, "_STANDBY", dict(standby))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    monkeypatch.setattr(sb, "cuda_initialised", lambda: True)
+    with pytest.raises(RuntimeError, match="initialised"):
+        sb.take("batch", "j", "k")

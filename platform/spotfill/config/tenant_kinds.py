@@ -24,7 +24,7 @@ class KindInfo:
 
 
 KINDS: dict[str, KindInfo] = {
-    "serve": KindInfo(2, "#1f77b4", "spotfill.fillin.serve_tenant:ServeTenant", "spotfill.sim.runner:ServeFillin"),
+    "serve": KindInfo(2, "#1f77b4", "spotfill.fillin.serve_tenant:ServeTenant", "spotfill.sim.fillin_serve:ServeFillin"),
     "batch": KindInfo(1, "#9467bd", "spotfill.fillin.job_tenant:JobTenant", "spotfill.sim.fillin_batch"),
     "sweep": KindInfo(0, "#17becf", "spotfill.fillin.job_tenant:JobTenant", "spotfill.sim.fillin_sweep"),
 }

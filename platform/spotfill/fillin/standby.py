@@ -42,6 +42,7 @@ RECORD_TTL_S = 3600.0
 CHECK_S = 2.0                # how often a keeper looks at the nodes
 BUDGET_ENV = "SPOTFILL_STANDBY_HOST_MEMORY_FRACTION"
 _STANDBY: dict = {}          # this process's standby: {"kind", "owner", "key", "loaded", "record", ...}
+_HOOK: dict = {}             # a process whose setup hook found no token: why (a cold start's event says it)
 
 
 # -- pure decisions --------------------------------------------------------------------------------------
@@ -117,6 +118,44 @@ def claim_token(prefix: str, node: str, app_keys, take, now: float, owner: str |
     return None
 
 
+def device_visibility(gpu_ids: list, visible: str | None, cuda_initialised_before: bool) -> tuple[bool, str]:
+    """Whether a lent actor on a standby's process computes on exactly the GPUs of its lease: Ray assigned it
+    `gpu_ids` and set CUDA_VISIBLE_DEVICES (`visible`) to them when the actor landed -- which CUDA honours only
+    if the process had not initialised CUDA before (a standby never does: `cuda_initialised_before`). (ok, the
+    line saying what is wrong.) No GPU assigned: the CPU, nothing to check."""
+    ids = [str(g) for g in gpu_ids or []]
+    if not ids:
+        return True, ""
+    if cuda_initialised_before:
+        return False, (f"standby: CUDA was initialised in this process before Ray assigned GPU(s) {','.join(ids)}: "
+                       "it may see and compute on devices that are not its lease")
+    seen = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if seen != ids:
+        return False, (f"standby: the process sees CUDA_VISIBLE_DEVICES={visible!r}, its lease is GPU(s) "
+                       f"{','.join(ids)}")
+    return True, ""
+
+
+def check_device(gpu_ids: list, cuda_initialised_before: bool) -> dict:
+    """Before a lent actor wakes a standby's model: its device is exactly its lease's (device_visibility), or
+    RuntimeError with the line (the actor fails; Ray starts the next one in a fresh process)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ok, why = device_visibility(gpu_ids, visible, cuda_initialised_before)
+    if not ok:
+        raise RuntimeError(why)
+    return {"gpu_ids": [str(g) for g in gpu_ids or []], "cuda_visible_devices": visible}
+
+
+def cuda_initialised() -> bool:
+    """Whether this process has initialised CUDA (false where torch is not imported or has no CUDA)."""
+    import sys
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 -- a torch without CUDA
+        return False
+
+
 def model_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -162,15 +201,20 @@ def start(kind: str, token_prefix: str, record_prefix: str, warm, owner_of_proce
     (one Ray starts for an actor when no standby is there) returns at once."""
     if _STANDBY:
         return
-    try:
-        import ray
-        node = ray.get_runtime_context().get_node_id()
-        owner = owner_of_process() if owner_of_process else None
-        _, _, kv_list, _ = _kv()
-        args = claim_token(token_prefix, node, kv_list, _take_key, time.time(), owner)
-    except Exception:  # noqa: BLE001 -- no token readable: a process started for an actor
-        return
+    args, why = None, "no token of its node and owner"
+    for attempt in range(3):          # the GCS answers slowly on a busy node: a standby is not lost to that
+        try:
+            import ray
+            node = ray.get_runtime_context().get_node_id()
+            owner = owner_of_process() if owner_of_process else None
+            _, _, kv_list, _ = _kv()
+            args = claim_token(token_prefix, node, kv_list, _take_key, time.time(), owner)
+            break
+        except Exception as exc:  # noqa: BLE001 -- no token readable: tried again, then a plain process
+            why = f"tokens not readable ({type(exc).__name__}: {exc})"
+            time.sleep(0.5 * (attempt + 1))
     if args is None:
+        _HOOK.update(kind=kind, t=round(time.time(), 3), why=why)      # said by a cold start's event
         return
     _STANDBY.update(kind=kind, owner=args["owner"], args=args, started_t=round(time.time(), 3), loaded=None,
                     record=f"{record_prefix}{args['owner']}:{node}:{os.getpid()}")
@@ -211,7 +255,9 @@ def take(kind: str, owner: str, key) -> dict | None:
     "ready_t", "idle", "host_bytes"}; None in a process that is no standby of that kind and owner."""
     if not _STANDBY or _STANDBY.get("kind") != kind or _STANDBY.get("owner") != owner:
         return None
+    from spotfill.devices import ray_gpu_ids
     mine = dict(_STANDBY)
+    mine["device"] = check_device(ray_gpu_ids(), cuda_initialised())     # exactly its lease's GPU(s)
     if mine.get("key") != key:
         mine["loaded"] = None
         mine.setdefault("note", f"standby: it held {mine.get('key')!r}, the actor needs {key!r}")
@@ -236,9 +282,11 @@ def start_event(tenant: str, workload: str, meter, t_init: float, standby: dict 
              "process_age_s": None if started is None else round(t_init - started, 3),
              "init_s": round(now - t_init, 3), "wake_s": load.get("wake_s"),
              "load_s": None if warm else load.get("load_s"), "tag": load.get("tag")}
+    if standby is None and _HOOK.get("kind") == workload:
+        event["standby_note"] = f"not a standby: {_HOOK['why']} (checked at +{_HOOK['t'] - (started or now):.1f}s)"
     if standby is not None:
         event.update(standby_imports_s=standby.get("imports_s"), standby_note=standby.get("note"),
-                     host_bytes=standby.get("host_bytes"))
+                     host_bytes=standby.get("host_bytes"), device=standby.get("device"))
         if standby.get("note"):
             log.warning("%s", standby["note"])
     log.info("%s started %s in %.2fs (%s)", workload, "warm" if warm else "cold", now - t_init,
