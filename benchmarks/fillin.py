@@ -56,6 +56,7 @@ training restarts at full size (2) on the slots it takes back from Serve -- the 
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 from typing import Callable
 
@@ -73,7 +74,8 @@ def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool
     if jobs:    # one lent GPU each, and big enough to be running when training claims them back after node
         # 0's loss, about 10 s after the kill here (a 200-step trial took 17 s and had finished by then;
         # 4096 rows of evaluation + 72 prompts took 9 s: the whole prepared data is evaluated instead)
-        fillin.update(batch={"enabled": True, "rows": JOBS_ROWS, "prompts": JOBS_PROMPTS, "max_units": 1},
+        fillin.update(batch={"enabled": True, "rows": JOBS_ROWS, "prompts": JOBS_PROMPTS, "max_units": 1,
+                             "standby_per_node": standby},
                       sweep={"enabled": True, "trials": 1, "steps": JOBS_TRIAL_STEPS, "max_units": 1})
     return {
         "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": n} for n in NODE_SLOTS]},
@@ -152,7 +154,6 @@ def steady_step_ms(run_dir: str, after_step: int) -> float | None:
     """Median step time (ms, the step events' own step_s) of the steps after `after_step`: training at
     full size long after the restart, apart from start-up and recovery (whose CPU use differs between
     the runs: Serve's replicas start, the restart's imports)."""
-    import statistics
 
     from spotfill.telemetry.events import read_events
     steps = [e["step_s"] for e in read_events(os.path.join(run_dir, "events.jsonl"), {"step"})
@@ -174,7 +175,7 @@ def _run(serve: bool, quick: bool, say, kill_at: int | None = None, load_rps: fl
     # first side's kill met
     steps, default_kill = (1000, 40) if quick else (2000, 600)
     kill_at = kill_at or default_kill
-    name = "fillin-jobs" if jobs else ("fillin-serve" + ("" if standby else "-cold")) if serve else "fillin-off"
+    name = ("fillin-jobs" if jobs else "fillin-serve" if serve else "fillin-off") + ("" if standby else "-cold")
     out = tempfile.mkdtemp(prefix=f"spotfill-bench-{name}-")
     say(f"{name}: {steps} steps, node 0 killed at step {kill_at}" + (f", load {load_rps:g} rps" if serve else "")
         + (", batch + sweep fill-in" if jobs else ""))
@@ -212,13 +213,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a and b else None
 
 
-def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu_layout: str = "auto") -> dict:
+def ratio_rounds(rounds: list[tuple]) -> dict:
+    """Training tokens/s with fill-in over without, per interleaved round: each, their median and spread."""
+    ratios = [r for r in (_ratio(a, b) for a, b in rounds) if r is not None]
+    return {"ratios": ratios, "median": round(statistics.median(ratios), 4) if ratios else None,
+            "min": min(ratios, default=None), "max": max(ratios, default=None), "rounds": len(rounds)}
+
+
+def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu_layout: str = "auto",
+                 ratio_pairs: int | None = None) -> dict:
     """cpu_layout "auto": the head and each node on cores of their own where this machine has enough
     (sim.cpu_layout: 1 + the nodes' GPU slots, 5 here), as on a cluster, else the training worker on a core
     of its own and the rest on the others (2-4 cores); "shared": all on every core."""
     from spotfill.sim.cpu_layout import as_dict, describe, plan_layout, training_apart
 
     say = progress or (lambda msg: None)
+    ratio_pairs = (1 if quick else 2) if ratio_pairs is None else ratio_pairs
     layout = (plan_layout(NODE_SLOTS) or training_apart(len(NODE_SLOTS))) if cpu_layout == "auto" else None
     say(f"cpu layout: {describe(layout)}")
     with_fill = _run(True, quick, say, cpu_layout=layout)
@@ -232,7 +242,17 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu
     say(f"with fill-in, Serve without standbys: lend -> busy {cold['lend_to_busy_s'].get('serve')}, "
         f"harvest {cold['harvest_ratio']}")
     jobs = _run(False, quick, say, kill_at=with_fill["kill_step"], jobs=True, cpu_layout=layout)
-    say(f"batch + sweep fill-in: hand-backs {jobs['handback_by_workload']}")
+    say(f"batch + sweep fill-in: hand-backs {jobs['handback_by_workload']}, lend -> busy "
+        f"{jobs['lend_to_busy_s'].get('batch')}")
+    jobs_cold = _run(False, quick, say, kill_at=with_fill["kill_step"], jobs=True, cpu_layout=layout, standby=0)
+    say(f"batch + sweep fill-in without standbys: lend -> busy {jobs_cold['lend_to_busy_s'].get('batch')}")
+    # training's ratio over interleaved rounds (with Serve under load / without): one pair cannot show 2%
+    rounds = [(with_fill["tokens_per_s"], without["tokens_per_s"])]
+    for i in range(ratio_pairs):
+        w = _run(True, True, say, cpu_layout=layout)
+        wo = _run(False, True, say, kill_at=w["kill_step"], cpu_layout=layout)
+        rounds.append((w["tokens_per_s"], wo["tokens_per_s"]))
+        say(f"ratio round {i + 2}: {_ratio(*rounds[-1])}")
     a, b, c = with_fill["tokens_per_s"], without["tokens_per_s"], no_load["tokens_per_s"]
     by_workload = {**jobs["handback_by_workload"], **with_fill["handback_by_workload"]}
     hb = [s for v in by_workload.values() for s in v]
@@ -241,6 +261,14 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu
             "handback_s_max_by_workload": {k: max(v) for k, v in by_workload.items() if v},
             "batch": jobs["batch"], "sweep": jobs["sweep"],
             "lend_to_busy_s": {**jobs["lend_to_busy_s"], **with_fill["lend_to_busy_s"]},  # batch + sweep, Serve
+            "training_ratio_rounds": ratio_rounds(rounds),
+            # the batch job's lent actors on warm standbys (the default) and, in the same scenario, cold
+            "batch_warm_vs_cold": {"starts": {"standby": jobs["starts"].get("batch"),
+                                              "cold": jobs_cold["starts"].get("batch")},
+                                   "lend_to_busy_s": {"standby": jobs["lend_to_busy_s"].get("batch"),
+                                                      "cold": jobs_cold["lend_to_busy_s"].get("batch")},
+                                   "harvest_ratio": {"standby": jobs["harvest_ratio"],
+                                                     "cold": jobs_cold["harvest_ratio"]}},
             # Serve's lent replicas started on warm standbys (the default) and, in the same scenario, cold
             "serve_warm_vs_cold": {"starts": {"standby": with_fill["starts"].get("serve"),
                                               "cold": cold["starts"].get("serve")},
@@ -267,10 +295,10 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu
             "gpu_seconds_fillin": (with_fill["gpu_seconds"] or {}).get("fillin"),
             "world_size_timeline": {"with_fillin": with_fill["world_size_timeline"],
                                     "without": without["world_size_timeline"]},
-            "invariants_ok": with_fill["ok"] and without["ok"] and no_load["ok"] and jobs["ok"] and cold["ok"],
+            "invariants_ok": with_fill["ok"] and without["ok"] and no_load["ok"] and jobs["ok"] and cold["ok"]
+            and jobs_cold["ok"],
             "runs": {"with_fillin": with_fill, "without": without, "with_fillin_no_load": no_load,
-                     "with_fillin_cold": cold,
-                     "batch_and_sweep": jobs},
+                     "with_fillin_cold": cold, "batch_and_sweep": jobs, "batch_and_sweep_cold": jobs_cold},
             "cpu_layout": {**as_dict(layout), "training_workers_pinned": {
                 k: (r.get("cpu_layout") or {}).get("training_workers_pinned")
                 for k, r in (("with_fillin", with_fill), ("without", without))}},

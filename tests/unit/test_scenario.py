@@ -48,7 +48,7 @@ def test_serve_fillin_parses_with_defaults():
 def test_batch_fillin_and_reclaim_order_parse_with_defaults():
     s = parse_scenario({"fillin": {"batch": {"enabled": True, "rows": 64}}})
     assert s.fillin.batch_enabled and s.fillin.batch == {"enabled": True, "rows": 64, "prompts": 16,
-                                                         "max_units": None}
+                                                         "max_units": None, "standby_per_node": 1}
     assert s.fillin.reclaim_order == ["sweep", "batch", "serve"]
     assert not parse_scenario({}).fillin.batch_enabled
     s = parse_scenario({"fillin": {"reclaim_order": ["batch", "sweep", "serve"]}})
@@ -64,6 +64,7 @@ def test_batch_fillin_and_reclaim_order_parse_with_defaults():
     ({"batch": {"enabled": "yes"}}, "fillin.batch.enabled"),
     ({"batch": {"enabled": True, "row": 5}}, "fillin.batch.row"),
     ({"batch": {"enabled": True, "max_units": 0}}, "fillin.batch.max_units"),
+    ({"batch": {"enabled": True, "standby_per_node": -1}}, "fillin.batch.standby_per_node"),
     ({"batch": []}, "fillin.batch"),
     ({"reclaim_order": ["serve", "batch"]}, "fillin.reclaim_order"),
     ({"reclaim_order": ["serve", "batch", "batch"]}, "fillin.reclaim_order"),

@@ -57,7 +57,8 @@ class BatchFillin(DriverFillin):
         cfg = {"name": self.name, "checkpoint": self.checkpoint, "output": self.output,
                "checkpoint_wait_s": CHECKPOINT_WAIT_S,
                "cluster": {"gpu_resource": self.scenario.cluster.gpu_resource,
-                           "max_units": spec["max_units"] or gpus, "grace_s": 5.0}}
+                           "max_units": spec["max_units"] or gpus, "grace_s": 5.0,
+                           "standby_per_node": spec["standby_per_node"]}}
         if spec["rows"]:
             cfg["eval"] = {"data": self.data_dir, "rows": spec["rows"], "rows_per_unit": 16, "batch_size": 8}
         if spec["prompts"]:

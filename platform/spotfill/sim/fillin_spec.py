@@ -1,14 +1,15 @@
 """Scenario keys for batch fill-in and the reclaim order (pure; used by sim/scenario.py's FillinSpec).
 
     fillin:
-      batch: {enabled: true, rows: 256, prompts: 16, max_units: null}
+      batch: {enabled: true, rows: 256, prompts: 16, max_units: null, standby_per_node: 1}
       sweep: {enabled: true, trials: 4, steps: 40, max_units: null}
       reclaim_order: [sweep, batch, serve]        # the default: sweeps first, serving (user-facing) last
 
 `batch.rows`: held-out rows the batch job evaluates (the loss and perplexity of the run's checkpoint over the
 scenario's prepared token shards, capped by what the data holds); `batch.prompts`: prompts it generates for
 (taken from the same corpus); report.json's fillin.batch.rows_target is their sum. `max_units`: most GPUs
-it holds at once (default: every GPU slot).
+it holds at once (default: every GPU slot). `standby_per_node` (default 1, 0 off): the job's warm standbys per
+GPU node (fillin/batch_standby.py).
 
 `sweep.trials`: trials of jobs/sweep.py's learning-rate x warm-up grid of the tiny GPT (the grid's first
 N), `sweep.steps`: optimizer steps per trial, `max_units`: most trials at once (default: every GPU slot).
@@ -18,7 +19,7 @@ from __future__ import annotations
 from spotfill.config.errors import ConfigError
 from spotfill.fillin.policy import DEFAULT_ORDER
 
-BATCH_KEYS = {"enabled": False, "rows": 256, "prompts": 16, "max_units": None}
+BATCH_KEYS = {"enabled": False, "rows": 256, "prompts": 16, "max_units": None, "standby_per_node": 1}
 SWEEP_KEYS = {"enabled": False, "trials": 4, "steps": 40, "max_units": None}
 TENANT_KINDS = DEFAULT_ORDER       # every kind in the registry (config/tenant_kinds.py)
 
@@ -42,6 +43,9 @@ def batch_spec(spec, path: str) -> dict:
     mu = out["max_units"]
     if mu is not None and (isinstance(mu, bool) or not isinstance(mu, int) or mu < 1):
         raise ConfigError(f"{path}.max_units", mu, accepted="an integer >= 1")
+    sb = out["standby_per_node"]
+    if isinstance(sb, bool) or not isinstance(sb, int) or not 0 <= sb <= 8:
+        raise ConfigError(f"{path}.standby_per_node", sb, accepted="an integer from 0 to 8 (0: none)")
     return out
 
 
