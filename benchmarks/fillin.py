@@ -76,7 +76,8 @@ def _scenario(serve: bool, steps: int, kill_at: int, load_rps: float, jobs: bool
         # 4096 rows of evaluation + 72 prompts took 9 s: the whole prepared data is evaluated instead)
         fillin.update(batch={"enabled": True, "rows": JOBS_ROWS, "prompts": JOBS_PROMPTS, "max_units": 1,
                              "standby_per_node": standby},
-                      sweep={"enabled": True, "trials": 1, "steps": JOBS_TRIAL_STEPS, "max_units": 1})
+                      sweep={"enabled": True, "trials": 1, "steps": JOBS_TRIAL_STEPS, "max_units": 1,
+                             "standby_per_node": standby})
     return {
         "cluster": {"gpu_resource": "GPU_SLOT", "nodes": [{"gpus": n} for n in NODE_SLOTS]},
         "training": {"model": "tiny", "workers": [1, 2], "steps": steps, "global_batch": 12,
@@ -262,13 +263,13 @@ def bench_fillin(quick: bool, progress: Callable[[str], None] | None = None, cpu
             "batch": jobs["batch"], "sweep": jobs["sweep"],
             "lend_to_busy_s": {**jobs["lend_to_busy_s"], **with_fill["lend_to_busy_s"]},  # batch + sweep, Serve
             "training_ratio_rounds": ratio_rounds(rounds),
-            # the batch job's lent actors on warm standbys (the default) and, in the same scenario, cold
-            "batch_warm_vs_cold": {"starts": {"standby": jobs["starts"].get("batch"),
-                                              "cold": jobs_cold["starts"].get("batch")},
-                                   "lend_to_busy_s": {"standby": jobs["lend_to_busy_s"].get("batch"),
-                                                      "cold": jobs_cold["lend_to_busy_s"].get("batch")},
-                                   "harvest_ratio": {"standby": jobs["harvest_ratio"],
-                                                     "cold": jobs_cold["harvest_ratio"]}},
+            # the batch job's and the sweep's lent actors on warm standbys (the default) and, in the same
+            # scenario, cold (standby_per_node 0)
+            **{f"{w}_warm_vs_cold": {"starts": {"standby": jobs["starts"].get(w), "cold": jobs_cold["starts"].get(w)},
+                                     "lend_to_busy_s": {"standby": jobs["lend_to_busy_s"].get(w),
+                                                        "cold": jobs_cold["lend_to_busy_s"].get(w)}}
+               for w in ("batch", "sweep")},
+            "jobs_harvest_ratio": {"standby": jobs["harvest_ratio"], "cold": jobs_cold["harvest_ratio"]},
             # Serve's lent replicas started on warm standbys (the default) and, in the same scenario, cold
             "serve_warm_vs_cold": {"starts": {"standby": with_fill["starts"].get("serve"),
                                               "cold": cold["starts"].get("serve")},

@@ -389,3 +389,9 @@ def test_a_training_claim_takes_the_sweeps_gpus_back_within_its_grace_and_the_sw
     kinds = [json.loads(line) for line in open(os.path.join(cfg["run_dir"], "events.jsonl"))]
     assert sum(1 for e in kinds if e["kind"] == "sweep_trial" and e["action"] == "paused") >= 2
     print(f"\nsweep hand-back (claim -> GPUs free): {handback:.2f}s; per lease {s['handback_seconds']}")
+    # the trials resumed after the claim started on the job's warm standbys (fillin/sweep_standby.py): their
+    # processes existed before the lend, with a trial's imports done
+    journal = ray.get(env["arbiter"].journal_since.remote(0), timeout=30)["events"]
+    starts = [e for e in journal if e["kind"] == "fillin_start" and e["tenant"] == tenant]
+    print("sweep trial starts:", [(e["warm"], e["init_s"], e.get("standby_note")) for e in starts])
+    assert len(starts) >= 4 and any(e["warm"] and e["process_age_s"] > e["init_s"] for e in starts), starts

@@ -20,6 +20,7 @@
       grant: arbiter             # arbiter: GPUs the fill-in arbiter lends; fixed: `max_units` of one's own
       max_units: 4               # trials at once (1 GPU unit each)
       grace_s: 5.0               # a reclaim's deadline: trials beyond the grant are paused within it
+      standby_per_node: 1        # warm trial processes per GPU node, imports done (0 to 8; 0: trials start cold)
     cluster: {gpu_resource: GPU_SLOT, cpus_per_trial: 1}
 """
 from __future__ import annotations
@@ -91,11 +92,15 @@ class SweepFillin:
     grant: str = "arbiter"
     max_units: int = 4
     grace_s: float = 5.0
+    standby_per_node: int = 1
 
     def validate(self, path: str) -> None:
         check_choice(path, "grant", self.grant, ["arbiter", "fixed"])
         check_positive(path, "max_units", self.max_units)
         check_positive(path, "grace_s", self.grace_s)
+        sb = self.standby_per_node
+        if isinstance(sb, bool) or not isinstance(sb, int) or not 0 <= sb <= 8:
+            raise ConfigError(join_path(path, "standby_per_node"), sb, accepted="an integer from 0 to 8 (0: no standby)")
 
 
 @dataclass

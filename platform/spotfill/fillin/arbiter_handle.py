@@ -30,7 +30,6 @@ def ensure_arbiter(gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_O
     long a batch job or sweep keeps a unit another tenant waits for (lending.take_turns; None: TURN_S).
     Callers go through fillin/wiring.py."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from spotfill.fillin.arbiter import IDLE_RECLAIM_S, Arbiter
     from spotfill.ray_compat import require
@@ -39,12 +38,11 @@ def ensure_arbiter(gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_O
     idle_reclaim_s = IDLE_RECLAIM_S if idle_reclaim_s is None else idle_reclaim_s
     turn_s = TURN_S if turn_s is None else turn_s
 
-    head = next((n["NodeID"] for n in ray.nodes() if n.get("Alive")
-                 and "node:__internal_head__" in (n.get("Resources") or {})), None)
     options = dict(name=ARBITER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
                    num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=16)
-    if head:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
+    head = head_node_strategy(soft=False)
+    if head is not None:
+        options["scheduling_strategy"] = head
     if runtime_env:
         options["runtime_env"] = runtime_env
     handle = ray.remote(Arbiter).options(**options).remote(gpu_resource, tuple(order), state_path,
@@ -53,3 +51,14 @@ def ensure_arbiter(gpu_resource: str = "GPU", order: tuple[str, ...] = DEFAULT_O
                                                            turn_s=turn_s)
     ray.get(handle.ping.remote(), timeout=60)
     return handle
+
+
+def head_node_strategy(soft: bool = True):
+    """Ray's scheduling strategy for the head node (a control-plane actor: the arbiter, a job's standby or state
+    keeper), or None where no head is found. Not "this driver's node": a driver connected to a cluster whose
+    nodes share one address may be attached to any of their raylets, a spot GPU node that goes away."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    head = next((n["NodeID"] for n in ray.nodes() if n.get("Alive")
+                 and "node:__internal_head__" in (n.get("Resources") or {})), None)
+    return NodeAffinitySchedulingStrategy(head, soft=soft) if head else None

@@ -83,12 +83,13 @@ def actor_runtime_env(job_runtime_env: dict | None) -> dict:
 
 
 def start_keeper(output: str, gpu_resource: str, per_node: int, runtime_env: dict):
-    """The job's keeper actor (0 CPU, on this driver's node): `per_node` standbys of this job on every node
+    """The job's keeper actor (0 CPU, on the head node): `per_node` standbys of this job on every node
     with `gpu_resource`. Returns the actor handle (kill it when the job ends) or None when `per_node` is 0."""
     if per_node <= 0:
         return None
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from spotfill.fillin.arbiter_handle import head_node_strategy
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class BatchStandbyKeeper:
@@ -104,10 +105,11 @@ def start_keeper(output: str, gpu_resource: str, per_node: int, runtime_env: dic
         def asks(self) -> int:
             return self.keeper.asks
 
-    here = ray.get_runtime_context().get_node_id()
-    return BatchStandbyKeeper.options(
-        name=None, runtime_env=runtime_env,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote(_job_id())
+    options = {"runtime_env": runtime_env}
+    head = head_node_strategy()            # the head: the keeper outlives any GPU node's loss
+    if head is not None:
+        options["scheduling_strategy"] = head
+    return BatchStandbyKeeper.options(**options).remote(_job_id())
 
 
 def records(job_id: str) -> dict[str, dict]:

@@ -69,8 +69,11 @@ def run_sweep_job(cfg, *, runtime_env: dict | None = None, step_sleep_s: float =
     from spotfill.fillin.wiring import connect_ray
     from spotfill.telemetry.events import EventLog
 
+    from spotfill.fillin.sweep_standby import job_runtime_env, start_keeper
     check_inputs(cfg)
-    connect_ray(runtime_env or {})
+    # the job's processes get the standby setup hook; its keeper prestarts warm trial processes per GPU node
+    connect_ray(job_runtime_env(runtime_env, cfg.fillin.standby_per_node))
+    keeper = start_keeper(cfg.cluster.gpu_resource, cfg.fillin.standby_per_node)
     os.makedirs(cfg.run_dir, exist_ok=True)
     events = EventLog(os.path.join(cfg.run_dir, "events.jsonl"))
     t0 = time.time()
@@ -81,6 +84,8 @@ def run_sweep_job(cfg, *, runtime_env: dict | None = None, step_sleep_s: float =
         section = run_sweep(cfg, grant, emit=lambda kind, **f: events.write(kind, **f), step_sleep_s=step_sleep_s)
     finally:
         events.close()
+        from spotfill.fillin.batch_standby import stop_keeper
+        stop_keeper(keeper)
     section["handback_seconds"] = (sweep_handbacks(f"sweep:{cfg.name}", t0) if cfg.fillin.grant == "arbiter"
                                    else [])
     results = section.get("results", [])

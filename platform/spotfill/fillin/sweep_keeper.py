@@ -1,5 +1,5 @@
 """The sweep's state keeper: one Ray actor per sweep driver (0 CPU, 0 GPU, named, owned by the driver and
-placed on its node when it can be) holding paused trials' states in host memory (fillin/sweep_memory.py's
+placed on the head node when it can be) holding paused trials' states in host memory (fillin/sweep_memory.py's
 Shelf), so a resumed trial restores without a storage round trip.
 
 It outlives the trial actors (they exit on every pause), not the driver: a rerun that restores an
@@ -59,14 +59,15 @@ class StateKeeper:
 def start_keeper(sweep_name: str, budget_bytes: int):
     """Start this driver's keeper; returns (handle, name)."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from spotfill.fillin.arbiter_handle import head_node_strategy
 
     name = f"{PREFIX}{sweep_name}:{uuid.uuid4().hex[:8]}"
-    here = ray.get_runtime_context().get_node_id()
-    actor = ray.remote(StateKeeper).options(
-        name=name, num_cpus=0, num_gpus=0, max_concurrency=4, max_restarts=0,
-        # the driver's node (a CPU head, not a spot GPU node that may go), elsewhere when it cannot
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote(budget_bytes, name)
+    options = dict(name=name, num_cpus=0, num_gpus=0, max_concurrency=4, max_restarts=0)
+    head = head_node_strategy()       # the head (not a spot GPU node that may go), elsewhere when it cannot
+    if head is not None:
+        options["scheduling_strategy"] = head
+    actor = ray.remote(StateKeeper).options(**options).remote(budget_bytes, name)
     ray.get(actor.stats.remote(), timeout=60)
     return actor, name
 

@@ -49,6 +49,9 @@ def trainable_class():
         """One trial: the tiny GPT trained `steps` steps on the prepared shards with this trial's config."""
 
         def setup(self, config: dict, job: dict | None = None):
+            t_init = time.time()
+            from spotfill.fillin.sweep_standby import take
+            standby = take()                 # a warm standby's process: its imports are done
             import numpy as np
             import torch
 
@@ -91,6 +94,11 @@ def trainable_class():
             self.first_step = None
             if self.job.get("setup_sleep_s"):
                 time.sleep(float(self.job["setup_sleep_s"]))     # tests: a setup as slow as a CPU-starved one
+            from spotfill.fillin.standby import start_event
+            self.start = start_event(self.busy.meter.tenant, "sweep", self.busy.meter, t_init, standby,
+                                     {"wake_s": round(time.time() - t_init, 3)} if standby else
+                                     {"load_s": round(time.time() - t_init, 3)})
+            self.busy.send([self.start])
 
         def _batch(self, step: int):
             import numpy as np

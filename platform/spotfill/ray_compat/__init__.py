@@ -9,7 +9,7 @@ not are hooks, each listed in catalog.py with its class, what it does, what is l
   jit_build_lock_guard, deepspeed_muon_stand_in, drain_aware_restarts, gcs_checked_pg_cleaner,
   teardown_reaper, local_preemption_info, warm_worker_setup_hook, prestart_spare_workers,
   kill_stuck_batch_actors, quiet_node_deaths, node_death_reasons, serve_replica_watch,
-  tune_fast_trial_cleanup, tune_restore_from_memory, ledger_group_end, device_aware_torch_backend,
+  tune_fast_trial_cleanup, tune_restore_from_memory, tune_trial_runtime_env, ledger_group_end, device_aware_torch_backend,
   gcs_cluster_config, gcs_dashboard_url, gcs_dead_jobs, dashboard_token_auth, deepspeed_group_timeout,
   restore_node_files.
 - required hooks are what a feature is built on. Where one is missing, that feature -- only when it is
@@ -46,7 +46,7 @@ _PARTS = {
     "names": ("RAY_TRAIN_WORKER_MODULE", "DYNAMO_MODULE"),
     "ray_serve": ("check_serve_hooks", "watch_running_replicas"),
     "ray_tune": ("require_sweep", "tune_force_cleanup_after", "tune_unstage_trial", "tune_checkpoint_parts",
-                 "tune_result_on_local_dir"),
+                 "tune_result_on_local_dir", "tune_trial_runtime_env"),
     "torch_jit": ("guard_jit_op_builds", "StaleBuildLock"),
     "torch_dist": ("new_groups_timeout",),
     "deepspeed_engine": ("skip_deepspeed_muon", "zero_elastic_supported", "zero_load_elastic",

@@ -73,3 +73,20 @@ def tune_result_on_local_dir(value, local_dir: str):
     if not isinstance(value, _TrainingResult):
         return None
     return _TrainingResult(checkpoint=Checkpoint.from_directory(local_dir), metrics=dict(value.metrics))
+
+
+def tune_trial_runtime_env() -> dict | None:
+    """The runtime_env Ray Tune gives a trial's actor (Ray 2.60: tune/execution/class_cache.py's
+    _ActorClassCache.get: {"env_vars": its defaults plus the variables it propagates from this driver's
+    environment}), so a process prestarted with it is one Ray's worker pool hands a trial (fillin/
+    sweep_standby.py). None (trials start in fresh processes, one warning) where this Ray has no such names."""
+    if not usable("tune_trial_runtime_env"):
+        return None
+    import os
+
+    from ray.tune.execution import class_cache
+    env_vars = dict(class_cache.DEFAULT_ENV_VARS)
+    for name in class_cache.ENV_VARS_TO_PROPAGATE:
+        if name in os.environ:
+            env_vars[name] = os.environ[name]
+    return {"env_vars": env_vars}

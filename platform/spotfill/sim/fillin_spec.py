@@ -2,7 +2,7 @@
 
     fillin:
       batch: {enabled: true, rows: 256, prompts: 16, max_units: null, standby_per_node: 1}
-      sweep: {enabled: true, trials: 4, steps: 40, max_units: null}
+      sweep: {enabled: true, trials: 4, steps: 40, max_units: null, standby_per_node: 1}
       reclaim_order: [sweep, batch, serve]        # the default: sweeps first, serving (user-facing) last
 
 `batch.rows`: held-out rows the batch job evaluates (the loss and perplexity of the run's checkpoint over the
@@ -12,7 +12,8 @@ it holds at once (default: every GPU slot). `standby_per_node` (default 1, 0 off
 GPU node (fillin/batch_standby.py).
 
 `sweep.trials`: trials of jobs/sweep.py's learning-rate x warm-up grid of the tiny GPT (the grid's first
-N), `sweep.steps`: optimizer steps per trial, `max_units`: most trials at once (default: every GPU slot).
+N), `sweep.steps`: optimizer steps per trial, `max_units`: most trials at once (default: every GPU slot),
+`standby_per_node` (default 1, 0 off): warm trial processes per GPU node (fillin/sweep_standby.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from spotfill.config.errors import ConfigError
 from spotfill.fillin.policy import DEFAULT_ORDER
 
 BATCH_KEYS = {"enabled": False, "rows": 256, "prompts": 16, "max_units": None, "standby_per_node": 1}
-SWEEP_KEYS = {"enabled": False, "trials": 4, "steps": 40, "max_units": None}
+SWEEP_KEYS = {"enabled": False, "trials": 4, "steps": 40, "max_units": None, "standby_per_node": 1}
 TENANT_KINDS = DEFAULT_ORDER       # every kind in the registry (config/tenant_kinds.py)
 
 
@@ -43,10 +44,14 @@ def batch_spec(spec, path: str) -> dict:
     mu = out["max_units"]
     if mu is not None and (isinstance(mu, bool) or not isinstance(mu, int) or mu < 1):
         raise ConfigError(f"{path}.max_units", mu, accepted="an integer >= 1")
+    _check_standbys(out, path)
+    return out
+
+
+def _check_standbys(out: dict, path: str) -> None:
     sb = out["standby_per_node"]
     if isinstance(sb, bool) or not isinstance(sb, int) or not 0 <= sb <= 8:
         raise ConfigError(f"{path}.standby_per_node", sb, accepted="an integer from 0 to 8 (0: none)")
-    return out
 
 
 def sweep_spec(spec, path: str) -> dict:
@@ -66,6 +71,7 @@ def sweep_spec(spec, path: str) -> dict:
     mu = out["max_units"]
     if mu is not None and (isinstance(mu, bool) or not isinstance(mu, int) or mu < 1):
         raise ConfigError(f"{path}.max_units", mu, accepted="an integer >= 1")
+    _check_standbys(out, path)
     return out
 
 

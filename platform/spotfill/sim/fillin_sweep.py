@@ -39,7 +39,8 @@ class SweepFillin(DriverFillin):
                          # a short trial still reports (and can pause) a few times
                          "steps_per_report": max(1, min(5, spec["steps"] // 5)),
                          "checkpoint_every": min(10, spec["steps"]), "eval_rows": 32, "search": GRID, "trials": spec["trials"]},
-               "fillin": {"grant": "arbiter", "max_units": spec["max_units"] or gpus, "grace_s": 5.0},
+               "fillin": {"grant": "arbiter", "max_units": spec["max_units"] or gpus, "grace_s": 5.0,
+                          "standby_per_node": spec["standby_per_node"]},
                # as examples/sweep-tiny.yaml: a trial asks for a CPU beside its GPU (the arbiter lends only where
                # both are free; a node's CPUs equal its GPU slots here, and training takes one per worker)
                "cluster": {"gpu_resource": self.scenario.cluster.gpu_resource, "cpus_per_trial": 1}}
