@@ -35,6 +35,7 @@ from spotfill.fillin import batch_plan as bp
 log = logging.getLogger("spotfill.fillin.batch")
 REGROW_AFTER_S = 2.0     # a grant larger than the wave for this long: start a wave on it
 GENERATE_MAX_BATCH = 16  # prompts an actor generates for at once (its KV cache: this many rows)
+STOPS_DIR = "_stops"     # <output>/_stops/<t>.json: each wave stopped with units to do (every run of the job)
 
 
 # -- inputs -------------------------------------------------------------------------------------------
@@ -454,6 +455,10 @@ class BatchJob:
                         "killed_actors": len(killed or [])}
             wave["stopped"] = stop_rec
             self.stops.append(stop_rec)
+            try:     # on the output too: the job's own record survives a driver stopped before its summary
+                self.out.put_bytes(f"{STOPS_DIR}/{stop_rec['at']:.3f}.json", json.dumps(stop_rec).encode())
+            except Exception as exc:  # noqa: BLE001 -- the summary still has it
+                log.warning("batch %s: wave stop not recorded on the output: %s", self.cfg.name, exc)
             log.info("batch %s: wave stopped; its GPUs free %.2fs after the grant fell", self.cfg.name,
                      released_s if released_s is not None else -1)
         elif errors:
@@ -555,6 +560,7 @@ def read_back(out, plan: dict | None = None) -> dict:
     done = committed(out, units)
     result.update({"output": out.uri, "parts": len(parts), "units_committed": len(done),
                    "units_uncommitted": len(units) - len(done), "checkpoint_step": plan.get("checkpoint_step")})
+    result["stops"] = [json.loads(out.get_bytes(k)) for k in sorted(out.list(f"{STOPS_DIR}/"))]
     if plan["eval_rows"]:
         m = bp.eval_metrics(nll, tok)
         result["eval"] = {"rows": len(nll), "tokens": m["tokens"], "loss": m["loss"], "perplexity": m["perplexity"]}

@@ -92,7 +92,7 @@ class BatchFillin(DriverFillin):
                 rep.update(read_back(out))          # from the output itself, not the driver's counters
         except Exception as exc:  # noqa: BLE001
             self.error = self.error or f"batch output not readable: {exc}"
-        for key in ("waves", "stops", "resumed", "wall_s"):
+        for key in ("waves", "resumed", "wall_s"):       # stops: read back from the output (every run's)
             if key in summary:
                 rep[key] = summary[key]
         if arbiter is not None:

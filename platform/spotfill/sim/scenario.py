@@ -506,11 +506,11 @@ AUTOSCALING_SCENARIO = {
     # nodes training uses, so what they have not finished when training ends waits for the next run
     # (docs/cluster-lifecycle.md)
     "fillin": {**DEFAULT_SCENARIO["fillin"], "serve": {**DEFAULT_SCENARIO["fillin"]["serve"], "max_replicas": 1},
-               "batch": {"enabled": True, "rows": 8000, "prompts": 8},
+               "batch": {"enabled": True, "rows": 6000, "prompts": 8},
                # trials long next to a trial's start (setup 14-23 s here): with 3 trials of 100 steps (5-12 s
                # of compute each) every reclaim in two demos found the sweep starting or finishing a trial,
                # none paused one (the invariant failed); 2 of 200 are mostly computing while they hold a GPU.
-               # 8000 rows: ~45 s of compute here, more than one 30 s turn, so the job is always taken back
+               # 6000 rows: ~34 s of compute here, more than one 30 s turn, so the job is always taken back
                # at least once (with 2000 rows a demo's job, started warm, finished inside its first turn and
                # was never reclaimed); what it has not written when training ends is left for its rerun
                # (sim/fillin_batch.py: on an autoscaled cluster no GPU is lent after training)
