@@ -35,7 +35,11 @@ def node_event_outcome(events: list[dict], fired_at: float, deadline_s: float | 
     resume = next((e for e in events if e["kind"] in ("resume", "start") and e["attempt"] == nxt), None)
     first = next((e for e in events if e["kind"] == "step" and e["attempt"] == nxt), None)
     resumed_from = resume["step"] if resume else 0
-    lost = max(0, (max(prev_steps) if prev_steps else resumed_from) - resumed_from)
+    # the attempt the event hit never stepped (it came while that group started or restored): what it held
+    # is the newest checkpoint committed before the event
+    committed = [e["step"] for e in events if e["kind"] == "checkpoint" and e["t"] <= fired_at]
+    held = max(prev_steps) if prev_steps else max(committed, default=resumed_from)
+    lost = max(0, held - resumed_from)
     saves = [e for e in events if e["kind"] == "checkpoint_save" and e["attempt"] == nxt - 1
              and e.get("emergency") and e["t"] >= fired_at]
     commit = None
@@ -72,6 +76,13 @@ def node_event_outcome(events: list[dict], fired_at: float, deadline_s: float | 
         commit = next((e for e in events if e["kind"] == "checkpoint" and e["attempt"] == nxt - 1
                        and e["step"] == resumed_from), None)
         out["covered_by_planned_exit"] = planned["reason"]
+        if not prev_steps and planned["reason"] == "preemption":
+            # the notice reached a group before its first step (train.start_notice): it left at once, its
+            # state the checkpoint it restored -- committed before the notice, and resumed from again
+            commit = next((e for e in events if e["kind"] == "checkpoint" and e["step"] == resumed_from
+                           and e["t"] <= fired_at), None)
+            out["notice_during_start"] = {"attempt": nxt - 1, "phase": planned.get("phase", "loaded"),
+                                          "left_s_after_notice": round(planned["t"] - fired_at, 2)}
     if (saves or "covered_by_planned_exit" in out) and deadline_s is not None:
         out["committed_before_deadline"] = bool(commit and commit["t"] <= fired_at + deadline_s)
         out["commit_seconds_after_notice"] = round(commit["t"] - fired_at, 2) if commit else None

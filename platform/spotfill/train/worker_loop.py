@@ -34,6 +34,7 @@ from spotfill.train.restore import restore_on_workers
 from spotfill.train.model_card import for_checkpoints
 from spotfill.train.feed import DATA_KEY, LEDGER_KEY, StepFeed, data_identity, resume_point
 from spotfill.train.sample_ledger import FeedRecorder, SampleLedger
+from spotfill.train.start_notice import PlannedExit, StartNotice
 from spotfill.train.step_policy import CONTINUE, FINISH, StepDecision, StepFacts, StepPolicy
 from spotfill.telemetry.process import process_start_time
 from spotfill.telemetry.throughput import split_step, step_metrics
@@ -47,10 +48,6 @@ STEP_EVENTS_FLUSH_S = 0.25
 NVML_EVERY_S = 2.0              # rank 0 reads its GPU's NVML utilisation and memory at most this often
 _F_LOSS, _F_PREEMPT, _F_DEADLINE, _F_GROW = range(4)
 _F_FENCED = -1                  # last: after the step's values (a pipeline's, read at 4 + i)
-
-
-class PlannedExit(RuntimeError):
-    """Raised by every rank after a committed checkpoint so Ray Train restarts the group at a new size."""
 
 
 class _Comms:
@@ -116,6 +113,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
         return _finish(sink, rank, {"ok": False, "reason": info.get("reason") or f"{info['unplanned_failures']} "
                                     f"unplanned failures exceed training.max_failures={t.max_failures}"})
     attempt = info["attempt"]
+    # a notice that reaches the group while it starts: looked at at each phase boundary (train.start_notice)
+    start = StartNotice(StepPolicy(t.steps, t.checkpoint_every, margin_s=constants.EMERGENCY_MARGIN_S),
+                        lambda: local_preemption_info(), comms.gather_objects, rank, t_start)
+    start.check("placed", 0, sink)
     store = CheckpointStore(open_storage(job.storage).child(job.name), keep_last=t.keep_checkpoints)
     local_root = node_local_root(job.name, node_id)
     node_dir = os.path.join(local_root, "restore")
@@ -132,6 +133,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     except WriterFenced as exc:
         return _fenced(sink, rank, attempt, [exc.record()])
     prep_s = time.perf_counter() - t0
+    start.check("restored", plan.step, sink)
     pipe = _pipeline(job, world, rank, plan.stages, node_id,    # None without pipeline stages
                      loop_config.get("bubble_filler"))
     shape = pipe.shape if pipe else batch_shape(t.global_batch, world, t.max_micro_batch)
@@ -150,6 +152,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                                   plan.universal, device) if pipe else
                                 _engine(job, reader, shape, precision, plan.universal, device))
         t_engine = time.time()
+        start.check("engine built", plan.step, sink, on_leave=pipe.close if pipe else None)
         device = _device_info(engine, precision) if rank == 0 else {}
         client_state, load_s = None, 0.0
         if plan.tag:
