@@ -246,3 +246,23 @@ def test_a_loss_into_a_start_counts_steps_from_the_newest_commit_before_it():
     events += [{"t": 126.0, "kind": "resume", "attempt": 3, "step": 25, "world_size": 2}]
     out = node_event_outcome(sorted(events, key=lambda e: e["t"]), fired_at=120.5, deadline_s=8)
     assert out["lost_steps"] == 15
+
+
+def test_a_notice_whose_recovery_left_during_its_start_counts_the_attempt_that_resumed():
+    """Notice 1 at 102 (attempt 0 saves step 25 and leaves); notice 2 comes into attempt 1's start, which
+    leaves before resuming; attempt 2 resumes from 25. Notice 1's recovery is attempt 2 -- not the attempt
+    that never resumed (read as a restart from step 0 before) -- and neither notice lost a step."""
+    ev = _restart(100.0, 0, 0, 3) + _steps(0, 1, 25, 3, 101.1)
+    ev += [_save(103.8, 0, 25, emergency=True), _commit(103.9, 0, 25),
+           {"t": 104.0, "kind": "planned_exit", "attempt": 0, "reason": "preemption", "step": 25},
+           {"t": 110.0, "kind": "attempt", "attempt": 1, "world_size": 2},
+           {"t": 111.0, "kind": "planned_exit", "attempt": 1, "reason": "preemption", "step": 25,
+            "phase": "placed", "before_first_step": True}]
+    ev += _restart(115.0, 2, 25, 1) + _steps(2, 26, 80, 1, 116.1)
+    ev = sorted(ev, key=lambda e: e["t"])
+    first = node_event_outcome(ev, fired_at=102.0, deadline_s=20)
+    assert first["lost_steps"] == 0 and first["emergency_checkpoint"] and first["committed_before_deadline"]
+    assert first["resumed_from_step"] == 25 and first["world_size_after"] == 1
+    second = node_event_outcome(ev, fired_at=110.2, deadline_s=8)
+    assert second["lost_steps"] == 0 and second["notice_during_start"]["attempt"] == 1
+    assert second["committed_before_deadline"]

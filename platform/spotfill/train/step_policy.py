@@ -82,7 +82,7 @@ class StepPolicy:
 
     def before_first_step(self, f: StepFacts, phase: str = "loaded") -> StepDecision | None:
         """A group that holds a preemption notice before its first step (it arrived while the group started
-        or restored: `phase`, the start's boundary where it looked, train.start_notice) leaves at once: its
+        or restored: `phase`, the start's boundary where it looked, train.notice_watch) leaves at once: its
         state is the checkpoint it restored, so nothing is lost, and the restart sizes the next group without
         the draining node. None: start on."""
         if f.preempt_votes > 0 and f.done < self.total_steps:
