@@ -338,18 +338,27 @@ def _prestart_spares(count: int) -> None:
     import torch and DeepSpeed (spotfill.train.warm, their setup hook) while this group trains, and the
     actors of the group after a restart land on them instead of on cold processes. Spares the next group
     does not take stay idle for SPOTFILL_WARM_SPARE_KEEP_ALIVE_S, then Ray's idle-worker policy applies;
-    Ray kills them with the job. A failure costs nothing but the head start: it is logged."""
+    Ray kills them with the job. They count against the node's memory (train.spares.spares_within_memory, with
+    the spares already there): beyond it, fewer are asked. A failure costs nothing but the head start: it is
+    logged."""
     import threading
 
     import ray
 
     from spotfill.ray_compat import prestart_workers
-    from spotfill.train.spares import offer
+    from spotfill.train.elastic import ready_spares
+    from spotfill.train.spares import host_memory_bytes, offer, spares_within_memory
 
     def run():
         try:
-            offer(ray.get_runtime_context().get_node_id(), count)    # they warm up in SCHED_IDLE
-            prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
+            node = ray.get_runtime_context().get_node_id()
+            n, why = spares_within_memory(count, host_memory_bytes(), ready_spares(warming=True).get(node, 0),
+                                          constants.WARM_SPARE_RSS_MB << 20, constants.WARM_SPARE_MEMORY_FRACTION)
+            if why:
+                log.info("spares on this node: %s", why)
+            if n:
+                offer(node, n)    # they warm up in SCHED_IDLE
+                prestart_workers(n, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
         except Exception as exc:  # noqa: BLE001 -- the next group starts cold processes, as stock Ray does
             log.warning("spare worker processes not started (%s: %s); the next worker group starts cold",
                         type(exc).__name__, exc)
