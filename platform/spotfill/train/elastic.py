@@ -79,7 +79,8 @@ def warm_node(node_id: str, count: int, idle: bool = False) -> None:
 
     def run():
         try:
-            n, why = spares_within_memory(count, node_memory_bytes(node_id), ready_spares(warming=True).get(node_id, 0),
+            held = ready_spares(warming=True).get(node_id, 0) if ray.is_initialized() else 0
+            n, why = spares_within_memory(count, node_memory_bytes(node_id), held,
                                           constants.WARM_SPARE_RSS_MB << 20, constants.WARM_SPARE_MEMORY_FRACTION)
             if why:
                 log.info("spares on node %s: %s", short(node_id), why)
@@ -97,6 +98,8 @@ def warm_node(node_id: str, count: int, idle: bool = False) -> None:
 
 def node_memory_bytes(node_id: str) -> int:
     """A node's memory as Ray counts it (its `memory` and `object_store_memory` resources; 0 when unknown)."""
+    if not ray.is_initialized():        # no cluster to ask (and asking would start one)
+        return 0
     try:
         node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
     except Exception:  # noqa: BLE001 -- unknown: nothing caps its spares (spares.spares_within_memory)
