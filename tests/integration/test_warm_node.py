@@ -2,7 +2,8 @@
 (train.elastic.warm_node) start, import torch and DeepSpeed (at normal priority on a node new to the run;
 in SCHED_IDLE, through tokens in the GCS store, on a node the group steps on), record their readiness
 (train.readiness), and hold none of the node's Ray resources: a tenant still gets the node's GPU and CPU
-while they are there."""
+while they are there. The same holds for the spares a training worker asks its own node's raylet for
+(train.worker_loop._prestart_spares)."""
 from __future__ import annotations
 
 import logging
@@ -92,3 +93,53 @@ def test_a_process_taken_by_a_worker_group_withdraws_its_record(cluster):
     # actor), whose record went as it was taken
     assert ready_spares().get(node, 0) == before - 1
     ray.kill(w)
+
+
+def test_the_worker_loops_spares_hold_no_ray_resource_and_warm_idle(cluster):
+    """A training worker's ask for spares on its own node (the worker loop's, after its group's first step):
+    the spares are processes with no lease -- the node's GPU and CPU stay available in Ray's accounting, a
+    tenant still gets them -- and they warmed up in SCHED_IDLE (the worker's file tokens). Run from a task
+    on a node of its own, as a worker of the job is."""
+    import json
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from spotfill.ray_compat import kv_get, kv_list
+    from spotfill.train.readiness import record_prefix
+    node = cluster.node_ids[cluster.add_node(2)]
+    deadline = time.time() + 60
+    while time.time() < deadline and _node_resources(node).get("CPU") != 2.0:
+        time.sleep(0.5)
+    before = _node_resources(node)
+    assert before.get("GPU") == 2.0 and before.get("CPU") == 2.0, before
+    pin = NodeAffinitySchedulingStrategy(node, soft=False)
+
+    @ray.remote(num_cpus=0)
+    def ask_for_spares():
+        import os
+
+        from spotfill.train.worker_loop import _prestart_spares
+        _prestart_spares(2)
+        return os.getpid()          # its thread asks the raylet; the process stays (an idle worker)
+
+    ray.get(ask_for_spares.options(scheduling_strategy=pin).remote(), timeout=120)
+    prefix = record_prefix(ray.get_runtime_context().get_job_id(), node)
+
+    def spares() -> list[dict]:
+        """The idle records: the processes that took the asker's tokens. Any other worker process of the job
+        on the node (the asker's own, one Ray started for the task) records itself too, not idle."""
+        return [r for r in (json.loads(kv_get(k)) for k in kv_list(prefix)) if r["idle"]]
+    deadline = time.time() + READY_DEADLINE_S
+    while time.time() < deadline and sum(1 for r in spares() if r["ready_t"]) < 2:
+        time.sleep(1.0)
+    records = spares()
+    assert len(records) == 2 and all(r["ready_t"] for r in records), records
+    assert _node_resources(node) == before          # 0 GPU, 0 CPU held by the spares in Ray's accounting
+
+    @ray.remote(num_gpus=2, num_cpus=2)
+    def tenant():
+        import os
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    assert ray.get(tenant.options(scheduling_strategy=pin).remote(), timeout=120) == "0,1"

@@ -197,3 +197,72 @@ def test_detected_is_when_the_controller_left_running_after_the_fault():
     out = node_event_outcome(sorted(ev, key=lambda e: e["t"]), fired_at=123.3)
     assert out["detected_s"] == 6.4
     assert node_event_outcome(_timeline(), fired_at=123.3)["detected_s"] is None     # no controller events
+
+
+def _notice_into_a_restart(stepped: int = 0):
+    """Attempt 1 (2 workers) grows at 40 (planned, step 40 committed); attempt 2 begins its start at 120 and a
+    notice comes at 120.5, while it restores; it leaves before its first step (planned exit at 121.5) -- or,
+    with `stepped`, it steps that many steps first and leaves without a save (the notice seen too late);
+    attempt 3 resumes from 40."""
+    ev = _restart(110.0, 1, 25, 2) + _steps(1, 26, 40, 2, 111.1)
+    ev += [_save(112.7, 1, 40), _commit(112.75, 1, 40),
+           {"t": 112.8, "kind": "planned_exit", "attempt": 1, "reason": "grow", "step": 40}]
+    ev += [{"t": 120.0, "kind": "attempt", "attempt": 2, "world_size": 4}]
+    if stepped:
+        ev += [{"t": 121.0, "kind": "resume", "attempt": 2, "step": 40, "world_size": 4}]
+        ev += _steps(2, 41, 40 + stepped, 4, 121.2)
+    ev += [{"t": 121.5 + stepped, "kind": "planned_exit", "attempt": 2, "reason": "preemption",
+            "step": 40 + stepped, "phase": "restored", "before_first_step": not stepped}]
+    ev += _restart(125.0 + stepped, 3, 40, 2) + _steps(3, 41, 80, 2, 126.1 + stepped)
+    return sorted(ev, key=lambda e: e["t"])
+
+
+def test_a_notice_into_a_restart_left_before_the_first_step_loses_nothing():
+    """The notice reached the grown group while it restored: it left at once, before stepping; the checkpoint
+    it had restored (committed before the notice) is the one the next attempt resumes from."""
+    out = node_event_outcome(_notice_into_a_restart(), fired_at=120.5, deadline_s=8)
+    assert out["lost_steps"] == 0 and not out["emergency_checkpoint"]
+    assert out["covered_by_planned_exit"] == "preemption" and out["committed_before_deadline"]
+    assert out["notice_during_start"] == {"attempt": 2, "phase": "restored", "left_s_after_notice": 1.0}
+    report = {"training": training_section(_notice_into_a_restart(), 80, G),
+              "preemptions": [{"kind": "announced", "affected": True, **out}]}
+    assert invariants(report, 20)["announced_preemption_loses_nothing"]["ok"]
+
+
+def test_a_notice_into_a_restart_seen_only_after_steps_loses_them():
+    """The same notice seen only at the group's steps (no time left to save): the steps are lost, and the
+    invariant says so."""
+    events = _notice_into_a_restart(stepped=3)
+    out = node_event_outcome(events, fired_at=120.5, deadline_s=8)
+    assert out["lost_steps"] == 3 and "notice_during_start" not in out
+    report = {"training": training_section(events, 80, G), "preemptions": [{"kind": "announced", "affected": True, **out}]}
+    assert not invariants(report, 20)["announced_preemption_loses_nothing"]["ok"]
+
+
+def test_a_loss_into_a_start_counts_steps_from_the_newest_commit_before_it():
+    """A group that never stepped held the newest checkpoint committed before the event: a restore that went
+    back past it counts those steps as lost."""
+    events = [e for e in _notice_into_a_restart() if not (e["kind"] == "resume" and e["attempt"] == 3)]
+    events += [{"t": 126.0, "kind": "resume", "attempt": 3, "step": 25, "world_size": 2}]
+    out = node_event_outcome(sorted(events, key=lambda e: e["t"]), fired_at=120.5, deadline_s=8)
+    assert out["lost_steps"] == 15
+
+
+def test_a_notice_whose_recovery_left_during_its_start_counts_the_attempt_that_resumed():
+    """Notice 1 at 102 (attempt 0 saves step 25 and leaves); notice 2 comes into attempt 1's start, which
+    leaves before resuming; attempt 2 resumes from 25. Notice 1's recovery is attempt 2 -- not the attempt
+    that never resumed (read as a restart from step 0 before) -- and neither notice lost a step."""
+    ev = _restart(100.0, 0, 0, 3) + _steps(0, 1, 25, 3, 101.1)
+    ev += [_save(103.8, 0, 25, emergency=True), _commit(103.9, 0, 25),
+           {"t": 104.0, "kind": "planned_exit", "attempt": 0, "reason": "preemption", "step": 25},
+           {"t": 110.0, "kind": "attempt", "attempt": 1, "world_size": 2},
+           {"t": 111.0, "kind": "planned_exit", "attempt": 1, "reason": "preemption", "step": 25,
+            "phase": "placed", "before_first_step": True}]
+    ev += _restart(115.0, 2, 25, 1) + _steps(2, 26, 80, 1, 116.1)
+    ev = sorted(ev, key=lambda e: e["t"])
+    first = node_event_outcome(ev, fired_at=102.0, deadline_s=20)
+    assert first["lost_steps"] == 0 and first["emergency_checkpoint"] and first["committed_before_deadline"]
+    assert first["resumed_from_step"] == 25 and first["world_size_after"] == 1
+    second = node_event_outcome(ev, fired_at=110.2, deadline_s=8)
+    assert second["lost_steps"] == 0 and second["notice_during_start"]["attempt"] == 1
+    assert second["committed_before_deadline"]

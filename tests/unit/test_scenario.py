@@ -255,3 +255,30 @@ def test_the_corpus_tokenizer_is_bytes_or_a_local_hf_folder():
         parse_scenario({"data": {"tokenizer": "sentencepiece"}})
     with pytest.raises(ConfigError, match=r"^data\b"):
         parse_scenario({"data": {"vocab": 3}})
+
+
+def test_an_event_may_be_timed_into_the_next_restart():
+    s = parse_scenario({"events": [{"at_step": 5, "action": "add_node", "gpus": 1},
+                                   {"at_step": 5, "after": 0, "action": "drain_node", "node": 1, "deadline_s": 8,
+                                    "during_restart": True}]})
+    assert s.events[1].during_restart and "while the next worker group starts" in s.events[1].describe()
+    assert not s.events[0].during_restart
+    with pytest.raises(ConfigError, match=r"^events\[0\]\.during_restart.*true or false"):
+        parse_scenario({"events": [{"at_step": 5, "action": "kill_node", "node": 0, "during_restart": 1}]})
+
+
+def test_in_restart_fires_only_into_a_group_start_begun_after_the_event_was_due():
+    from spotfill.sim.scenario import in_restart
+    assert not in_restart(None, 100.0)                                   # the group steps: no start under way
+    assert not in_restart({"t": 90.0, "attempt": 1}, 100.0)             # a start begun before it was due
+    assert in_restart({"t": 100.5, "attempt": 2}, 100.0)                # the next start, not stepped yet
+
+
+def test_the_during_restart_wait_says_which_start_it_fired_into():
+    from spotfill.sim.scenario import Event
+    from spotfill.sim.triggers import during_restart
+    ev, waits = Event(index=1, action="drain_node", node=1, at_step=5, during_restart=True), {}
+    assert not during_restart(ev, {"t": 90.0, "attempt": 1}, waits, 100.0)
+    assert not during_restart(ev, None, waits, 101.0)
+    assert during_restart(ev, {"t": 104.0, "attempt": 2}, waits, 104.25)
+    assert waits[1] == {"since": 100.0, "attempt": 2, "fired_after_attempt_s": 0.25}

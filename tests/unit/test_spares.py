@@ -73,3 +73,52 @@ def test_warm_up_in_sched_idle_then_every_thread_back_to_normal():
 def test_no_spare_no_change():
     with idle_while(False) as used:
         assert not used and _policy() == os.SCHED_OTHER
+
+
+GIB, MIB = 2**30, 2**20
+
+
+def test_spares_count_against_the_nodes_memory_with_those_already_there():
+    from spotfill.train.spares import spares_within_memory
+    # 0.25 of 8 GiB = 2 GiB: four spares of 512 MiB
+    assert spares_within_memory(2, 8 * GIB, 0, 512 * MIB, 0.25) == (2, "")
+    assert spares_within_memory(4, 8 * GIB, 0, 512 * MIB, 0.25) == (4, "")
+    n, why = spares_within_memory(4, 8 * GIB, 3, 512 * MIB, 0.25)     # three already warming or ready there
+    assert n == 1 and "1 of 4 spare(s)" in why and "3 already held" in why
+    assert "SPOTFILL_WARM_SPARE_MEMORY_FRACTION" in why and "SPOTFILL_WARM_SPARE_RSS_MB" in why
+    assert spares_within_memory(2, 8 * GIB, 5, 512 * MIB, 0.25)[0] == 0     # over the budget already: none
+    assert spares_within_memory(1, 1 * GIB, 0, 512 * MIB, 0.25)[0] == 0     # a small node: not even one
+    assert spares_within_memory(3, 8 * GIB, 0, 512 * MIB, 0.0)[0] == 0      # fraction 0: spares off
+    assert spares_within_memory(0, 8 * GIB, 0, 512 * MIB, 0.25) == (0, "")
+
+
+def test_a_node_whose_memory_is_unknown_keeps_its_spares():
+    from spotfill.train.spares import spares_within_memory
+    assert spares_within_memory(2, 0, 9, 512 * MIB, 0.25) == (2, "")
+
+
+def test_prestarting_spares_asks_the_raylet_for_no_more_than_the_memory_allows(monkeypatch):
+    """The worker loop's ask (train.worker_loop._prestart_spares) goes through the cap: a node with 3 spares
+    already and room for 4 gets 1 more, however many its workers ask for."""
+    import sys
+    import threading
+    import types
+
+    from spotfill.config import constants
+    from spotfill.train import elastic, spares, worker_loop
+    asked: dict = {}
+    monkeypatch.setattr(constants, "WARM_SPARE_RSS_MB", 512)
+    monkeypatch.setattr(constants, "WARM_SPARE_MEMORY_FRACTION", 0.25)
+    monkeypatch.setattr(spares, "host_memory_bytes", lambda: 8 * GIB)
+    monkeypatch.setattr(spares, "offer", lambda node, n: asked.update(offered=n))
+    monkeypatch.setattr(elastic, "ready_spares", lambda warming=False: {"node-a": 3})
+    import spotfill.ray_compat as compat
+    monkeypatch.setattr(compat, "prestart_workers", lambda n, keep_alive_s, **_: asked.update(started=n))
+    ctx = types.SimpleNamespace(get_node_id=lambda: "node-a")
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get_runtime_context=lambda: ctx))
+    threads = []
+    monkeypatch.setattr(threading, "Thread", lambda target, **_: threads.append(target) or
+                        types.SimpleNamespace(start=lambda: None))
+    worker_loop._prestart_spares(2)
+    threads[0]()
+    assert asked == {"offered": 1, "started": 1}

@@ -163,6 +163,15 @@ WARM_SPARE_KEEP_ALIVE_S = env_int("SPOTFILL_WARM_SPARE_KEEP_ALIVE_S", 3600)
 # A grow onto a node new to the run waits for that node's spares to warm up (train.readiness) at most this
 # long (s); then it grows cold, and the planned exit says so.
 WARM_GROW_BOUND_S = env_float("SPOTFILL_WARM_GROW_BOUND_S", 90.0)
+# Spares count against their node's memory (train.spares.spares_within_memory): each is taken to hold this
+# many MiB resident (torch, DeepSpeed and Ray Train imported: 391 MiB measured, plus Ray's worker), and a node's
+# spares together stay within this fraction of its memory; a node gets fewer spares than asked beyond it.
+WARM_SPARE_RSS_MB = env_int("SPOTFILL_WARM_SPARE_RSS_MB", 512, minimum=1)
+WARM_SPARE_MEMORY_FRACTION = env_float("SPOTFILL_WARM_SPARE_MEMORY_FRACTION", 0.25)
+# spotfill runs: rank 0 reads the drains of its group's nodes from the GCS this often (s), from the moment the
+# training function starts (train.notice_watch): Ray Train's own watcher is an actor started with each group,
+# which on a busy node began answering 11 s after the group started -- past a 15 s notice's save.
+DRAIN_POLL_S = env_float("SPOTFILL_DRAIN_POLL_S", 1.0, strict=True)
 # Universal-checkpoint conversion runs in-process below this size (bytes), in a subprocess pool above.
 UNIVERSAL_INPROCESS_MAX_BYTES = env_int("SPOTFILL_UNIVERSAL_INPROCESS_MAX_BYTES", 1 << 30)
 

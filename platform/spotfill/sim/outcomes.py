@@ -27,26 +27,36 @@ def _attempt_after(events: list[dict], t: float) -> int | None:
 
 
 def node_event_outcome(events: list[dict], fired_at: float, deadline_s: float | None = None) -> dict:
-    nxt = _attempt_after(events, fired_at)
-    if nxt is None:      # training never restarted after it: said with how many steps it still ran
+    after = _attempt_after(events, fired_at)
+    if after is None:      # training never restarted after it: said with how many steps it still ran
         return {"affected": False, "lost_steps": 0, "recovery_seconds": None, "emergency_checkpoint": False,
                 "steps_after": sum(step_count(e) for e in events if e["kind"] == "step" and e["t"] >= fired_at)}
-    prev_steps = [e["step"] for e in events if e["kind"] == "step" and e["attempt"] == nxt - 1]
+    hit = after - 1         # the attempt the event came into (stepping, or still starting)
+    # the recovery: the first attempt after it that resumed (one that left during its start -- a second
+    # notice came into it -- is passed over)
+    resumed = {e["attempt"] for e in events if e["kind"] in ("resume", "start")}
+    nxt = next((e["attempt"] for e in events if e["kind"] == "attempt" and e["t"] >= fired_at
+                and e["attempt"] in resumed), after)
+    prev_steps = [e["step"] for e in events if e["kind"] == "step" and e["attempt"] == hit]
     resume = next((e for e in events if e["kind"] in ("resume", "start") and e["attempt"] == nxt), None)
     first = next((e for e in events if e["kind"] == "step" and e["attempt"] == nxt), None)
     resumed_from = resume["step"] if resume else 0
-    lost = max(0, (max(prev_steps) if prev_steps else resumed_from) - resumed_from)
-    saves = [e for e in events if e["kind"] == "checkpoint_save" and e["attempt"] == nxt - 1
+    # the attempt the event hit never stepped (it came while that group started or restored): what it held
+    # is the newest checkpoint committed before the event
+    committed = [e["step"] for e in events if e["kind"] == "checkpoint" and e["t"] <= fired_at]
+    held = max(prev_steps) if prev_steps else max(committed, default=resumed_from)
+    lost = max(0, held - resumed_from)
+    saves = [e for e in events if e["kind"] == "checkpoint_save" and e["attempt"] == hit
              and e.get("emergency") and e["t"] >= fired_at]
     commit = None
     if saves:
-        commit = next((e for e in events if e["kind"] == "checkpoint" and e["attempt"] == nxt - 1
+        commit = next((e for e in events if e["kind"] == "checkpoint" and e["attempt"] == hit
                        and e["step"] == saves[0]["step"]), None)
-    planned = next((e for e in events if e["kind"] == "planned_exit" and e["attempt"] == nxt - 1), None)
+    planned = next((e for e in events if e["kind"] == "planned_exit" and e["attempt"] == hit), None)
     damaged = [_tag_step(e["tag"]) for e in events if e["kind"] == "checkpoint_quarantined" and e.get("attempt") == nxt]
     # Checkpoints upload in the background: a loss while the newest one uploads rolls back to the one
     # before it, so the bound on lost steps is the interval plus the steps run since that newest save.
-    prev_saves = [e["step"] for e in events if e["kind"] == "checkpoint_save" and e["attempt"] == nxt - 1]
+    prev_saves = [e["step"] for e in events if e["kind"] == "checkpoint_save" and e["attempt"] == hit]
     newest_save = max(prev_saves) if prev_saves else None
     # the controller leaving RUNNING: Ray Train saw the fault (a failed worker, a preemption notice)
     left = next((e for e in events if e["kind"] == "controller_state" and e["t"] >= fired_at
@@ -69,9 +79,16 @@ def node_event_outcome(events: list[dict], fired_at: float, deadline_s: float | 
     if not saves and planned and resume and deadline_s is not None:
         # the notice reached a group already leaving on a planned exit (e.g. a grow): the checkpoint that
         # exit committed -- the one the next attempt resumed from -- is what must beat the deadline
-        commit = next((e for e in events if e["kind"] == "checkpoint" and e["attempt"] == nxt - 1
+        commit = next((e for e in events if e["kind"] == "checkpoint" and e["attempt"] == hit
                        and e["step"] == resumed_from), None)
         out["covered_by_planned_exit"] = planned["reason"]
+        if not prev_steps and planned["reason"] == "preemption":
+            # the notice reached a group before its first step (train.notice_watch): it left at once, its
+            # state the checkpoint it restored -- committed before the notice, and resumed from again
+            commit = next((e for e in events if e["kind"] == "checkpoint" and e["step"] == resumed_from
+                           and e["t"] <= fired_at), None)
+            out["notice_during_start"] = {"attempt": hit, "phase": planned.get("phase", "loaded"),
+                                          "left_s_after_notice": round(planned["t"] - fired_at, 2)}
     if (saves or "covered_by_planned_exit" in out) and deadline_s is not None:
         out["committed_before_deadline"] = bool(commit and commit["t"] <= fired_at + deadline_s)
         out["commit_seconds_after_notice"] = round(commit["t"] - fired_at, 2) if commit else None

@@ -27,7 +27,7 @@ from spotfill.sim.mass_spec import MASS_ACTION
 from spotfill.sim.outcomes import grow_outcome, invariants, node_event_outcome
 from spotfill.sim.scenario import Event, Scenario, pick_node
 from spotfill.sim.fillin_serve import ServeFillin, fillin_arbiter, run_storage_uri  # noqa: F401 -- also the runner's API
-from spotfill.sim.triggers import owners, spares_ready
+from spotfill.sim.triggers import during_restart, owners, spares_ready
 from spotfill.telemetry.events import EventTail, remove_log
 
 log = logging.getLogger(__name__)
@@ -320,6 +320,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
     first_step_t, step, world, refreshed = None, 0, 0, 0.0
     group: Counter = Counter()      # node id -> workers of the group that started last
     spares_waits: dict[int, dict] = {}   # event index -> its wait for warm spares (spares_ready)
+    restart_waits: dict[int, dict] = {}  # event index -> the group start it was timed into (during_restart)
+    starting: dict | None = None    # the newest `attempt` event while its group has not stepped
     requests: list[dict] = []       # the cluster's standing resource request, each time it changed
     world_at: dict[int, int] = {}   # event index -> workers training ran on when the node event fired
     silent: dict[int, float] = {}   # frozen node index -> freeze time, until the GCS declares it dead
@@ -332,10 +334,12 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
             feed(new)
         for e in new:
             if e["kind"] == "step":
-                step = e["step"]
+                step, starting = e["step"], None
                 if first_step_t is None and on_first_step is not None:
                     on_first_step()
                 first_step_t = first_step_t or e["t"]
+            elif e["kind"] == "attempt":
+                starting = e
             elif e["kind"] in ("start", "resume"):
                 world = e["world_size"]
                 group = Counter(n for n, _ in e.get("workers") or [])
@@ -362,6 +366,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
             if not due or (ev.min_world and world < ev.min_world) or any(p.index == ev.after for p in pending):
                 continue
             if ev.spares_ready and not spares_ready(ev, group, cluster, spares_waits, now, say):
+                continue
+            if ev.during_restart and not during_restart(ev, starting, restart_waits, now):
                 continue
             pending.remove(ev)
             if isinstance(ev.node, str):
@@ -449,6 +455,8 @@ def _drive(cluster, scenario: Scenario, job, s3, say, feed=None, on_first_step=N
                                        scenario.training.min_workers)
             report["preemptions"].extend(entries)
             entry.update(out)
+        if ev.index in restart_waits:
+            entry["restart"] = restart_waits[ev.index]
         if ev.index in spares_waits:
             entry["spares"] = spares_waits[ev.index]
         elif ev.action in ("corrupt_checkpoint", "stale_writer"):

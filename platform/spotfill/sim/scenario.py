@@ -45,8 +45,10 @@ TRIGGERS = {"at", "at_step"}
 # Any event may also wait until training runs on at least this many workers (e.g. grown onto new nodes),
 # until an earlier event of the list (its index) has fired: `after`, and until every node training runs on
 # (the event's own node aside) has a warm spare (started) for each of its workers: `spares_ready` (a loss timed
-# onto a run whose survivors can restart warm; waited for at most SPARES_WAIT_S, then it fires and says so).
-MODIFIERS = {"min_world", "after", "spares_ready"}
+# onto a run whose survivors can restart warm; waited for at most SPARES_WAIT_S, then it fires and says so),
+# and until the next worker group has begun its start (its `attempt` event: placed, training function entered)
+# and has not stepped yet: `during_restart` (a notice or loss timed into a restart's start or restore).
+MODIFIERS = {"min_world", "after", "spares_ready", "during_restart"}
 SPARES_WAIT_S = 120.0
 MARKET_HOW = ("unfulfilled", "refuse")
 # `node` of a node event: an index, or one of these picks, made from the arbiter's GPUs-by-owner view when
@@ -71,6 +73,7 @@ class Event:
     min_world: int | None = None
     after: int | None = None            # fires only once the event at this index of the list has fired
     spares_ready: bool = False          # fires only once the group's other nodes have ready warm spares
+    during_restart: bool = False        # fires only while a group that began after it was due has not stepped
     picked: str | None = None           # the pick (NODE_PICKS) `node` was resolved from when it fired
     shards: tuple[int, int] = (0, 1)    # swap_shards: the two shards (indices in the dataset's manifest)
     nodes: tuple[int, ...] | None = None  # preempt_nodes: these node indices ...
@@ -86,6 +89,8 @@ class Event:
             when += f", after event {self.after}"
         if self.spares_ready:
             when += ", once the other nodes' spares are ready"
+        if self.during_restart:
+            when += ", while the next worker group starts (before its first step)"
         picks = {"most_training": "the node training uses most", "most_lent": "the node fill-in uses most"}
         node = picks.get(self.node) if isinstance(self.node, str) else f"node {self.node}" + (
             f" ({picks[self.picked]})" if self.picked else "")
@@ -305,6 +310,10 @@ def parse_event(i: int, raw: Any) -> Event:
         if not isinstance(raw["spares_ready"], bool):
             raise ConfigError(f"{path}.spares_ready", raw["spares_ready"], accepted="true or false")
         kwargs["spares_ready"] = raw["spares_ready"]
+    if "during_restart" in raw:
+        if not isinstance(raw["during_restart"], bool):
+            raise ConfigError(f"{path}.during_restart", raw["during_restart"], accepted="true or false")
+        kwargs["during_restart"] = raw["during_restart"]
     if "node_type" in raw:
         if not isinstance(raw["node_type"], str) or not raw["node_type"]:
             raise ConfigError(f"{path}.node_type", raw["node_type"], accepted="a node type name")
@@ -542,3 +551,10 @@ def missing_spares(group: dict[str, int], ready: dict[str, int], leaving: str | 
     spares it lacks for a restart there ({} when every one has a spare for each of its workers)."""
     return {node: n - ready.get(node, 0) for node, n in group.items()
             if node != leaving and ready.get(node, 0) < n}
+
+
+def in_restart(starting: dict | None, due_since: float) -> bool:
+    """Whether an event with `during_restart`, due since `due_since` (unix s), fires now: `starting` is the
+    newest `attempt` event while its group has not stepped yet (None once it stepped), and that group began
+    after the event became due -- a start the event was timed into, not the one running when it came due."""
+    return starting is not None and starting["t"] >= due_since

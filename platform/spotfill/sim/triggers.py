@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from spotfill.sim.scenario import SPARES_WAIT_S, Event, missing_spares
+from spotfill.sim.scenario import SPARES_WAIT_S, Event, in_restart, missing_spares
 
 
 def owners(say) -> dict[str, dict]:
@@ -39,4 +39,14 @@ def spares_ready(ev: Event, group: Counter, cluster, waits: dict[int, dict], now
     wait["missing"] = missing
     say(f"event {ev.index}: the other nodes' spares were not ready after {SPARES_WAIT_S:g}s "
         f"(missing {missing}): it fires anyway")
+    return True
+
+
+def during_restart(ev: Event, starting: dict | None, waits: dict[int, dict], now: float) -> bool:
+    """An event with `during_restart`: whether it may fire now (sim.scenario.in_restart); once it may, its
+    wait ({since, attempt, fired_after_attempt_s}) says which group's start it was timed into and how far in."""
+    wait = waits.setdefault(ev.index, {"since": round(now, 3)})
+    if not in_restart(starting, wait["since"]):
+        return False
+    wait.update(attempt=starting["attempt"], fired_after_attempt_s=round(now - starting["t"], 3))
     return True

@@ -71,21 +71,41 @@ def warm_node(node_id: str, count: int, idle: bool = False) -> None:
     training to slow: its spares warm up at normal priority, ahead of fill-in's (nice 19, SCHED_IDLE), so
     the grow waits seconds, not until training leaves CPU time. A raylet starts at most as many processes at
     once as its node has CPUs and drops what it cannot start (Ray 2.60): the grow planner never asks a node
-    for more spares than the workers it would hold there. A failure is logged: the node then counts as
-    ready only once the grow's bound passes (cold)."""
+    for more spares than the workers it would hold there, and the node's memory caps them with the spares
+    already there (train.spares.spares_within_memory). A failure is logged: the node then counts as ready
+    only once the grow's bound passes (cold)."""
     from spotfill.ray_compat import prestart_workers
-    from spotfill.train.spares import offer_kv
+    from spotfill.train.spares import offer_kv, spares_within_memory
 
     def run():
         try:
+            held = ready_spares(warming=True).get(node_id, 0) if ray.is_initialized() else 0
+            n, why = spares_within_memory(count, node_memory_bytes(node_id), held,
+                                          constants.WARM_SPARE_RSS_MB << 20, constants.WARM_SPARE_MEMORY_FRACTION)
+            if why:
+                log.info("spares on node %s: %s", short(node_id), why)
+            if not n:
+                return
             if idle:
-                offer_kv(node_id, count, kv_put)
-            prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S, node_id=node_id)
-            log.info("warming %d spare worker process(es) on node %s", count, short(node_id))
+                offer_kv(node_id, n, kv_put)
+            prestart_workers(n, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S, node_id=node_id)
+            log.info("warming %d spare worker process(es) on node %s", n, short(node_id))
         except Exception as exc:  # noqa: BLE001 -- the grow goes cold after its bound
             log.warning("spares not started on node %s (%s: %s)", short(node_id), type(exc).__name__, exc)
 
     threading.Thread(target=run, name="spotfill-warm-node", daemon=True).start()
+
+
+def node_memory_bytes(node_id: str) -> int:
+    """A node's memory as Ray counts it (its `memory` and `object_store_memory` resources; 0 when unknown)."""
+    if not ray.is_initialized():        # no cluster to ask (and asking would start one)
+        return 0
+    try:
+        node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    except Exception:  # noqa: BLE001 -- unknown: nothing caps its spares (spares.spares_within_memory)
+        return 0
+    res = (node or {}).get("Resources", {})
+    return int(res.get("memory", 0) + res.get("object_store_memory", 0))
 
 
 class GrowCheck:

@@ -1,4 +1,5 @@
-"""Warm spare worker processes warm up at idle CPU priority (pure: the os module only, no Ray).
+"""Warm spare worker processes warm up at idle CPU priority, and count against their node's memory (pure: the
+os module only, no Ray).
 
 A training worker asks its node's raylet for spare worker processes (train.worker_loop `_prestart_spares`)
 while its group trains. Their setup hook (train.warm) imports torch, DeepSpeed and Ray Train: seconds of CPU
@@ -11,6 +12,10 @@ every thread back to normal scheduling once the warm-up ends, before it can run 
 A process started for an actor (no token left) warms up at normal priority, as before: that is a start or a
 restart, with no group stepping on the node. A process that claims a token meant for another (the raylet
 started both at once) only warms up later when the CPU is busy; nothing else changes.
+
+A spare holds no Ray resource (no GPU, no CPU: a tenant may still take them) but it does hold host memory:
+`spares_within_memory` caps how many a node gets so that its spares together stay within a fraction of its
+memory (SPOTFILL_WARM_SPARE_MEMORY_FRACTION, each taken at SPOTFILL_WARM_SPARE_RSS_MB).
 
 SCHED_IDLE is used only where this process may leave it again (Linux; an unprivileged thread may need
 RLIMIT_NICE for that): `idle_while` tries the round trip on a throwaway thread first and, if refused, warms
@@ -26,6 +31,32 @@ import time
 import uuid
 
 TOKEN_TTL_S = 60.0        # a token no process claimed by then is stale (the raylet started none for it)
+
+
+def spares_within_memory(asked: int, node_bytes: int, held: int, per_spare_bytes: int,
+                         fraction: float) -> tuple[int, str]:
+    """How many of `asked` spares a node of `node_bytes` memory gets when `held` spares (warming or ready)
+    are already there, each taken at `per_spare_bytes` resident, all of them within `fraction` of the node's
+    memory: (count, "" or the line saying why fewer). Where the node's memory is unknown (0) nothing caps them:
+    a spare is a head start, and a cap on no number would take it away everywhere."""
+    asked = max(0, int(asked))
+    if node_bytes <= 0:
+        return asked, ""
+    budget = int(max(0, node_bytes) * max(0.0, fraction))
+    room = max(0, budget // max(1, per_spare_bytes) - max(0, held))
+    if asked <= room:
+        return asked, ""
+    return room, (f"{room} of {asked} spare(s): {held} already held and each taken at "
+                  f"{per_spare_bytes / 2**20:.0f} MiB (SPOTFILL_WARM_SPARE_RSS_MB) within {fraction:g} of the "
+                  f"node's {node_bytes / 2**30:.1f} GiB (SPOTFILL_WARM_SPARE_MEMORY_FRACTION)")
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (0 where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def token_dir() -> str:

@@ -80,15 +80,16 @@ class StepPolicy:
                                 if f.upload_in_flight else "")
         return StepDecision(CONTINUE)
 
-    def before_first_step(self, f: StepFacts) -> StepDecision | None:
+    def before_first_step(self, f: StepFacts, phase: str = "loaded") -> StepDecision | None:
         """A group that holds a preemption notice before its first step (it arrived while the group started
-        or restored) leaves at once: its state is the checkpoint it restored, so nothing is lost, and the
-        restart sizes the next group without the draining node. None: step on."""
+        or restored: `phase`, the start's boundary where it looked, train.notice_watch) leaves at once: its
+        state is the checkpoint it restored, so nothing is lost, and the restart sizes the next group without
+        the draining node. None: start on."""
         if f.preempt_votes > 0 and f.done < self.total_steps:
             return StepDecision(EXIT, "preemption", None, notice_deadline_unix_s=f.deadline_unix_s,
-                                detail="notice before this group's first step: its state is the checkpoint "
-                                       "it restored, nothing to save; leaving so the restart leaves out the "
-                                       "draining node")
+                                detail=f"notice before this group's first step (group {phase}): its state is "
+                                       "the checkpoint it restored, nothing to save; leaving so the restart "
+                                       "leaves out the draining node")
         return None
 
     def _finish(self, f: StepFacts) -> StepDecision:

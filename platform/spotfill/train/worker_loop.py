@@ -22,7 +22,7 @@ import time
 from spotfill.config import constants
 from spotfill.config.errors import DataMismatch, NoIntactCheckpoint, WriterFenced
 from spotfill.config.job import JobConfig, from_mapping
-from spotfill.ray_compat import local_preemption_info
+from spotfill.ray_compat import draining_node_ids, local_preemption_info, usable
 from spotfill.storage.base import open_storage
 from spotfill.storage.checkpoint_store import CheckpointStore
 from spotfill.storage.fence import WriterFence
@@ -34,6 +34,7 @@ from spotfill.train.restore import restore_on_workers
 from spotfill.train.model_card import for_checkpoints
 from spotfill.train.feed import DATA_KEY, LEDGER_KEY, StepFeed, data_identity, resume_point
 from spotfill.train.sample_ledger import FeedRecorder, SampleLedger
+from spotfill.train.notice_watch import DrainWatch, PlannedExit, StartNotice, either
 from spotfill.train.step_policy import CONTINUE, FINISH, StepDecision, StepFacts, StepPolicy
 from spotfill.telemetry.process import process_start_time
 from spotfill.telemetry.throughput import split_step, step_metrics
@@ -47,10 +48,6 @@ STEP_EVENTS_FLUSH_S = 0.25
 NVML_EVERY_S = 2.0              # rank 0 reads its GPU's NVML utilisation and memory at most this often
 _F_LOSS, _F_PREEMPT, _F_DEADLINE, _F_GROW = range(4)
 _F_FENCED = -1                  # last: after the step's values (a pipeline's, read at 4 + i)
-
-
-class PlannedExit(RuntimeError):
-    """Raised by every rank after a committed checkpoint so Ray Train restarts the group at a new size."""
 
 
 class _Comms:
@@ -110,12 +107,21 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # per rank: its node, its process's start (before the restart: a warm spare) and the GPUs Ray assigned it
     # -- summed, the group's GPUs in the attempt event: the ledger and goodput count them, not the plan
     placed = comms.gather_objects((node_id, process_start_time(), _assigned_gpus(job.cluster.gpu_resource)))
+    # rank 0 reads its group's drains itself from here on (Ray Train's watcher may start seconds later); the
+    # thread ends with this process (Ray Train ends the group's actors with the attempt): train.notice_watch
+    watch = (DrainWatch({p[0] for p in placed}, draining_node_ids, constants.DRAIN_POLL_S)
+             if rank == 0 and t.elastic_restarts == "spotfill" and usable("drain_aware_restarts") else None)
+    notice = either(lambda: local_preemption_info(), watch)
     info = comms.bcast(ray.get(sink.begin_attempt.remote(world, gpus=sum(p[2] for p in placed)))
                        if rank == 0 else None)
     if info["give_up"]:
         return _finish(sink, rank, {"ok": False, "reason": info.get("reason") or f"{info['unplanned_failures']} "
                                     f"unplanned failures exceed training.max_failures={t.max_failures}"})
     attempt = info["attempt"]
+    # a notice that reaches the group while it starts: looked at at each phase boundary (train.notice_watch)
+    start = StartNotice(StepPolicy(t.steps, t.checkpoint_every, margin_s=constants.EMERGENCY_MARGIN_S),
+                        notice, comms.gather_objects, rank, t_start)
+    start.check("placed", 0, sink)
     store = CheckpointStore(open_storage(job.storage).child(job.name), keep_last=t.keep_checkpoints)
     local_root = node_local_root(job.name, node_id)
     node_dir = os.path.join(local_root, "restore")
@@ -132,6 +138,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     except WriterFenced as exc:
         return _fenced(sink, rank, attempt, [exc.record()])
     prep_s = time.perf_counter() - t0
+    start.check("restored", plan.step, sink)
     pipe = _pipeline(job, world, rank, plan.stages, node_id,    # None without pipeline stages
                      loop_config.get("bubble_filler"))
     shape = pipe.shape if pipe else batch_shape(t.global_batch, world, t.max_micro_batch)
@@ -150,6 +157,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                                   plan.universal, device) if pipe else
                                 _engine(job, reader, shape, precision, plan.universal, device))
         t_engine = time.time()
+        start.check("engine built", plan.step, sink, on_leave=pipe.close if pipe else None)
         device = _device_info(engine, precision) if rank == 0 else {}
         client_state, load_s = None, 0.0
         if plan.tag:
@@ -169,7 +177,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         try:
             verdict = run_attempt(job, sink, comms, engine, reader, ckpt, rank=rank, world=world, attempt=attempt,
                                   shape=shape, vocab=vocab, flops=flops, device=device, client_state=client_state,
-                                  start_event=start_event, pipe=pipe,
+                                  start_event=start_event, pipe=pipe, notice=notice,
                                   group=collections.Counter(n for n, *_ in placed))
         finally:
             if pipe:
@@ -183,7 +191,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
 def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, *, rank: int, world: int,
                 attempt: int, shape: BatchShape, vocab: int, flops: dict, device: dict, client_state: dict | None,
-                start_event: dict, pipe=None, group: dict | None = None) -> dict:
+                start_event: dict, pipe=None, group: dict | None = None, notice=None) -> dict:
     """One attempt's steps, from the state its checkpoint gave (`client_state`; None: a fresh start) to the
     last step or a planned exit (PlannedExit): the data path (feed.py: rows read, checked against the
     schedule, their positions recorded in the ledger) and the executor; `pipe` (train/pipeline.py) runs the
@@ -203,7 +211,7 @@ def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, 
     spare_step = start_step + 1
 
     run = _Executor(job, sink, comms, engine, rank, world, attempt, ledger, ckpt, data=identity,
-                    group=group)
+                    group=group, notice=notice)
     prefetch = Prefetcher(StepFeed(reader, shape, rank, job.data.seed, positions=pipe.positions if pipe else None),
                           start_step, t.steps,
                           depth=job.data.prefetch)
@@ -330,18 +338,27 @@ def _prestart_spares(count: int) -> None:
     import torch and DeepSpeed (spotfill.train.warm, their setup hook) while this group trains, and the
     actors of the group after a restart land on them instead of on cold processes. Spares the next group
     does not take stay idle for SPOTFILL_WARM_SPARE_KEEP_ALIVE_S, then Ray's idle-worker policy applies;
-    Ray kills them with the job. A failure costs nothing but the head start: it is logged."""
+    Ray kills them with the job. They count against the node's memory (train.spares.spares_within_memory, with
+    the spares already there): beyond it, fewer are asked. A failure costs nothing but the head start: it is
+    logged."""
     import threading
 
     import ray
 
     from spotfill.ray_compat import prestart_workers
-    from spotfill.train.spares import offer
+    from spotfill.train.elastic import ready_spares
+    from spotfill.train.spares import host_memory_bytes, offer, spares_within_memory
 
     def run():
         try:
-            offer(ray.get_runtime_context().get_node_id(), count)    # they warm up in SCHED_IDLE
-            prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
+            node = ray.get_runtime_context().get_node_id()
+            n, why = spares_within_memory(count, host_memory_bytes(), ready_spares(warming=True).get(node, 0),
+                                          constants.WARM_SPARE_RSS_MB << 20, constants.WARM_SPARE_MEMORY_FRACTION)
+            if why:
+                log.info("spares on this node: %s", why)
+            if n:
+                offer(node, n)    # they warm up in SCHED_IDLE
+                prestart_workers(n, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
         except Exception as exc:  # noqa: BLE001 -- the next group starts cold processes, as stock Ray does
             log.warning("spare worker processes not started (%s: %s); the next worker group starts cold",
                         type(exc).__name__, exc)
@@ -434,8 +451,10 @@ class _Executor:
     """Gathers a step's facts and applies the policy's decisions for one rank of one attempt."""
 
     def __init__(self, job: JobConfig, sink, comms: _Comms, engine, rank: int, world: int, attempt: int,
-                 ledger: SampleLedger, ckpt: Checkpointer, data: dict | None = None, group: dict | None = None):
+                 ledger: SampleLedger, ckpt: Checkpointer, data: dict | None = None, group: dict | None = None,
+                 notice=None):
         t = job.training
+        self.notice = notice or (lambda: local_preemption_info())   # this rank's notice (train.notice_watch)
         self.data = data         # what the ledger's positions refer to (feed.data_identity), saved with it
         self.sink, self.comms, self.engine, self.ckpt = sink, comms, engine, ckpt
         self.rank, self.world, self.attempt, self.global_batch = rank, world, attempt, t.global_batch
@@ -487,7 +506,7 @@ class _Executor:
         """The step's one collective: every rank's loss, preemption notice (deadline) and grow count,
         `values` (e.g. a pipeline stage's bubble seconds) after them in `self.rows`, and last whether its
         checkpoint writes were refused (a newer writer took the store)."""
-        notice = local_preemption_info()
+        notice = self.notice()
         deadline_ms = getattr(notice, "deadline_ms", None) if notice is not None else None
         if len(self.flags) != _F_GROW + 2 + len(values):
             self.flags = self.comms.torch.zeros(_F_GROW + 2 + len(values), dtype=self.flags.dtype,
