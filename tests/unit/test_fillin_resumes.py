@@ -86,3 +86,15 @@ def test_a_batch_job_stopped_at_trainings_end_counts_only_with_its_rest_left_for
     assert not invariant({**left, "left_for_rerun": None})["ok"]          # missing rows, no end-of-run stop
     assert not invariant({**left, "duplicates": 1})["ok"]
     assert not invariant({**left, "rows_written": 39})["ok"]               # a row neither written nor left
+
+
+def test_a_sweep_stopped_at_trainings_end_counts_only_when_its_experiment_is_restorable():
+    from spotfill.sim.fillin_sweep import invariant, left_section
+    left = left_section(2, True, {"t1": "TERMINATED", "t2": "PAUSED"}, 1, 1, "stopped at the end")
+    assert left["completed"] == 1 and left["left_for_rerun"]["trials"] == {"t2": "PAUSED"}
+    got = invariant(left)
+    assert got["ok"] and "1 left for its rerun (experiment restorable" in got["detail"]
+    assert not invariant(left_section(2, False, {"t1": "TERMINATED", "t2": "PAUSED"}, 1, 1, "w"))["ok"]
+    assert not invariant(left_section(2, True, {"t1": "ERROR", "t2": "PAUSED"}, 1, 1, "w"))["ok"]
+    assert not invariant({"trials": 2, "completed": 1, "paused": 1, "resumed": 1})["ok"]      # no stop at the end
+    assert left_section(3, True, {"t1": "PAUSED"}, 1, 0, "w")["left_for_rerun"]["not_started"] == 2

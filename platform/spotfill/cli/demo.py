@@ -61,8 +61,11 @@ def summarize(report: dict) -> str:
     if fill.get("sweep"):
         w = fill["sweep"]
         best = w.get("best") or {}
-        lines.append(f"sweep fill-in: {w.get('completed', 0)} of {w.get('trials', '?')} trials completed, "
-                     f"{w.get('paused', 0)} paused and {w.get('resumed', 0)} resumed from their checkpoints"
+        left = w.get("left_for_rerun")
+        lines.append(f"sweep fill-in: {w.get('completed', 0)} of {w.get('trials', '?')} trials completed"
+                     + (f" ({w.get('trials', 0) - w.get('completed', 0)} left for its rerun, experiment "
+                        f"{'restorable' if left.get('restorable') else 'NOT restorable'})" if left else "") +
+                     f", {w.get('paused', 0)} paused and {w.get('resumed', 0)} resumed from their checkpoints"
                      + (f"; best {best['config']} ({best.get('metric_name')} {best['metric']:.3f})"
                         if best.get("config") and best.get("metric") is not None else ""))
     if fill.get("leases") is not None:

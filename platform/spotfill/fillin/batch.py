@@ -224,6 +224,8 @@ class UnitWorker:
         self.start = start_event(self.busy.meter.tenant, "batch", self.busy.meter, t_init, standby,
                                  {**load, "tag": plan.get("checkpoint_tag")})
         self.busy.send([self.start])
+        # each commit marker says how its actor started too (the GPU check reads wake_s on a real device)
+        self.where["start"] = {k: self.start.get(k) for k in ("warm", "init_s", "wake_s", "load_s")}
 
     def __call__(self, batch: dict) -> dict:
         done, rows = [], []

@@ -158,7 +158,7 @@ def _await_model(url: str, stop: threading.Event, poll_s: float = 1.0) -> float:
     while not stop.is_set():
         try:
             with urllib.request.urlopen(url.rstrip("/") + "/healthz", timeout=10) as resp:
-                if json.loads(resp.read()).get("checkpoint"):
+                if (json.loads(resp.read()).get("checkpoint") or {}).get("tag"):
                     break
         except (OSError, ValueError):
             pass

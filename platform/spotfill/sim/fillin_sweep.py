@@ -55,7 +55,9 @@ class SweepFillin(DriverFillin):
     def stop(self, timeout_s: float = FINISH_S) -> dict:
         """After training: wait for the driver (bounded: on an autoscaled cluster no GPU is lent once training
         ends, AUTOSCALED_FINISH_S), then fillin.sweep from its report.json."""
-        return self.report(self.wait(AUTOSCALED_FINISH_S if self.scenario.cluster.autoscaler else timeout_s))
+        autoscaled = bool(self.scenario.cluster.autoscaler)
+        return self.report(self.wait(AUTOSCALED_FINISH_S if autoscaled else timeout_s,
+                                     after=" (its rerun restores the experiment)", left_ok=autoscaled))
 
     def report(self, summary: dict) -> dict:
         rep: dict = {"enabled": True}
@@ -64,7 +66,10 @@ class SweepFillin(DriverFillin):
                 section = json.load(f)["fillin"]["sweep"]
             rep.update({k: v for k, v in section.items() if k != "results"})
         except (OSError, ValueError, KeyError) as exc:
-            self.error = self.error or f"the sweep wrote no report ({type(exc).__name__}: {exc})"
+            if self.left:               # stopped at training's end: what it left, from its own files
+                rep.update(self._left_report())
+            else:
+                self.error = self.error or f"the sweep wrote no report ({type(exc).__name__}: {exc})"
         rep["report"] = os.path.join(self.run_dir, "report.json")
         if self.reruns:
             rep["driver_reruns"] = self.reruns       # stopped by force while training ran, started again
@@ -73,13 +78,64 @@ class SweepFillin(DriverFillin):
         return rep
 
 
+    def _left_report(self) -> dict:
+        """fillin.sweep of a sweep stopped at training's end (on an autoscaled cluster): its trials as the
+        experiment state Tune saved holds them (what a rerun restores: sweep_state.check_experiment), its
+        pauses and resumes from its own event log."""
+        from spotfill.fillin.sweep import experiment_path
+        from spotfill.fillin.sweep_state import check_experiment
+        events = []
+        try:
+            with open(os.path.join(self.run_dir, "events.jsonl")) as f:
+                events = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            pass
+        acts = [e.get("action") for e in events if e.get("kind") == "sweep_trial"]
+        check = check_experiment(experiment_path(os.path.join(self.dir, "trials"), self.name))
+        return left_section(self.scenario.fillin.sweep["trials"], check.restorable,
+                            trial_statuses(os.path.join(self.dir, "trials", self.name)),
+                            acts.count("paused"), acts.count("resumed"), self.left)
+
+
+def trial_statuses(experiment_dir: str) -> dict[str, str]:
+    """trial id -> Tune status in the newest experiment state file under `experiment_dir` ({} without one)."""
+    import glob
+    files = sorted(glob.glob(os.path.join(experiment_dir, "experiment_state-*.json")))
+    if not files:
+        return {}
+    try:
+        with open(files[-1]) as f:
+            data = json.load(f)
+        return {t["trial_id"]: t.get("status") for t in (json.loads(tj) for tj, _ in data["trial_data"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def left_section(trials: int, restorable: bool, statuses: dict[str, str], paused: int, resumed: int,
+                 why: str) -> dict:
+    """fillin.sweep for a sweep left to its rerun (pure)."""
+    done = sum(1 for v in statuses.values() if v == "TERMINATED")
+    return {"trials": trials, "completed": done, "failed": sum(1 for v in statuses.values() if v == "ERROR"),
+            "paused": paused, "resumed": resumed,
+            "left_for_rerun": {"trials": {t: v for t, v in statuses.items() if v != "TERMINATED"},
+                               "not_started": max(0, trials - len(statuses)), "restorable": restorable,
+                               "why": why}}
+
+
 def invariant(rep: dict) -> dict:
-    """report.json invariants.sweep_every_trial_completed."""
+    """report.json invariants.sweep_every_trial_completed: every trial completed -- or, stopped at training's
+    end on an autoscaled cluster (`left_for_rerun`), none failed and the experiment is restorable: its rerun
+    (Tuner.restore) continues each unfinished trial from its checkpoint."""
     if "trials" not in rep:
         return {"ok": False, "detail": rep.get("error") or "the sweep wrote no report"}
-    ok = rep["completed"] == rep["trials"] and not rep.get("failed") and "error" not in rep
+    left = rep.get("left_for_rerun")
+    ok = not rep.get("failed") and "error" not in rep and (
+        rep["completed"] == rep["trials"] or bool(left and left.get("restorable")))
+    tail = (f"; {rep['trials'] - rep['completed']} left for its rerun (experiment "
+            f"{'restorable' if left.get('restorable') else 'NOT restorable'}: {left.get('why')})"
+            if left and rep["completed"] < rep["trials"] else "")
     return {"ok": ok, "detail": rep.get("error") or f"{rep['completed']} of {rep['trials']} trials completed, "
-            f"{rep.get('paused', 0)} paused and {rep.get('resumed', 0)} resumed from their checkpoints"}
+            f"{rep.get('paused', 0)} paused and {rep.get('resumed', 0)} resumed from their checkpoints{tail}"}
 
 
 def start(cluster, scenario, name: str, out_dir: str, env: dict, say, data_dir: str, arbiter) -> SweepFillin:
