@@ -98,3 +98,16 @@ def test_a_sweep_stopped_at_trainings_end_counts_only_when_its_experiment_is_res
     assert not invariant(left_section(2, True, {"t1": "ERROR", "t2": "PAUSED"}, 1, 1, "w"))["ok"]
     assert not invariant({"trials": 2, "completed": 1, "paused": 1, "resumed": 1})["ok"]      # no stop at the end
     assert left_section(3, True, {"t1": "PAUSED"}, 1, 0, "w")["left_for_rerun"]["not_started"] == 2
+
+
+def test_a_tenant_taken_back_in_the_last_window_carries_on_in_its_rerun_only_with_its_state_left():
+    from spotfill.sim.fillin_sweep import left_section
+    leases = [_lease("sweep", 30, 119, "reclaim", "fair_share")]                  # never lent again after
+    left = left_section(2, True, {"t1": "PAUSED", "t2": "PAUSED"}, 2, 0, "stopped at training's end")
+    got = reclaimed_and_resumed(_fill(leases, sweep=left))["sweep"]
+    assert got["ok"] and "left for its rerun" in got["detail"]
+    assert not reclaimed_and_resumed(_fill(leases, sweep={**left, "paused": 0}))["sweep"]["ok"]   # no checkpoint
+    assert not reclaimed_and_resumed(_fill(leases, sweep=left_section(2, False, {"t1": "PAUSED"}, 1, 0, "w"))
+                                     )["sweep"]["ok"]                                          # not restorable
+    assert not reclaimed_and_resumed(_fill([_lease("sweep", 30, 119, "release")], sweep=left))["sweep"]["ok"]
+    assert not reclaimed_and_resumed(_fill(leases, sweep=dict(SWEEP_DONE)))["sweep"]["ok"]       # no rerun, no lend
