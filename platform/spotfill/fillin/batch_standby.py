@@ -33,14 +33,9 @@ def plan_key(output: str, plan: dict) -> str:
     return f"{output}#{plan.get('checkpoint_tag')}"
 
 
-def _job_id() -> str:
-    import ray
-    return ray.get_runtime_context().get_job_id()
-
-
 def start() -> None:
     """The setup hook of the job's actor processes (see the module's doc)."""
-    sb.start(KIND, TOKEN_PREFIX, RECORD_PREFIX, _warm, owner_of_process=_job_id)
+    sb.start(KIND, TOKEN_PREFIX, RECORD_PREFIX, _warm, owner_of_process=sb.job_id)
 
 
 def _warm(args: dict) -> None:
@@ -68,7 +63,7 @@ def take(output: str, plan: dict) -> dict | None:
     """This process's standby of this job holding `plan`'s model, handed to the UnitWorker being created in
     it ({"loaded": (model, tokenizer) or None, ...}: fillin/standby.take); None in a process that is none."""
     try:
-        job = _job_id()
+        job = sb.job_id()
     except Exception:  # noqa: BLE001 -- outside Ray: no standby
         return None
     return sb.take(KIND, job, plan_key(output, plan))
@@ -83,33 +78,12 @@ def actor_runtime_env(job_runtime_env: dict | None) -> dict:
 
 
 def start_keeper(output: str, gpu_resource: str, per_node: int, runtime_env: dict):
-    """The job's keeper actor (0 CPU, on the head node): `per_node` standbys of this job on every node
-    with `gpu_resource`. Returns the actor handle (kill it when the job ends) or None when `per_node` is 0."""
+    """The job's keeper actor (fillin/standby.start_job_keeper): `per_node` standbys of this job on every node
+    with `gpu_resource`. Returns its handle or None when `per_node` is 0."""
     if per_node <= 0:
         return None
-    import ray
-
-    from spotfill.fillin.arbiter_handle import head_node_strategy
-
-    @ray.remote(num_cpus=0, max_restarts=0)
-    class BatchStandbyKeeper:
-        def __init__(self, owner: str):
-            import threading
-            self.keeper = sb.Keeper(TOKEN_PREFIX, RECORD_PREFIX, owner, {"output": output}, gpu_resource, per_node)
-            self.stop = threading.Event()
-            threading.Thread(target=self.keeper.run, args=(self.stop,), daemon=True, name="standby-keeper").start()
-
-        def records(self) -> dict:
-            return self.keeper.records()
-
-        def asks(self) -> int:
-            return self.keeper.asks
-
-    options = {"runtime_env": runtime_env}
-    head = head_node_strategy()            # the head: the keeper outlives any GPU node's loss
-    if head is not None:
-        options["scheduling_strategy"] = head
-    return BatchStandbyKeeper.options(**options).remote(_job_id())
+    return sb.start_job_keeper(TOKEN_PREFIX, RECORD_PREFIX, {"output": output}, gpu_resource, per_node,
+                               runtime_env)
 
 
 def records(job_id: str) -> dict[str, dict]:
@@ -132,12 +106,4 @@ def start_standbys(cfg) -> tuple[dict | None, object]:
         return None, None
 
 
-def stop_keeper(keeper) -> None:
-    """The job is done: its keeper goes (its standbys end with the job, or with their keep-alive)."""
-    if keeper is None:
-        return
-    import ray
-    try:
-        ray.kill(keeper)
-    except Exception as exc:  # noqa: BLE001 -- it goes with the job
-        log.debug("standby keeper not killed: %s", exc)
+stop_keeper = sb.stop_keeper

@@ -356,3 +356,50 @@ class Keeper:
                 stop.wait(CHECK_S)
             else:
                 time.sleep(CHECK_S)
+
+
+def job_id() -> str:
+    """This process's Ray job (a job-scoped standby's owner: its tokens are claimed by its own processes)."""
+    import ray
+    return ray.get_runtime_context().get_job_id()
+
+
+def start_job_keeper(token_prefix: str, record_prefix: str, args: dict, gpu_resource: str, per_node: int,
+                     runtime_env: dict):
+    """A job's keeper actor (0 CPU, on the head node: it outlives any GPU node's loss) running `Keeper` for
+    this job with `runtime_env` -- the runtime_env of the tenant's GPU actors, so the processes it has the
+    raylets prestart are ones Ray's worker pool hands them. Returns its handle (kill it when the job ends)."""
+    import ray
+
+    from spotfill.fillin.arbiter_handle import head_node_strategy
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class StandbyKeeper:
+        def __init__(self, owner: str):
+            import threading
+            self.keeper = Keeper(token_prefix, record_prefix, owner, args, gpu_resource, per_node)
+            self.stop = threading.Event()
+            threading.Thread(target=self.keeper.run, args=(self.stop,), daemon=True, name="standby-keeper").start()
+
+        def records(self) -> dict:
+            return self.keeper.records()
+
+        def asks(self) -> int:
+            return self.keeper.asks
+
+    options = {"runtime_env": runtime_env}
+    head = head_node_strategy()
+    if head is not None:
+        options["scheduling_strategy"] = head
+    return StandbyKeeper.options(**options).remote(job_id())
+
+
+def stop_keeper(keeper) -> None:
+    """The job is done: its keeper goes (its standbys end with the job, or with their keep-alive)."""
+    if keeper is None:
+        return
+    import ray
+    try:
+        ray.kill(keeper)
+    except Exception as exc:  # noqa: BLE001 -- it goes with the job
+        log.debug("standby keeper not killed: %s", exc)

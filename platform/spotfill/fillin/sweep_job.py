@@ -84,7 +84,7 @@ def run_sweep_job(cfg, *, runtime_env: dict | None = None, step_sleep_s: float =
         section = run_sweep(cfg, grant, emit=lambda kind, **f: events.write(kind, **f), step_sleep_s=step_sleep_s)
     finally:
         events.close()
-        from spotfill.fillin.batch_standby import stop_keeper
+        from spotfill.fillin.standby import stop_keeper
         stop_keeper(keeper)
     section["handback_seconds"] = (sweep_handbacks(f"sweep:{cfg.name}", t0) if cfg.fillin.grant == "arbiter"
                                    else [])

@@ -25,14 +25,9 @@ KIND = "sweep"
 HELD = "imports"             # what a sweep standby holds: the trial's imports (no model)
 
 
-def _job_id() -> str:
-    import ray
-    return ray.get_runtime_context().get_job_id()
-
-
 def start() -> None:
     """The setup hook of the sweep job's worker processes (see the module's doc)."""
-    sb.start(KIND, TOKEN_PREFIX, RECORD_PREFIX, _warm, owner_of_process=_job_id)
+    sb.start(KIND, TOKEN_PREFIX, RECORD_PREFIX, _warm, owner_of_process=sb.job_id)
 
 
 def _warm(args: dict) -> None:
@@ -50,7 +45,7 @@ def _warm(args: dict) -> None:
 def take() -> dict | None:
     """This process's standby of this sweep job, handed to the trial being set up in it (None: no standby)."""
     try:
-        job = _job_id()
+        job = sb.job_id()
     except Exception:  # noqa: BLE001 -- outside Ray: no standby
         return None
     return sb.take(KIND, job, HELD)
@@ -73,31 +68,11 @@ def start_keeper(gpu_resource: str, per_node: int):
     if per_node <= 0:
         return None
     try:
-        import ray
-
-        from spotfill.fillin.arbiter_handle import head_node_strategy
-
-        @ray.remote(num_cpus=0, max_restarts=0)
-        class SweepStandbyKeeper:
-            def __init__(self, owner: str):
-                import threading
-                self.keeper = sb.Keeper(TOKEN_PREFIX, RECORD_PREFIX, owner, {}, gpu_resource, per_node)
-                self.stop = threading.Event()
-                threading.Thread(target=self.keeper.run, args=(self.stop,), daemon=True,
-                                 name="standby-keeper").start()
-
-            def asks(self) -> int:
-                return self.keeper.asks
-
         from spotfill.ray_compat import tune_trial_runtime_env
         trial_env = tune_trial_runtime_env()         # the keeper's = a trial actor's: Ray hands trials its processes
         if trial_env is None:
             return None
-        options = {"runtime_env": trial_env}
-        head = head_node_strategy()
-        if head is not None:
-            options["scheduling_strategy"] = head
-        return SweepStandbyKeeper.options(**options).remote(_job_id())
+        return sb.start_job_keeper(TOKEN_PREFIX, RECORD_PREFIX, {}, gpu_resource, per_node, trial_env)
     except Exception as exc:  # noqa: BLE001 -- every trial starts cold then, and its start event says so
         log.warning("sweep: no warm standbys (%s: %s); trials start cold", type(exc).__name__, exc)
         return None
