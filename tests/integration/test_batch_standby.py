@@ -99,6 +99,7 @@ def test_a_lent_gpu_runs_its_first_unit_on_the_jobs_warm_standby(env, inputs, tm
     metric("lend_to_started_s_warm", round(start["t"] - got["t_lend"], 3))
 
 
+@pytest.mark.slow   # CI's time budget: the cold baseline; `spotfill bench --only fillin` runs the same comparison
 def test_without_standbys_the_same_lend_starts_its_actor_cold(env, inputs, tmp_path):
     got = run_job(env, inputs, tmp_path, "cold", 0)
     start = got["start"]

@@ -94,6 +94,7 @@ def test_the_keeper_starts_the_next_standby_after_a_lend_took_one(warm):
     assert new and all(warm["after"][k]["state"] in ("warming", "ready") for k in new), warm["after"]
 
 
+@pytest.mark.slow   # CI's time budget: the cold baseline; `spotfill bench --only fillin` runs the same comparison
 def test_without_standbys_the_same_lend_starts_cold(tmp_path_factory, warm):
     """The comparison the warm start is measured against (the same lend, standby_per_node 0)."""
     cold = lend_after_standby(tmp_path_factory, 0)

@@ -112,8 +112,10 @@ def test_prestarting_spares_asks_the_raylet_for_no_more_than_the_memory_allows(m
     monkeypatch.setattr(spares, "host_memory_bytes", lambda: 8 * GIB)
     monkeypatch.setattr(spares, "offer", lambda node, n: asked.update(offered=n))
     monkeypatch.setattr(elastic, "ready_spares", lambda warming=False: {"node-a": 3})
-    import spotfill.ray_compat as compat
-    monkeypatch.setattr(compat, "prestart_workers", lambda n, keep_alive_s, **_: asked.update(started=n))
+    # patched where it lives: set on the package (whose attributes load lazily) monkeypatch's undo would leave
+    # the real one cached there, and later tests patching ray_train would not reach it
+    from spotfill.ray_compat import ray_train
+    monkeypatch.setattr(ray_train, "prestart_workers", lambda n, keep_alive_s, **_: asked.update(started=n))
     ctx = types.SimpleNamespace(get_node_id=lambda: "node-a")
     monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get_runtime_context=lambda: ctx))
     threads = []
