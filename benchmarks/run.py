@@ -39,6 +39,9 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "serve": ("benchmarks.serve", "bench_serve"),
 }
 DEFAULT_SECTIONS = ("recovery", "preemption", "checkpoint", "overhead", "gpu", "fillin", "pipeline", "serve")
+# a section's time limit (quick, full) where the default (900, 3600 s) is too short: fillin runs eight
+# scenarios (Serve warm and cold, no fill-in, no load, batch + sweep warm and cold, interleaved ratio pairs)
+SECTION_TIMEOUT_S = {"fillin": (2700, 7200)}
 TARGETS = {("checkpoint", "stall_ratio"): ("<=", 0.10), ("checkpoint", "upload_ratio"): (">=", 0.70),
            ("overhead", "ratio"): (">=", 0.97), ("recovery", "speedup"): (">=", 8.0),
            ("recovery", "speedup_vs_tuned"): (">=", 2.0),
@@ -113,7 +116,8 @@ def run_all(quick: bool, sections=None, progress: Callable[[str], None] | None =
     for name in sections:
         say(f"{name}: running")
         t1 = time.perf_counter()
-        value, error = _run_child(name, quick, say, timeout_s or (900 if quick else 3600))
+        limit = SECTION_TIMEOUT_S.get(name, (900, 3600))[0 if quick else 1]
+        value, error = _run_child(name, quick, say, timeout_s or limit)
         if error:
             errors[name] = error
             say(f"{name}: FAILED {error}")
