@@ -86,11 +86,6 @@ def start_keeper(output: str, gpu_resource: str, per_node: int, runtime_env: dic
                                runtime_env)
 
 
-def records(job_id: str) -> dict[str, dict]:
-    """The standby records of job `job_id` (warming / ready, what each holds)."""
-    return sb.Keeper(TOKEN_PREFIX, RECORD_PREFIX, job_id, {}, "GPU", 0).records()
-
-
 def start_standbys(cfg) -> tuple[dict | None, object]:
     """(the runtime_env of the job's wave actors, its keeper actor) for a batch job of config `cfg` (its
     `cluster.standby_per_node` standbys per GPU node); (None, None) with none asked."""

@@ -308,18 +308,6 @@ class Keeper:
         self.asked: dict[str, float] = {}
         self.asks = 0
 
-    def records(self) -> dict[str, dict]:
-        kv_get, _, kv_list, _ = _kv()
-        out = {}
-        for key in kv_list(f"{self.record_prefix}{self.owner}:"):
-            raw = kv_get(key)
-            if raw is not None:
-                try:
-                    out[key] = json.loads(raw)
-                except ValueError:
-                    continue
-        return out
-
     def check(self) -> dict[str, int]:
         import ray
 
@@ -380,12 +368,6 @@ def start_job_keeper(token_prefix: str, record_prefix: str, args: dict, gpu_reso
             self.keeper = Keeper(token_prefix, record_prefix, owner, args, gpu_resource, per_node)
             self.stop = threading.Event()
             threading.Thread(target=self.keeper.run, args=(self.stop,), daemon=True, name="standby-keeper").start()
-
-        def records(self) -> dict:
-            return self.keeper.records()
-
-        def asks(self) -> int:
-            return self.keeper.asks
 
     options = {"runtime_env": runtime_env}
     head = head_node_strategy()

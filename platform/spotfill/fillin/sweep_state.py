@@ -55,12 +55,13 @@ def intact(data: bytes) -> bool:
     return True
 
 
-def trial_configs(experiment_state: bytes) -> dict[str, dict]:
-    """trial id -> search config, in Tune's order, from an experiment_state-*.json."""
+def trial_configs(experiment_state: bytes, field: str = "config") -> dict[str, dict]:
+    """trial id -> search config (or another of its fields: "status"), in Tune's order, from an
+    experiment_state-*.json."""
     out = {}
     for trial_json, _meta in json.loads(experiment_state)["trial_data"]:
         trial = json.loads(trial_json)
-        out[trial["trial_id"]] = trial["config"]
+        out[trial["trial_id"]] = trial.get(field)
     return out
 
 
@@ -73,6 +74,7 @@ class ExperimentCheck:
     set_aside: list[dict] = field(default_factory=list)   # {"file", "as", "bytes"}: damaged, renamed
     restored_from: list[dict] = field(default_factory=list)   # {"file", "from"}: put back from NAME.last
     trials: dict[str, dict] | None = None      # newest intact experiment state's trials (None: no such state)
+    statuses: dict[str, str] | None = None     # the same trials' Tune status (PAUSED, TERMINATED, ...)
     searcher: dict | None = None               # newest intact searcher state (GrantSearcher.save), or None
     tuner_intact: bool = True                  # tuner.pkl (Tune cannot restore without it)
 
@@ -117,6 +119,7 @@ def check_experiment(experiment: str) -> ExperimentCheck:
                 newest[kind[0]] = data                # names sort by session time: the last one wins
     if EXPERIMENT_STATE[0] in newest:
         out.trials = trial_configs(newest[EXPERIMENT_STATE[0]])
+        out.statuses = trial_configs(newest[EXPERIMENT_STATE[0]], "status")
     if SEARCHER_STATE[0] in newest:
         out.searcher = json.loads(newest[SEARCHER_STATE[0]])
     return out

@@ -92,23 +92,8 @@ class SweepFillin(DriverFillin):
             pass
         acts = [e.get("action") for e in events if e.get("kind") == "sweep_trial"]
         check = check_experiment(experiment_path(os.path.join(self.dir, "trials"), self.name))
-        return left_section(self.scenario.fillin.sweep["trials"], check.restorable,
-                            trial_statuses(os.path.join(self.dir, "trials", self.name)),
+        return left_section(self.scenario.fillin.sweep["trials"], check.restorable, check.statuses or {},
                             acts.count("paused"), acts.count("resumed"), self.left)
-
-
-def trial_statuses(experiment_dir: str) -> dict[str, str]:
-    """trial id -> Tune status in the newest experiment state file under `experiment_dir` ({} without one)."""
-    import glob
-    files = sorted(glob.glob(os.path.join(experiment_dir, "experiment_state-*.json")))
-    if not files:
-        return {}
-    try:
-        with open(files[-1]) as f:
-            data = json.load(f)
-        return {t["trial_id"]: t.get("status") for t in (json.loads(tj) for tj, _ in data["trial_data"])}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
 
 
 def left_section(trials: int, restorable: bool, statuses: dict[str, str], paused: int, resumed: int,
