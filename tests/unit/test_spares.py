@@ -124,3 +124,60 @@ def test_prestarting_spares_asks_the_raylet_for_no_more_than_the_memory_allows(m
     worker_loop._prestart_spares(2)
     threads[0]()
     assert asked == {"offered": 1, "started": 1}
+
+
+# -- a restart wakes spares still warming in SCHED_IDLE (train.warm.watch_wake, train.readiness.woken) -------
+def test_the_wake_key_names_only_restarts_after_the_spares_start():
+    from spotfill.train.readiness import wake_key, woken
+    assert wake_key("01000000").endswith("01000000")
+    assert woken(b"105.5", since=100.0) and woken("105.5", since=100.0)
+    assert not woken(b"99.0", since=100.0)            # a restart before this spare started: not for it
+    assert not woken(None, since=100.0) and not woken(b"garbage", since=100.0)
+
+
+def _warming_spare(wake_value, since: float):
+    """A 'spare' warming up in SCHED_IDLE on a thread (busy, as imports are), a watcher reading `wake_value`;
+    returns (the policy its warm-up thread had once the watcher finished or gave up, the watcher's answer)."""
+    from spotfill.train import warm
+    done, stop, seen = threading.Event(), threading.Event(), {}
+
+    def warm_up():
+        with idle_while(True) as used:
+            seen["used"] = used
+            while not stop.is_set():
+                sum(range(1000))                    # holds the GIL most of the time, as an import does
+            seen["policy"] = _policy()
+
+    t = threading.Thread(target=warm_up)
+    t.start()
+    woke = warm.watch_wake(done, since, read=lambda: wake_value, poll_s=0.05) if wake_value is not None \
+        else _watch_briefly(done, since)
+    stop.set()
+    t.join()
+    done.set()
+    if not seen.get("used"):
+        pytest.skip("this process may not leave SCHED_IDLE again (no RLIMIT_NICE)")
+    return seen["policy"], woke
+
+
+def _watch_briefly(done: threading.Event, since: float) -> bool:
+    from spotfill.train import warm
+    threading.Timer(0.5, done.set).start()        # the warm-up ends after 0.5 s with no restart
+    return warm.watch_wake(done, since, read=lambda: b"1.0", poll_s=0.05)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux only")
+def test_a_restart_puts_a_spare_still_warming_in_sched_idle_back_to_normal_scheduling():
+    import time
+
+    from spotfill.train import warm
+    policy, woke = _warming_spare(repr(time.time() + 1), since=time.time())
+    assert woke and policy == os.SCHED_OTHER, "the warm-up went on in SCHED_IDLE after the restart began"
+    assert warm.marks["warm_woken_t"] > 0 and warm.marks["warm_woken_moved"] >= 1
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux only")
+def test_without_a_restart_after_its_start_a_spare_stays_in_sched_idle_while_it_warms():
+    import time
+    policy, woke = _warming_spare(None, since=time.time())
+    assert not woke and policy == os.SCHED_IDLE

@@ -168,6 +168,9 @@ WARM_GROW_BOUND_S = env_float("SPOTFILL_WARM_GROW_BOUND_S", 90.0)
 # spares together stay within this fraction of its memory; a node gets fewer spares than asked beyond it.
 WARM_SPARE_RSS_MB = env_int("SPOTFILL_WARM_SPARE_RSS_MB", 512, minimum=1)
 WARM_SPARE_MEMORY_FRACTION = env_float("SPOTFILL_WARM_SPARE_MEMORY_FRACTION", 0.25)
+# A spare warming in SCHED_IDLE reads its run's wake key (train.readiness) this often (s): a restart or resize
+# that began after it started puts it back to normal scheduling (train.warm.watch_wake).
+SPARE_WAKE_POLL_S = env_float("SPOTFILL_SPARE_WAKE_POLL_S", 0.25, strict=True)
 # spotfill runs: rank 0 reads the drains of its group's nodes from the GCS this often (s), from the moment the
 # training function starts (train.notice_watch): Ray Train's own watcher is an actor started with each group,
 # which on a busy node began answering 11 s after the group started -- past a 15 s notice's save.

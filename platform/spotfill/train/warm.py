@@ -56,8 +56,15 @@ def start() -> None:
     marks["warm_hook_t"] = round(time.time(), 3)
     from spotfill.ray_compat.names import RAY_TRAIN_WORKER_MODULE
     from spotfill.train.spares import idle_while
-    with idle_while(_is_spare()) as idle:     # a spare warms up on CPU time its node's group leaves unused
+    spare = _is_spare()
+    done = threading.Event()
+    if spare:       # started before the main thread enters SCHED_IDLE: it runs at normal priority
+        threading.Thread(target=watch_wake, args=(done, marks["warm_hook_t"]), name="spotfill-spare-wake",
+                         daemon=True).start()
+    with idle_while(spare) as idle:     # a spare warms up on CPU time its node's group leaves unused
         marks["warm_idle"] = idle
+        if not idle:
+            done.set()
         _record(ready=False)                 # on its way: a restart that stops the steps finds it
         thread = threading.Thread(target=_load, name="spotfill-warm-start", daemon=True)
         thread.start()
@@ -66,8 +73,49 @@ def start() -> None:
         thread.join()
         for name in AFTER_TORCH:
             _import(name)
+    done.set()
     marks["warm_after_t"] = round(time.time(), 3)
     _record(ready=True)
+
+
+def watch_wake(done: threading.Event, since: float, read=None, poll_s: float | None = None) -> bool:
+    """A spare warming up in SCHED_IDLE: until `done`, read the run's wake key (train.readiness) every
+    `poll_s`; once it names a restart after `since`, put every thread of this process back to normal
+    scheduling (the warm-up then finishes at the priority of the workers it is about to serve) and note it
+    (`warm_woken_t`). Returns whether it woke the process. `read`: the key-value read (tests)."""
+    from spotfill.config import constants
+    from spotfill.train.readiness import wake_key, woken
+    from spotfill.train.spares import normal_scheduling
+    poll_s = constants.SPARE_WAKE_POLL_S if poll_s is None else poll_s
+    try:
+        if read is None:
+            import ray
+
+            from spotfill.ray_compat import kv_get
+            key = wake_key(ray.get_runtime_context().get_job_id())
+            read = lambda: kv_get(key)  # noqa: E731
+        while not done.wait(poll_s):
+            if woken(read(), since):
+                marks["warm_woken_moved"] = normal_scheduling()
+                marks["warm_woken_t"] = round(time.time(), 3)
+                return True
+    except Exception:  # noqa: BLE001 -- no wake: the warm-up ends in SCHED_IDLE, as without the watcher
+        pass
+    return False
+
+
+def wake_spares(job_id: str | None = None, now: float | None = None) -> None:
+    """The run's controller begins a new worker group (a restart or a resize): every spare of this Ray job
+    still warming in SCHED_IDLE leaves it (watch_wake). Never raises: a spare not woken only warms slower."""
+    try:
+        import ray
+
+        from spotfill.ray_compat import kv_put
+        from spotfill.train.readiness import wake_key
+        job_id = job_id or ray.get_runtime_context().get_job_id()
+        kv_put(wake_key(job_id), repr(time.time() if now is None else now))
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _is_spare() -> bool:
