@@ -69,6 +69,19 @@ def test_claim_reclaims_in_configured_order_newest_first(order, first):
     assert ">".join(order) in plan.reclaims[0].reason
 
 
+def test_a_claim_pinned_to_the_warm_node_reclaims_there_although_another_node_is_free():
+    # a hard loss: survivor a (training's warm spares) lent 2 GPUs to tenants; c, just launched, is all free.
+    # Pinned to a, the claim takes a's leases back; unpinned, c's free GPUs answer it and nothing comes back.
+    snap = Snapshot((Node("a", 3, 1), Node("c", 3, 3)), (),
+                    (lease("s1", "serve", "a", at=1), lease("w1", "sweep", "a", at=2)))
+    pinned = decide_claim(snap, "j", 3, 1, T0, nodes=["a"])
+    assert sorted(d.lease_id for d in pinned.reclaims) == ["s1", "w1"] and pinned.free_now == 1
+    assert pinned.short_by == 0 and "1 free" in pinned.reclaims[0].reason
+    unpinned = decide_claim(snap, "j", 3, 1, T0)
+    assert not unpinned.reclaims and unpinned.free_now == 4
+    assert decide_claim(snap, "j", 4, 1, T0, nodes=["a"]).short_by == 1    # a holds 3 at most
+
+
 def test_claim_counts_whole_workers_and_skips_useless_reclaims():
     # 2 GPUs per worker: reclaiming one lease on node b (whose other GPU is training's) frees no worker
     leases = (lease("a1", "serve", "a", at=3), lease("b1", "serve", "b", at=2), lease("a2", "serve", "a", at=1))

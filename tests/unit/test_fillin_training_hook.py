@@ -24,6 +24,29 @@ def test_claims_the_groups_gpus_before_the_resize():
     assert calls == [("job", 4, 2)] and hook.answers == [{"ok": True, "reason": "2 of 2 free"}]
 
 
+def test_a_group_pinned_to_its_warm_nodes_claims_there_once_per_restart():
+    """The policy's sizing pins a restart to the survivors' warm nodes: the claim asks for the GPUs there
+    and the group gets a label selector on them -- once: a pinned start that failed is retried unpinned."""
+    from spotfill.train import elastic
+    policy = elastic.DrainAwareElasticPolicy.__new__(elastic.DrainAwareElasticPolicy)
+    policy._pin = ("node-b", "node-a")
+    elastic.PINNED[id(policy)] = policy
+    try:
+        calls = []
+        hook = FillinClaimCallback(SPEC, claim=lambda spec, gpus, gpw, nodes=None: calls.append(nodes) or
+                                   {"ok": True, "reason": "3 of 3 free"})
+        hook.before_controller_execute_resize_decision(Decision(3, {"GPU_SLOT": 1.0}))
+        assert calls == [("node-b", "node-a")]
+        selector = policy.on_controller_start_worker_group(scaling_config=None, num_workers=3)
+        assert selector == {"ray.io/node-id": "in(node-a,node-b)"}
+        # the pinned start timed out (a node went meanwhile): the retry is placed and claimed by Ray alone
+        assert policy.on_controller_start_worker_group(scaling_config=None, num_workers=3) is None
+        hook.before_controller_execute_resize_decision(Decision(3, {"GPU_SLOT": 1.0}))
+        assert calls[-1] is None
+    finally:
+        elastic.PINNED.pop(id(policy), None)
+
+
 def test_a_broken_or_missing_arbiter_never_stops_training(caplog):
     def broken(spec, gpus, gpw):
         raise TimeoutError("arbiter did not answer")

@@ -479,10 +479,13 @@ class Arbiter:
 
     # -- training's claim ---------------------------------------------------------------------------------
     def claim(self, job: str, gpus: int, deadline_s: float = 10.0, gpus_per_worker: int = 1,
-              min_workers: int | None = None, max_workers: int | None = None) -> dict:
+              min_workers: int | None = None, max_workers: int | None = None,
+              nodes: list[str] | None = None) -> dict:
         """Make `gpus` GPUs available to `job`'s next worker group: reclaim leases as needed and answer
-        when enough are free (or at `deadline_s` with what could be freed). It reads Ray's state without the
-        lock and never waits on a tenant's call (those go out on TenantCalls' threads)."""
+        when enough are free (or at `deadline_s` with what could be freed). `nodes`: the group is placed on
+        these nodes only (where its warm spares are): GPUs are counted and leases reclaimed there. It reads
+        Ray's state without the lock and never waits on a tenant's call (those go out on TenantCalls'
+        threads)."""
         t0, started = time.monotonic(), time.time()
         gpw = max(1, int(gpus_per_worker))
         with self.lock:
@@ -492,7 +495,8 @@ class Arbiter:
             with self.lock:
                 prev = self.jobs.get(job)
                 snap = self._apply(view, started)
-                own = min(sum(row["training"] for row in ownership(snap).values()),
+                own = min(sum(row["training"] for node, row in ownership(snap).items()
+                              if nodes is None or node in nodes),
                           prev.running * prev.gpus_per_worker if prev else 0)
                 wanted = max(0, int(gpus) - own)
             reclaimed: list[tuple[str, int]] = []     # (lease id, GPUs)
@@ -502,7 +506,7 @@ class Arbiter:
                 view = self._read(time.time())
                 with self.lock:
                     now = time.time()
-                    plan = decide_claim(self._apply(view, now), job, wanted, gpw, now, self.order)
+                    plan = decide_claim(self._apply(view, now), job, wanted, gpw, now, self.order, nodes)
                     live = {le.lease_id for le in self.leases}
                     ended.update({lid: now for lid, _ in reclaimed if lid not in live and lid not in ended})
                     # a lease reclaimed here just ended: no other is stopped until Ray's view had time to show its GPU

@@ -284,9 +284,15 @@ def _usable_gpus(snap: Snapshot, gpw: int, extra: dict[str, int]) -> int:
 
 
 def decide_claim(snap: Snapshot, job: str, wanted: int, gpus_per_worker: int, now: float,
-                 order: Iterable[str] = DEFAULT_ORDER) -> ClaimPlan:
+                 order: Iterable[str] = DEFAULT_ORDER, nodes: Iterable[str] | None = None) -> ClaimPlan:
     """Meet training's claim of `wanted` GPUs: free whole workers first, then reclaim leases in `order`
-    (newest first within a kind). Leases already reclaiming count as coming back."""
+    (newest first within a kind). Leases already reclaiming count as coming back. `nodes`: the group goes
+    on these nodes only (its warm spares are there, train.readiness.warm_placement): only their GPUs count
+    and only their leases are reclaimed -- a free GPU on another node is no use to it."""
+    if nodes is not None:
+        keep = frozenset(nodes)
+        snap = replace(snap, nodes=tuple(n for n in snap.nodes if n.node_id in keep),
+                       leases=tuple(le for le in snap.leases if le.node_id in keep))
     gpw, order = max(1, int(gpus_per_worker)), tuple(order)
     coming: dict[str, int] = {}
     for le in snap.leases:

@@ -42,7 +42,7 @@ _PARTS = {
     "ray_train": ("ControllerCallback", "WorkerGroupCallback", "ElasticScalingPolicy", "local_preemption_info",
                   "unreachable_workers", "GcsCheckedPlacementGroupCleaner", "GcsCheckedPlacementGroupCleanerCallback",
                   "use_spotfill_controller", "callbacks_first", "worker_setup_hook_env", "prestart_workers",
-                  "torch_train_backend"),
+                  "torch_train_backend", "node_label_selector"),
     "names": ("RAY_TRAIN_WORKER_MODULE", "DYNAMO_MODULE"),
     "ray_serve": ("check_serve_hooks", "watch_running_replicas"),
     "ray_tune": ("require_sweep", "tune_force_cleanup_after", "tune_unstage_trial", "tune_checkpoint_parts",

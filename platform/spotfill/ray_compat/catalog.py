@@ -256,6 +256,14 @@ HOOKS = _hooks(
          "has no CUDA device behind it",
          "train.backend then keeps Ray's TorchConfig backend",
          names=("ray.train.torch.config:_TorchBackend.on_start(worker_group, backend_config)",)),
+    Hook("warm_placement", ROBUSTNESS, "ray", RAY,
+         "a restart after a loss or notice is placed on the nodes whose warm spares it counted on (a label "
+         "selector on Ray's node-id label, returned from the controller's start-worker-group hook)",
+         "Ray places the restarted group where it fits, possibly on a node new to the run: its workers then "
+         "start cold (process start and imports) although the survivors' spares were warm",
+         "train.elastic.DrainAwareElasticPolicy returns no selector; the group starts, only slower",
+         names=(f"{_CB}:ControllerCallback.on_controller_start_worker_group(scaling_config, num_workers)",
+                "ray._raylet:RAY_NODE_ID_KEY")),
     Hook("fillin_claims", REQUIRED, "ray", RAY,
          "training claims the GPUs fill-in lent before a worker group starts, restarts or grows",
          "fill-in beside training (the claim of lent GPUs before a worker group starts)",

@@ -24,6 +24,16 @@ ElasticScalingPolicy = stand_in_base("ray.train.v2._internal.execution.scaling_p
                                      "drain_aware_restarts")
 
 
+def node_label_selector(node_ids) -> dict | None:
+    """A worker-group label selector placing every worker on one of `node_ids`, through the node-id label
+    Ray gives every node (the controller callback hook `on_controller_start_worker_group` returns it);
+    None where the hook or the label is gone (warning once): the group is then placed by Ray alone."""
+    if not node_ids or not usable("warm_placement"):
+        return None
+    from ray._raylet import RAY_NODE_ID_KEY
+    return {RAY_NODE_ID_KEY: f"in({','.join(sorted(node_ids))})"}
+
+
 def local_preemption_info():
     """This worker's preemption notice (a PreemptionInfo or None), read locally: no collective.
 

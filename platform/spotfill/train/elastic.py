@@ -23,13 +23,14 @@ from ray.train.torch import TorchTrainer
 
 from spotfill.config import constants
 from spotfill.ray_compat import (ElasticScalingPolicy, available_resources_per_node, draining_node_ids,
-                                 kv_get, kv_list, kv_put, usable, use_spotfill_controller)
+                                 kv_get, kv_list, kv_put, node_label_selector, usable, use_spotfill_controller)
 from spotfill.spot.early_warning import without_warned
 from spotfill.train.arbiter_link import fillin_reclaimable
 from spotfill.train.capacity import (GrowDecision, GrowGate, NodeCapacity, capacity_state, count_workers,
                                      free_resources, reachable, workers_by_node)
 from spotfill.config.pipe_layout import round_to_replicas
-from spotfill.train.readiness import GrowPlanner, GrowStep, ready_by_node, record_prefix, restart_size, short
+from spotfill.train.readiness import (GrowPlanner, GrowStep, ready_by_node, record_prefix, restart_size, short,
+                                     warm_placement)
 
 log = logging.getLogger(__name__)
 RAYLET_PROBE_S = 0.5   # a live raylet answers a local-network connect in milliseconds
@@ -188,6 +189,20 @@ def _train_run_name() -> str:
     return ray.train.get_context().get_experiment_name()
 
 
+# The run's policy in this controller process (one Ray Train controller per actor process): the fill-in claim
+# callback asks it which nodes the group being started is pinned to (pinned_nodes).
+PINNED: dict[int, "DrainAwareElasticPolicy"] = {}
+
+
+def pinned_nodes() -> tuple[str, ...] | None:
+    """The warm nodes the group this controller starts next is pinned to, or None (no pin / no policy)."""
+    for policy in list(PINNED.values()):
+        nodes = policy.pinned_nodes()
+        if nodes:
+            return nodes
+    return None
+
+
 class DrainAwareElasticPolicy(ElasticScalingPolicy):
     """Sizes restarts from the schedulable nodes' free resources, not the coordinator's reservations (they
     lag node changes by up to its tick). Ray Train decides the next size before it shuts the old group
@@ -202,7 +217,28 @@ class DrainAwareElasticPolicy(ElasticScalingPolicy):
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         self._own_placement_group = worker_group_state.placement_group_handle.placement_group
+        self._pinned_starts = 0         # a group runs: the next restart may be pinned again
         return super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
+
+    # the nodes the group being started is pinned to (warm_placement), shared with the run's claim callback
+    # in this controller process (train.fillin_claims reads `pinned_nodes`)
+    _pin: tuple[str, ...] | None = None
+    _pinned_starts = 0
+
+    def on_controller_start_worker_group(self, *, scaling_config, num_workers):
+        """The group's label selector: on the warm nodes its size was counted on, at most once per restart
+        (a pinned start that timed out -- a node gone meanwhile -- is retried unpinned)."""
+        nodes = self.pinned_nodes()
+        if nodes is None:
+            return None
+        self._pinned_starts += 1
+        selector = node_label_selector(nodes)
+        if selector is not None:
+            log.info("the %d-worker group is placed on its warm node(s) %s", num_workers, ", ".join(nodes))
+        return selector
+
+    def pinned_nodes(self) -> tuple[str, ...] | None:
+        return self._pin if self._pinned_starts == 0 else None
 
     def _count_possible_workers(self, reserved_resources) -> int:
         """The next group's size: the workers free capacity holds on nodes that can start them warm (a
@@ -215,8 +251,10 @@ class DrainAwareElasticPolicy(ElasticScalingPolicy):
         if constants.WARM_SPARES <= 0:
             return round_to_replicas(count_workers(free, sc._resources_per_worker_not_none, sc.max_workers),
                                      self.workers_multiple)
-        ready = ready_spares(warming=True)       # a survivor's spare still warming finishes as the steps stop
+        ready = ready_spares(warming=True)       # a survivor's spare still warming is woken by the restart
         size, reason = restart_size(by_node, ready, sc.min_workers, sc.max_workers, self.workers_multiple)
+        self._pin = warm_placement(by_node, ready, size)
+        PINNED[id(self)] = self
         self._report(size, reason, by_node, ready)
         return size
 
@@ -233,7 +271,8 @@ class DrainAwareElasticPolicy(ElasticScalingPolicy):
         try:
             sink = ray.get_actor(self.sink[0], namespace=self.sink[1])
             sink.event.remote("group_sizing", workers=size, reason=reason,
-                              nodes={n: {"fit": k, "ready": ready.get(n, 0)} for n, k in by_node.items() if k})
+                              nodes={n: {"fit": k, "ready": ready.get(n, 0)} for n, k in by_node.items() if k},
+                              pinned=list(self.pinned_nodes() or ()))
         except Exception as exc:  # noqa: BLE001 -- a report, never a reason to fail the restart
             log.warning("group sizing not reported (%s)", exc)
 

@@ -16,6 +16,7 @@ from typing import Callable
 
 from spotfill.ray_compat import ControllerCallback, require
 from spotfill.train.arbiter_link import get_arbiter
+from spotfill.train.elastic import pinned_nodes
 
 log = logging.getLogger("spotfill.train.fillin_claims")
 CLAIM_DEADLINE_S = 10.0
@@ -31,15 +32,18 @@ class ClaimSpec:
     deadline_s: float = CLAIM_DEADLINE_S
 
 
-def claim_via_arbiter(spec: ClaimSpec, gpus: int, gpus_per_worker: int) -> dict | None:
-    """The arbiter's answer to a claim, or None when no arbiter runs on this cluster."""
+def claim_via_arbiter(spec: ClaimSpec, gpus: int, gpus_per_worker: int,
+                      nodes: tuple[str, ...] | None = None) -> dict | None:
+    """The arbiter's answer to a claim (on `nodes` only, when the group is pinned there), or None when no
+    arbiter runs on this cluster."""
     import ray
 
     arbiter = get_arbiter()
     if arbiter is None:
         return None
     return ray.get(arbiter.claim.remote(spec.job, gpus, spec.deadline_s, gpus_per_worker, spec.min_workers,
-                                        spec.max_workers), timeout=spec.deadline_s + 5.0)
+                                        spec.max_workers, list(nodes) if nodes else None),
+                   timeout=spec.deadline_s + 5.0)
 
 
 def release_via_arbiter(spec: ClaimSpec) -> None:
@@ -53,10 +57,11 @@ def release_via_arbiter(spec: ClaimSpec) -> None:
 class FillinClaimCallback(ControllerCallback):
     """Claims a group's GPUs from the arbiter before Ray Train executes a resize decision."""
 
-    def __init__(self, spec: ClaimSpec, claim: Callable[[ClaimSpec, int, int], dict | None] = claim_via_arbiter,
-                 release: Callable[[ClaimSpec], None] = release_via_arbiter):
+    def __init__(self, spec: ClaimSpec, claim: Callable[..., dict | None] = claim_via_arbiter,
+                 release: Callable[[ClaimSpec], None] = release_via_arbiter,
+                 pinned: Callable[[], tuple[str, ...] | None] = pinned_nodes):
         require("fillin_claims")                 # one line (RayCompatError) where Ray moved the hook
-        self.spec, self._claim, self._release = spec, claim, release
+        self.spec, self._claim, self._release, self._pinned = spec, claim, release, pinned
         self.answers: list[dict] = []
 
     def before_controller_execute_resize_decision(self, resize_decision) -> None:
@@ -66,7 +71,9 @@ class FillinClaimCallback(ControllerCallback):
             gpus = int(resize_decision.num_workers) * gpw
             if gpus <= 0:
                 return
-            answer = self._claim(self.spec, gpus, max(1, gpw))
+            nodes = self._pinned()            # the warm nodes the group goes on: claimed there
+            answer = self._claim(self.spec, gpus, max(1, gpw), nodes) if nodes else \
+                self._claim(self.spec, gpus, max(1, gpw))
             if answer is None:
                 log.info("fill-in: no arbiter on this cluster; %s starts %d workers without claiming",
                          self.spec.job, resize_decision.num_workers)
