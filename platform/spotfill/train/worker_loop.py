@@ -106,7 +106,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     withdraw()          # this process is the group's now, no spare: its readiness record goes (train.readiness)
     # per rank: its node, its process's start (before the restart: a warm spare) and the GPUs Ray assigned it
     # -- summed, the group's GPUs in the attempt event: the ledger and goodput count them, not the plan
-    placed = comms.gather_objects((node_id, process_start_time(), _assigned_gpus(job.cluster.gpu_resource)))
+    placed = comms.gather_objects((node_id, process_start_time(), _assigned_gpus(job.cluster.gpu_resource),
+                                   _warm_state()))
     # rank 0 reads its group's drains itself from here on (Ray Train's watcher may start seconds later); the
     # thread ends with this process (Ray Train ends the group's actors with the attempt): train.notice_watch
     watch = (DrainWatch({p[0] for p in placed}, draining_node_ids, constants.DRAIN_POLL_S)
@@ -169,7 +170,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             from_world_size=plan.world_size or None, universal=plan.universal, zero_elastic=plan.elastic,
             restore_prep_s=round(prep_s, 3), load_s=round(load_s, 3), **plan.timings,
             startup_s=round(time.time() - t_start, 3), pid=os.getpid(), precision=precision, **flops, **device,
-            workers=[[n, round(started, 3) if started else None] for n, started, _ in placed],
+            workers=[[n, round(started, 3) if started else None] for n, started, *_ in placed],
+            workers_warm=[p[3] for p in placed],
             **(pipe.start_fields() if pipe else {}), **_start_marks(t_start, t_restored, t_imported, t_engine))
         card, card_files = for_checkpoints(t.model, reader.manifest, rank)    # checkpoints carry their model
         ckpt = Checkpointer(store, local_root, rank, world, attempt=f"{attempt}",
@@ -296,6 +298,14 @@ def node_local_root(job_name: str, node_id: str) -> str:
     Named by the whole node id: Ray's fake multi-node nodes (the autoscaled demo, one machine) share their
     first 51 hex digits, and a prefix made every node's restore leader clear the others' downloads."""
     return os.path.join(constants.LOCAL_DIR, job_name, f"node-{node_id}")
+
+
+def _warm_state() -> dict:
+    """This worker process's warm-up (train.warm): SCHED_IDLE or not, when its imports finished
+    (`warm_after_t`, null: a process whose hook did not run) and when a restart woke it (`warm_woken_t`)."""
+    from spotfill.train.warm import marks
+    return {"idle": marks.get("warm_idle"), "warm_after_t": marks.get("warm_after_t"),
+            "woken_t": marks.get("warm_woken_t")}
 
 
 def _start_marks(entered: float, restored: float, imported: float, engine: float) -> dict:
