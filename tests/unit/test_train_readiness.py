@@ -125,12 +125,12 @@ def test_restart_below_the_minimum_counts_cold_capacity():
     assert restart_size({A: 2}, {}, 1, 4)[0] == 2                # a first start: nothing warm anywhere
 
 
-def test_a_restart_on_warm_survivors_is_pinned_to_them_when_a_cold_node_has_room_too():
+def test_a_restart_on_warm_survivors_is_pinned_to_them():
     from spotfill.train.readiness import warm_placement
     assert warm_placement({A: 3, C: 3}, {A: 2}, 3) == (A,)          # C (new, no spare) would take it cold
+    assert warm_placement({A: 3}, {A: 3}, 3) == (A,)                # a replacement may appear any moment
     assert warm_placement({A: 2, B: 2, C: 3}, {B: 1, A: 1}, 4) == (A, B)
     assert warm_placement({A: 2, C: 3}, {A: 2}, 3) is None          # below min: cold capacity counted, no pin
-    assert warm_placement({A: 3}, {A: 3}, 3) is None                # nowhere else fits: nothing to steer
     assert warm_placement({A: 3, C: 3}, {}, 3) is None              # a first start: nothing warm
 
 

@@ -202,13 +202,13 @@ def short(node_id: str) -> str:
 
 def warm_placement(free_by_node: dict[str, int], ready: dict[str, int], size: int) -> tuple[str, ...] | None:
     """The nodes a restart of `size` workers is pinned to: those with this run's spares (warming or ready)
-    when their free capacity (GPUs taken back from fill-in there included) holds the whole group and some
-    other node has room too -- without the pin Ray's placement may put the group on that other node, cold
-    (seen in a demo: a hard loss restarted on a node the autoscaler had just launched while the survivor's
-    spares sat warm, its GPUs still lent). None: no pin (nothing warm holds the group, or nowhere else fits)."""
+    when their free capacity (GPUs taken back from fill-in there included) holds the whole group. Without
+    the pin Ray's placement may put the group on another node, cold -- seen in two demos: a hard loss
+    restarted on the replacement the autoscaler launched seconds after the sizing while the survivor's
+    spares sat warm (its GPUs still lent, and the unpinned claim answered from the new node's free ones).
+    None: no pin (nothing warm holds the group: it starts where it fits)."""
     warm = sorted(node for node, n in free_by_node.items() if n and ready.get(node, 0) > 0)
-    others = any(n and not ready.get(node, 0) for node, n in free_by_node.items())
-    if size <= 0 or not warm or not others or sum(free_by_node[node] for node in warm) < size:
+    if size <= 0 or not warm or sum(free_by_node[node] for node in warm) < size:
         return None
     return tuple(warm)
 
