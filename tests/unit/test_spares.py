@@ -126,58 +126,79 @@ def test_prestarting_spares_asks_the_raylet_for_no_more_than_the_memory_allows(m
     assert asked == {"offered": 1, "started": 1}
 
 
-# -- a restart wakes spares still warming in SCHED_IDLE (train.warm.watch_wake, train.readiness.woken) -------
-def test_the_wake_key_names_only_restarts_after_the_spares_start():
-    from spotfill.train.readiness import wake_key, woken
-    assert wake_key("01000000").endswith("01000000")
-    assert woken(b"105.5", since=100.0) and woken("105.5", since=100.0)
-    assert not woken(b"99.0", since=100.0)            # a restart before this spare started: not for it
-    assert not woken(None, since=100.0) and not woken(b"garbage", since=100.0)
+# -- a spare warming in SCHED_IDLE is woken the moment its node's training worker is gone ----------------------
+def test_the_nodes_training_workers_are_found_by_title_and_job(tmp_path):
+    from spotfill.train.spares import group_worker_pids
+
+    def proc(pid, cmdline, env):
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "cmdline").write_bytes(cmdline.encode() + b"\0")
+        (d / "environ").write_bytes(b"\0".join(e.encode() for e in env) + b"\0")
+    proc(11, "ray::RayTrainWorker", ["A=1", "RAY_JOB_ID=01000000"])
+    proc(12, "ray::RayTrainWorker.run_train_fn", ["RAY_JOB_ID=01000000"])
+    proc(13, "ray::RayTrainWorker", ["RAY_JOB_ID=02000000"])          # another run's
+    proc(14, "ray::IDLE", ["RAY_JOB_ID=01000000"])                    # a spare, not a worker
+    (tmp_path / "self").mkdir()
+    assert group_worker_pids("01000000", "ray::RayTrainWorker", proc=str(tmp_path)) == [11, 12]
+    assert group_worker_pids(None, "ray::RayTrainWorker", proc=str(tmp_path)) == []
 
 
-def _warming_spare(wake_value, since: float):
-    """A 'spare' warming up in SCHED_IDLE on a thread (busy, as imports are), a watcher reading `wake_value`;
-    returns (the policy its warm-up thread had once the watcher finished or gave up, the watcher's answer)."""
-    from spotfill.train import warm
-    done, stop, seen = threading.Event(), threading.Event(), {}
-
-    def warm_up():
-        with idle_while(True) as used:
-            seen["used"] = used
-            while not stop.is_set():
-                sum(range(1000))                    # holds the GIL most of the time, as an import does
-            seen["policy"] = _policy()
-
-    t = threading.Thread(target=warm_up)
-    t.start()
-    woke = warm.watch_wake(done, since, read=lambda: wake_value, poll_s=0.05) if wake_value is not None \
-        else _watch_briefly(done, since)
-    stop.set()
-    t.join()
-    done.set()
-    if not seen.get("used"):
-        pytest.skip("this process may not leave SCHED_IDLE again (no RLIMIT_NICE)")
-    return seen["policy"], woke
+# A spare stand-in: its main thread enters SCHED_IDLE and then holds the GIL in one long C call (as a C
+# extension's load does while torch imports): no thread of its own could get the GIL to wake it.
+_SPARE = """
+import os, sys
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+print("idle", flush=True)
+sum(range(10 ** 12))
+"""
 
 
-def _watch_briefly(done: threading.Event, since: float) -> bool:
-    from spotfill.train import warm
-    threading.Timer(0.5, done.set).start()        # the warm-up ends after 0.5 s with no restart
-    return warm.watch_wake(done, since, read=lambda: b"1.0", poll_s=0.05)
+def _spare_and_worker():
+    import subprocess
+    import sys
+    spare = subprocess.Popen([sys.executable, "-c", _SPARE], stdout=subprocess.PIPE)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    assert spare.stdout.readline().strip() == b"idle"
+    return spare, worker
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux only")
-def test_a_restart_puts_a_spare_still_warming_in_sched_idle_back_to_normal_scheduling():
+def test_a_spare_holding_the_gil_in_sched_idle_is_woken_when_its_nodes_worker_is_gone():
     import time
 
-    from spotfill.train import warm
-    policy, woke = _warming_spare(repr(time.time() + 1), since=time.time())
-    assert woke and policy == os.SCHED_OTHER, "the warm-up went on in SCHED_IDLE after the restart began"
-    assert warm.marks["warm_woken_t"] > 0 and warm.marks["warm_woken_moved"] >= 1
+    from spotfill.train.spares import end_wake_watcher, start_wake_watcher
+    spare, worker = _spare_and_worker()
+    try:
+        watcher = start_wake_watcher([worker.pid], 0.05, spare_pid=spare.pid)
+        time.sleep(0.5)
+        assert os.sched_getscheduler(spare.pid) == os.SCHED_IDLE        # the group still runs: it stays idle
+        gone_at = time.time()
+        worker.kill()
+        worker.wait()
+        deadline = time.time() + 20
+        while os.sched_getscheduler(spare.pid) == os.SCHED_IDLE and time.time() < deadline:
+            time.sleep(0.05)
+        assert os.sched_getscheduler(spare.pid) == os.SCHED_OTHER, "the spare was left in SCHED_IDLE"
+        woke = end_wake_watcher(watcher)
+        assert woke is not None and woke[0] >= gone_at and woke[1] >= 1
+    finally:
+        spare.kill()
+        worker.kill()
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux only")
-def test_without_a_restart_after_its_start_a_spare_stays_in_sched_idle_while_it_warms():
+def test_while_the_group_runs_the_spare_stays_idle_and_the_watcher_ends_with_its_warm_up():
     import time
-    policy, woke = _warming_spare(None, since=time.time())
-    assert not woke and policy == os.SCHED_IDLE
+
+    from spotfill.train.spares import end_wake_watcher, start_wake_watcher
+    spare, worker = _spare_and_worker()
+    try:
+        watcher = start_wake_watcher([worker.pid], 0.05, spare_pid=spare.pid)
+        time.sleep(0.5)
+        assert os.sched_getscheduler(spare.pid) == os.SCHED_IDLE
+        assert end_wake_watcher(watcher) is None and watcher.poll() is not None    # stopped, nothing woken
+        assert start_wake_watcher([], 0.05) is None                   # no training worker: nothing to watch
+    finally:
+        spare.kill()
+        worker.kill()

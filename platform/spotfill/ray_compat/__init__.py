@@ -43,7 +43,7 @@ _PARTS = {
                   "unreachable_workers", "GcsCheckedPlacementGroupCleaner", "GcsCheckedPlacementGroupCleanerCallback",
                   "use_spotfill_controller", "callbacks_first", "worker_setup_hook_env", "prestart_workers",
                   "torch_train_backend", "node_label_selector"),
-    "names": ("RAY_TRAIN_WORKER_MODULE", "DYNAMO_MODULE"),
+    "names": ("RAY_TRAIN_WORKER_MODULE", "DYNAMO_MODULE", "RAY_TRAIN_WORKER_TITLE"),
     "ray_serve": ("check_serve_hooks", "watch_running_replicas"),
     "ray_tune": ("require_sweep", "tune_force_cleanup_after", "tune_unstage_trial", "tune_checkpoint_parts",
                  "tune_result_on_local_dir", "tune_trial_runtime_env"),

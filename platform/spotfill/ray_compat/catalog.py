@@ -324,7 +324,10 @@ HOOKS = _hooks(
          names=("ray._private.ray_constants:WORKER_PROCESS_SETUP_HOOK_ENV_VAR",
                 # the hook imports Ray Train's worker actor module (train.warm) and torch._dynamo (which
                 # torch's optimizers load on first use) ahead of the actor
-                "ray.train.v2._internal.execution.worker_group.worker", "torch._dynamo")),
+                "ray.train.v2._internal.execution.worker_group.worker", "torch._dynamo",
+                # a spare warming in SCHED_IDLE is woken when a training worker of its node is gone: those
+                # are found by the process title Ray gives an actor's process (ray::<class name>)
+                "ray.train.v2._internal.execution.worker_group.worker:RayTrainWorker")),
     Hook("prestart_spare_workers", ROBUSTNESS, "ray", RAY,
          "each node's raylet starts spare worker processes for the next worker group",
          "a restart's workers start as cold processes (as with stock Ray)",

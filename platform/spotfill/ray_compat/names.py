@@ -7,3 +7,6 @@ at any point of a process's start)."""
 # caller's, and a failed import there is ignored (the actor's or the optimizer's own import surfaces it).
 RAY_TRAIN_WORKER_MODULE = "ray.train.v2._internal.execution.worker_group.worker"
 DYNAMO_MODULE = "torch._dynamo"
+# The process title of a Ray Train worker actor's process (Ray sets "ray::<actor class>"): a spare warming in
+# SCHED_IDLE finds its node's training workers by it (train.spares.group_worker_pids).
+RAY_TRAIN_WORKER_TITLE = "ray::RayTrainWorker"

@@ -21,11 +21,13 @@ imports finish at normal priority, far ahead of a process started cold. A node n
 normal priority and counts once ready.
 
 Waking: a spare warming in SCHED_IDLE runs Ray's worker setup hook on its main thread, so Ray cannot hand it
-an actor before the warm-up ends; stopping the steps does not end it quickly where fill-in tenants (SCHED_IDLE
-too) and other processes' starts keep the CPU busy -- measured in a demo: a grown group's actors waited
-50-77 s on spares still importing DeepSpeed in SCHED_IDLE. So the controller writes the run's wake key
-(`wake_key`: the time a restart began) as it restarts or resizes a group, and each warming spare's watcher
-thread puts the whole process back to normal scheduling once it reads a time after its own start (`woken`).
+an actor before the warm-up ends, and stopping the steps does not end it quickly where fill-in tenants (SCHED_IDLE
+too) and other processes' starts keep the CPU busy -- measured in a demo: a grown group's actors waited 50-77 s
+on spares still importing DeepSpeed in SCHED_IDLE. A watcher in the spare's own process cannot help: it needs
+the GIL, which the starved import thread holds (a C extension's load keeps it for seconds of CPU). So each such
+spare starts a small watcher process (train.spares.start_wake_watcher) that puts every thread of the spare back
+to normal scheduling the moment one of its node's training workers of the run is gone (the group stops for a
+restart, a resize or the end).
 """
 from __future__ import annotations
 
@@ -49,25 +51,6 @@ def record_value(ready_t: float | None, until_t: float, idle: bool | None = None
     holds it idle, and whether it warms up in SCHED_IDLE (on CPU time nothing else on its node wanted)."""
     return json.dumps({"ready_t": None if ready_t is None else round(ready_t, 3), "until_t": round(until_t, 3),
                        "idle": idle})
-
-
-WAKE_PREFIX = "spotfill:spare-wake:"
-
-
-def wake_key(job_id: str) -> str:
-    """The key holding when a run (Ray job `job_id`) last began restarting or resizing its worker group."""
-    return f"{WAKE_PREFIX}{job_id}"
-
-
-def woken(raw: str | bytes | None, since: float) -> bool:
-    """Does the wake key's value `raw` name a restart that began after `since` (a spare's start, unix s)? An
-    unreadable value wakes no one (the spare then warms up in SCHED_IDLE to the end, as before)."""
-    if raw is None:
-        return False
-    try:
-        return float(raw.decode() if isinstance(raw, bytes) else raw) > since
-    except (ValueError, UnicodeDecodeError):
-        return False
 
 
 def node_of(key: str) -> str | None:

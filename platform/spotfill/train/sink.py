@@ -18,11 +18,9 @@ from spotfill.ray_compat import ControllerCallback, WorkerGroupCallback, require
 from spotfill.telemetry.events import EventLog
 from spotfill.train.restarts import (PLACEMENT_GROUP_REMOVED, RESTART_STATES, Failure, attempt_cause,
                                     classify_failure)
-from spotfill.train.warm import wake_spares
 
 log = logging.getLogger(__name__)
-# controller states in which the next worker group is decided and started (a restart, a resize)
-WAKE_STATES = (*RESTART_STATES, "SCHEDULING")
+
 
 
 LIVE_KEY_PREFIX = "jobs/"        # Ray KV (namespace spotfill): one key per running job, its live numbers
@@ -200,8 +198,6 @@ class RestartCauseCallback(ControllerCallback, WorkerGroupCallback):
         error = getattr(current_state, "training_failed_error", None)
         if state == previous and error is None:
             return     # one per health-check poll (RUNNING) or per wait for nodes (INITIALIZING): not a change
-        if state in WAKE_STATES:     # a new worker group is on its way: spares still warming in SCHED_IDLE
-            wake_spares()             # finish at normal priority (train.readiness, train.warm)
         fields: dict = {}
         if error is not None:
             fields["error"] = str(error)

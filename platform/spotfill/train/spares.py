@@ -131,6 +131,112 @@ def claim_kv(node_id: str, keys, take, now: float | None = None) -> bool:
     return False
 
 
+def group_worker_pids(job_id: str | None, title: str, proc: str = "/proc") -> list[int]:
+    """Pids of this host's training worker processes of Ray job `job_id`: a process title starting with
+    `title` (Ray names an actor's process after its class) and RAY_JOB_ID=`job_id` in its environment.
+    [] where /proc cannot be read or `job_id` is unknown."""
+    if not job_id:
+        return []
+    want, found = f"RAY_JOB_ID={job_id}".encode(), []
+    try:
+        entries = [e for e in os.listdir(proc) if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(os.path.join(proc, entry, "cmdline"), "rb") as f:
+                if not f.read(len(title) + 1).startswith(title.encode()):
+                    continue
+            with open(os.path.join(proc, entry, "environ"), "rb") as f:
+                if want in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return sorted(found)
+
+
+# The wake watcher: a separate process (so that no GIL is between it and the spare's starved threads), `os` only
+# and no site (`python -S -I`: milliseconds to start). Argv: the spare's pid, the poll interval (s), the pids of
+# the node's training workers. Once the spare has threads in SCHED_IDLE, and as soon as one of those workers is
+# gone (a zombie counts as gone), it moves every SCHED_IDLE thread of the spare to SCHED_OTHER, prints
+# "<unix time> <threads moved>" and exits; it exits quietly when the spare is gone or its warm-up ended.
+WAKE_WATCHER = r"""
+import os, sys, time
+spare, poll, watched = int(sys.argv[1]), float(sys.argv[2]), [int(a) for a in sys.argv[3:]]
+try:
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+except OSError:
+    pass
+def idle():
+    try:
+        tids = os.listdir("/proc/%d/task" % spare)
+    except OSError:
+        return None
+    out = []
+    for t in tids:
+        try:
+            if os.sched_getscheduler(int(t)) == os.SCHED_IDLE:
+                out.append(int(t))
+        except OSError:
+            pass
+    return out
+def gone(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+seen, t0 = False, time.time()
+while True:
+    tids = idle()
+    if tids is None or (not tids and (seen or time.time() - t0 > 30)):
+        break
+    seen = seen or bool(tids)
+    if tids and any(gone(p) for p in watched):
+        moved = 0
+        for t in idle() or ():
+            try:
+                os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
+                moved += 1
+            except OSError:
+                pass
+        print("%.3f %d" % (time.time(), moved), flush=True)
+        break
+    time.sleep(poll)
+"""
+
+
+def start_wake_watcher(watched: list[int], poll_s: float, spare_pid: int | None = None):
+    """Start the wake watcher (WAKE_WATCHER) of this process (or `spare_pid`) over the training workers
+    `watched`; returns its Popen, or None when there is nothing to watch or it cannot start."""
+    if not watched or not hasattr(os, "SCHED_IDLE"):
+        return None
+    import subprocess
+    import sys
+    try:
+        return subprocess.Popen([sys.executable, "-S", "-I", "-c", WAKE_WATCHER, str(spare_pid or os.getpid()),
+                                 repr(float(poll_s)), *map(str, watched)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                close_fds=True)
+    except OSError:
+        return None
+
+
+def end_wake_watcher(proc) -> tuple[float, int] | None:
+    """Stop the watcher (the warm-up ended) and return when it woke this process and how many threads it
+    moved, or None when it did not."""
+    if proc is None:
+        return None
+    try:
+        if proc.poll() is None:
+            proc.terminate()
+        out, _ = proc.communicate(timeout=5)
+        when, moved = out.decode().split()
+        return float(when), int(moved)
+    except Exception:  # noqa: BLE001 -- nothing woke it (no line), or it could not be read
+        return None
+
+
 def _round_trip_allowed() -> bool:
     """Can a thread of this process enter SCHED_IDLE and leave it again? Tried on a throwaway thread."""
     if not hasattr(os, "SCHED_IDLE"):

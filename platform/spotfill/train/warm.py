@@ -54,17 +54,16 @@ def start() -> None:
         return
     _started.set()
     marks["warm_hook_t"] = round(time.time(), 3)
+    from spotfill.config import constants
     from spotfill.ray_compat.names import RAY_TRAIN_WORKER_MODULE
-    from spotfill.train.spares import idle_while
-    spare = _is_spare()
-    done = threading.Event()
-    if spare:       # started before the main thread enters SCHED_IDLE: it runs at normal priority
-        threading.Thread(target=watch_wake, args=(done, marks["warm_hook_t"]), name="spotfill-spare-wake",
-                         daemon=True).start()
-    with idle_while(spare) as idle:     # a spare warms up on CPU time its node's group leaves unused
+    from spotfill.train.spares import end_wake_watcher, idle_while, start_wake_watcher
+    # a spare warms up in SCHED_IDLE on CPU time its node's training workers leave unused, and a watcher
+    # process wakes it the moment one of them is gone (the group stops for a restart: train.readiness);
+    # with no training worker on its node there is nothing to give way to
+    group = _group_workers() if _is_spare() else []
+    watcher = start_wake_watcher(group, constants.SPARE_WAKE_POLL_S) if group else None
+    with idle_while(bool(group)) as idle:
         marks["warm_idle"] = idle
-        if not idle:
-            done.set()
         _record(ready=False)                 # on its way: a restart that stops the steps finds it
         thread = threading.Thread(target=_load, name="spotfill-warm-start", daemon=True)
         thread.start()
@@ -73,49 +72,23 @@ def start() -> None:
         thread.join()
         for name in AFTER_TORCH:
             _import(name)
-    done.set()
+        woke = end_wake_watcher(watcher)
+        if woke:
+            marks["warm_woken_t"], marks["warm_woken_moved"] = round(woke[0], 3), woke[1]
     marks["warm_after_t"] = round(time.time(), 3)
     _record(ready=True)
 
 
-def watch_wake(done: threading.Event, since: float, read=None, poll_s: float | None = None) -> bool:
-    """A spare warming up in SCHED_IDLE: until `done`, read the run's wake key (train.readiness) every
-    `poll_s`; once it names a restart after `since`, put every thread of this process back to normal
-    scheduling (the warm-up then finishes at the priority of the workers it is about to serve) and note it
-    (`warm_woken_t`). Returns whether it woke the process. `read`: the key-value read (tests)."""
-    from spotfill.config import constants
-    from spotfill.train.readiness import wake_key, woken
-    from spotfill.train.spares import normal_scheduling
-    poll_s = constants.SPARE_WAKE_POLL_S if poll_s is None else poll_s
+def _group_workers() -> list[int]:
+    """This host's training workers of this process's Ray job (train.spares.group_worker_pids)."""
     try:
-        if read is None:
-            import ray
+        import os
 
-            from spotfill.ray_compat import kv_get
-            key = wake_key(ray.get_runtime_context().get_job_id())
-            read = lambda: kv_get(key)  # noqa: E731
-        while not done.wait(poll_s):
-            if woken(read(), since):
-                marks["warm_woken_moved"] = normal_scheduling()
-                marks["warm_woken_t"] = round(time.time(), 3)
-                return True
-    except Exception:  # noqa: BLE001 -- no wake: the warm-up ends in SCHED_IDLE, as without the watcher
-        pass
-    return False
-
-
-def wake_spares(job_id: str | None = None, now: float | None = None) -> None:
-    """The run's controller begins a new worker group (a restart or a resize): every spare of this Ray job
-    still warming in SCHED_IDLE leaves it (watch_wake). Never raises: a spare not woken only warms slower."""
-    try:
-        import ray
-
-        from spotfill.ray_compat import kv_put
-        from spotfill.train.readiness import wake_key
-        job_id = job_id or ray.get_runtime_context().get_job_id()
-        kv_put(wake_key(job_id), repr(time.time() if now is None else now))
-    except Exception:  # noqa: BLE001
-        pass
+        from spotfill.ray_compat.names import RAY_TRAIN_WORKER_TITLE
+        from spotfill.train.spares import group_worker_pids
+        return group_worker_pids(os.environ.get("RAY_JOB_ID"), RAY_TRAIN_WORKER_TITLE)
+    except Exception:  # noqa: BLE001 -- none known: warm up at normal priority
+        return []
 
 
 def _is_spare() -> bool:
