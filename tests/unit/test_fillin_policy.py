@@ -1,6 +1,7 @@
 """The arbiter's pure policy: lend only what training cannot use, reclaim in order, follow node loss and
 drains, rebuild after an arbiter restart. Time is a fake clock (plain floats)."""
 import pytest
+from dataclasses import replace
 
 from spotfill.fillin.policy import (ClaimPlan, Holding, Lease, Node, Snapshot, TrainingJob, claim_finished,
                                     decide_claim, decide_lend, extra_replicas, feasible_workers, lendable,
@@ -80,6 +81,17 @@ def test_a_claim_pinned_to_the_warm_node_reclaims_there_although_another_node_is
     unpinned = decide_claim(snap, "j", 3, 1, T0)
     assert not unpinned.reclaims and unpinned.free_now == 4
     assert decide_claim(snap, "j", 4, 1, T0, nodes=["a"]).short_by == 1    # a holds 3 at most
+
+
+def test_gpus_held_for_a_group_pinned_to_its_warm_node_are_held_there_not_on_a_freer_node():
+    # after a hard loss: the group restarts pinned to survivor a (1 GPU free now, its own old one coming);
+    # c, just launched, has 3 free. Held by count alone, c's free GPUs would cover the hold and a's free GPU
+    # would be lent -- and the pinned group could not be placed (seen in a demo: the start timed out).
+    job = TrainingJob("j", 1, 3, current_workers=3, pending_gpus=3, pending_nodes=("a",))   # as the claim left it
+    snap = Snapshot((Node("a", 3, 1), Node("c", 3, 3)), (job,))
+    assert lendable(snap).get("a", 0) == 0
+    unpinned = Snapshot(snap.nodes, (replace(job, pending_nodes=()),))
+    assert lendable(unpinned).get("a", 0) == 1 and lendable(unpinned).get("c", 0) == 0
 
 
 def test_claim_counts_whole_workers_and_skips_useless_reclaims():

@@ -148,38 +148,54 @@ def test_the_nodes_training_workers_are_found_by_title_and_job(tmp_path):
 # extension's load does while torch imports): no thread of its own could get the GIL to wake it.
 _SPARE = """
 import os, sys
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+if sys.argv[1] == "idle":
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+else:
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
 print("idle", flush=True)
 sum(range(10 ** 12))
 """
+NICE = os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def _spare_and_worker():
+def _held(pid: int, mode: str) -> bool:
+    if mode == "idle":
+        return os.sched_getscheduler(pid) == os.SCHED_IDLE
+    return os.getpriority(os.PRIO_PROCESS, pid) == 19
+
+
+def _spare_and_worker(mode: str = "idle"):
     import subprocess
     import sys
-    spare = subprocess.Popen([sys.executable, "-c", _SPARE], stdout=subprocess.PIPE)
+    spare = subprocess.Popen([sys.executable, "-c", _SPARE, mode], stdout=subprocess.PIPE)
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     assert spare.stdout.readline().strip() == b"idle"
     return spare, worker
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux only")
-def test_a_spare_holding_the_gil_in_sched_idle_is_woken_when_its_nodes_worker_is_gone():
+@pytest.mark.parametrize("mode", ["idle", "low"])
+def test_a_spare_holding_the_gil_held_back_is_woken_when_its_nodes_worker_is_gone(mode):
     import time
 
     from spotfill.train.spares import end_wake_watcher, start_wake_watcher
-    spare, worker = _spare_and_worker()
+    if mode == "low" and NICE >= 19:
+        pytest.skip("this process already runs at nice 19")
+    spare, worker = _spare_and_worker(mode)
     try:
-        watcher = start_wake_watcher([worker.pid], 0.05, spare_pid=spare.pid)
+        watcher = start_wake_watcher([worker.pid], 0.05, spare_pid=spare.pid, nice=NICE if mode == "low" else None)
         time.sleep(0.5)
-        assert os.sched_getscheduler(spare.pid) == os.SCHED_IDLE        # the group still runs: it stays idle
+        assert _held(spare.pid, mode)                                   # the group still runs: held back
         gone_at = time.time()
         worker.kill()
         worker.wait()
         deadline = time.time() + 20
-        while os.sched_getscheduler(spare.pid) == os.SCHED_IDLE and time.time() < deadline:
+        while _held(spare.pid, mode) and time.time() < deadline:
             time.sleep(0.05)
-        assert os.sched_getscheduler(spare.pid) == os.SCHED_OTHER, "the spare was left in SCHED_IDLE"
+        if mode == "idle":
+            assert os.sched_getscheduler(spare.pid) == os.SCHED_OTHER, "the spare was left in SCHED_IDLE"
+        else:
+            assert os.getpriority(os.PRIO_PROCESS, spare.pid) == NICE, "the spare was left at nice 19"
         woke = end_wake_watcher(watcher)
         assert woke is not None and woke[0] >= gone_at and woke[1] >= 1
     finally:
@@ -202,3 +218,31 @@ def test_while_the_group_runs_the_spare_stays_idle_and_the_watcher_ends_with_its
     finally:
         spare.kill()
         worker.kill()
+
+
+def test_a_spare_warms_up_at_nice_19_and_every_thread_gets_its_nice_back():
+    import threading as th
+
+    from spotfill.train.spares import low_while
+    seen: dict[str, int] = {}
+    nice = os.getpriority(os.PRIO_PROCESS, th.get_native_id())
+
+    def inside():
+        seen["child"] = os.getpriority(os.PRIO_PROCESS, th.get_native_id())
+
+    def run():
+        with low_while(True) as held:
+            if held is None:
+                return
+            seen["inside"] = os.getpriority(os.PRIO_PROCESS, th.get_native_id())
+            c = th.Thread(target=inside)
+            c.start()
+            c.join()
+            seen["held"] = held
+        seen["after"] = os.getpriority(os.PRIO_PROCESS, th.get_native_id())
+    t = th.Thread(target=run)
+    t.start()
+    t.join()
+    if "inside" not in seen:
+        pytest.skip("this process may not raise its priority back (no RLIMIT_NICE)")
+    assert seen["inside"] == 19 and seen["child"] == 19 and seen["held"] == nice and seen["after"] == nice

@@ -63,11 +63,27 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
     return _env_number(name, default, int, minimum, False)
 
 
+# Every SPOTFILL_* variable with a fixed set of values: name -> the values accepted.
+ENV_CHOICES: dict[str, tuple[str, ...]] = {}
+
+
+def env_choice(name: str, default: str, accepted: tuple[str, ...]) -> str:
+    """One of `accepted` from the environment (`default` when unset or empty); ConfigError otherwise."""
+    ENV_CHOICES[name] = accepted
+    raw = os.environ.get(name, "").strip()
+    if raw and raw not in accepted:
+        from spotfill.config.errors import ConfigError
+        raise ConfigError(name, raw, accepted=" or ".join(accepted))
+    return raw or default
+
+
 def check_env() -> None:
-    """Validate every numeric spotfill environment variable as set now: the first bad one raises a
-    ConfigError naming it, its value and what is accepted. Every entrypoint calls this first."""
+    """Validate every spotfill environment variable with a checked value as set now: the first bad one
+    raises a ConfigError naming it, its value and what is accepted. Every entrypoint calls this first."""
     for spec in ENV_NUMBERS.values():
         spec.read(None)
+    for name, accepted in ENV_CHOICES.items():
+        env_choice(name, accepted[0], accepted)
 
 
 # --- Object storage (storage.py, checkpoint_store.py) ---------------------------------------------
@@ -168,9 +184,13 @@ WARM_GROW_BOUND_S = env_float("SPOTFILL_WARM_GROW_BOUND_S", 90.0)
 # spares together stay within this fraction of its memory; a node gets fewer spares than asked beyond it.
 WARM_SPARE_RSS_MB = env_int("SPOTFILL_WARM_SPARE_RSS_MB", 512, minimum=1)
 WARM_SPARE_MEMORY_FRACTION = env_float("SPOTFILL_WARM_SPARE_MEMORY_FRACTION", 0.25)
-# A spare warming in SCHED_IDLE reads its run's wake key (train.readiness) this often (s): a restart or resize
-# that began after it started puts it back to normal scheduling (train.warm.watch_wake).
-SPARE_WAKE_POLL_S = env_float("SPOTFILL_SPARE_WAKE_POLL_S", 0.25, strict=True)
+# How a spare on a node where the run's group steps warms up (train.spares, train.warm): "low" (nice 19 in the
+# normal class: a bounded share of a CPU the steps saturate, so it is ready by the next restart) or "idle"
+# (SCHED_IDLE: only CPU time nothing else wants -- on a node whose CPUs training saturates, none, and the
+# restart then waits for the imports). Either way a restart wakes it to the workers' priority at once.
+SPARE_WARM_CLASS = env_choice("SPOTFILL_SPARE_WARM_CLASS", "low", ("low", "idle"))
+# Its wake watcher looks this often (s) whether a training worker of its node is gone (train.spares).
+SPARE_WAKE_POLL_S = env_float("SPOTFILL_SPARE_WAKE_POLL_S", 0.2, strict=True)
 # spotfill runs: rank 0 reads the drains of its group's nodes from the GCS this often (s), from the moment the
 # training function starts (train.notice_watch): Ray Train's own watcher is an actor started with each group,
 # which on a busy node began answering 11 s after the group started -- past a 15 s notice's save.

@@ -88,6 +88,7 @@ class Arbiter:
         # job until its new group holds them all (or the hold ends) -- a start, restart or grow places the
         # whole group, so the hold is the group's size, not just what the claim had to free
         self.pending: dict[str, tuple[int, float]] = {}
+        self.pending_nodes: dict[str, tuple[str, ...]] = {}   # a pinned claim's nodes (held there first)
         self.tenants: dict[str, Tenant] = {}
         self.asked_at: dict[str, float] = {}                  # tenant -> when it was last asked to grow
         self.reasserted: dict[str, float] = {}                # serve tenant -> when its count was last re-sent
@@ -201,6 +202,7 @@ class Arbiter:
         with self.lock:
             self.jobs.pop(job, None)
             self.pending.pop(job, None)
+            self.pending_nodes.pop(job, None)
             self._save()
 
     def report_busy(self, events: list) -> int:
@@ -278,6 +280,7 @@ class Arbiter:
         for job, (_, until) in list(self.pending.items()):
             if now > until:
                 del self.pending[job]
+                self.pending_nodes.pop(job, None)
         self.training_gpus = sum(row["training"] for row in ownership(Snapshot(
             tuple(n for n in nodes if n.alive), (), self.leases)).values())
         current = {le.lease_id for le in self.leases}
@@ -292,7 +295,8 @@ class Arbiter:
     def _current(self, hosts: bool = True) -> Snapshot:
         """The snapshot of what was last applied (a read: it changes nothing); on an autoscaled cluster that
         must not launch nodes, with the hosts found when it was applied (unless `hosts` is False)."""
-        jobs = tuple(replace(j, pending_gpus=self._still_pending(j.job)) for j in self.jobs.values())
+        jobs = tuple(replace(j, pending_gpus=self._still_pending(j.job), pending_nodes=self.pending_nodes.get(j.job, ()))
+                     for j in self.jobs.values())
         snap = Snapshot(self.last_nodes, jobs, self.leases)
         return replace(snap, hosts=self.hosts.last_hosts) if hosts and self.autoscaled and not self.launch_nodes \
             else snap
@@ -349,6 +353,7 @@ class Arbiter:
                 with self.lock:
                     if self.jobs.pop(name, None) is not None:
                         self.pending.pop(name, None)
+                        self.pending_nodes.pop(name, None)
                         self._record([Decision("drop", f"training:{name}", 0, at=now, reason=(
                             f"training job {name}'s driver (Ray job {rec.get('ray_job_id')}) has ended without "
                             f"withdrawing it: its GPUs may be lent again"))])
@@ -521,12 +526,14 @@ class Arbiter:
                 if done:
                     break
                 time.sleep(0.1)
-            return self._answer(job, gpus, wanted, plan, reclaimed, gpw, min_workers, max_workers, prev, t0)
+            return self._answer(job, gpus, wanted, plan, reclaimed, gpw, min_workers, max_workers, prev, t0,
+                                nodes)
         finally:
             with self.lock:
                 self.claims_in_flight -= 1
 
-    def _answer(self, job, gpus, wanted, plan, reclaimed, gpw, min_workers, max_workers, prev, t0) -> dict:
+    def _answer(self, job, gpus, wanted, plan, reclaimed, gpw, min_workers, max_workers, prev, t0,
+                nodes=None) -> dict:
         waited = time.monotonic() - t0
         now = time.time()
         ok = plan.free_now >= wanted
@@ -541,6 +548,7 @@ class Arbiter:
             # see the old group's GPUs lent while the group restarts larger. A later claim of the same start
             # (Ray Train may ask again) never shrinks what is held for it.
             self.pending[job] = (max(int(gpus), held if until > now else 0), now + CLAIM_HOLD_S)
+            self.pending_nodes[job] = tuple(sorted(nodes or ()))
             why = (f"{plan.free_now} of {wanted} needed GPU(s) free after {waited:.2f}s"
                    + (f", {len(reclaimed)} lease(s) reclaimed" if reclaimed else "")
                    + ("" if ok else f"; short by {wanted - plan.free_now} (deadline or nothing left to reclaim)"))

@@ -41,6 +41,7 @@ class TrainingJob:
     gpus_per_worker: int = 1
     restarting: bool = False        # its group is down and about to start again (counts as 0 running)
     pending_gpus: int = 0           # claimed and freed, not yet taken by its new group: never lent
+    pending_nodes: tuple[str, ...] = ()     # where that group is pinned (its warm nodes): held there first
 
     @property
     def running(self) -> int:
@@ -133,7 +134,8 @@ def reserved_for_training(snap: Snapshot) -> tuple[dict[str, int], list[str]]:
     for job in snap.jobs:
         gpw = max(1, job.gpus_per_worker)
         pending = job.pending_gpus
-        for node_id in sorted(left, key=lambda k: (-left[k], k)):
+        pinned = set(job.pending_nodes)       # a group pinned to its warm nodes takes its GPUs there: held
+        for node_id in sorted(left, key=lambda k: (k not in pinned, -left[k], k)):   # there, not elsewhere
             take = min(pending, left[node_id])
             reserved[node_id] += take
             left[node_id] -= take
@@ -148,7 +150,7 @@ def reserved_for_training(snap: Snapshot) -> tuple[dict[str, int], list[str]]:
             why.append(f"{job.job} waits below min ({feasible_workers(snap, job)} of "
                        f"min_workers={job.min_workers} possible)")
             continue
-        for node_id in sorted(left, key=lambda k: (-left[k], k)):
+        for node_id in sorted(left, key=lambda k: (k not in pinned, -left[k], k)):
             take = min(need, left[node_id] // gpw)
             reserved[node_id] += take * gpw
             left[node_id] -= take * gpw

@@ -156,17 +156,28 @@ def group_worker_pids(job_id: str | None, title: str, proc: str = "/proc") -> li
 
 
 # The wake watcher: a separate process (so that no GIL is between it and the spare's starved threads), `os` only
-# and no site (`python -S -I`: milliseconds to start). Argv: the spare's pid, the poll interval (s), the pids of
-# the node's training workers. Once the spare has threads in SCHED_IDLE, and as soon as one of those workers is
-# gone (a zombie counts as gone), it moves every SCHED_IDLE thread of the spare to SCHED_OTHER, prints
-# "<unix time> <threads moved>" and exits; it exits quietly when the spare is gone or its warm-up ended.
+# and no site (`python -S -I`: milliseconds to start). Argv: the spare's pid, the poll interval (s), the nice to
+# give back (-1: the spare warms in SCHED_IDLE), the pids of the node's training workers. Once the spare has
+# threads held back (SCHED_IDLE, or nice 19), and as soon as one of those workers is gone (a zombie counts as
+# gone), it moves every such thread of the spare back (SCHED_OTHER / the nice), prints "<unix time> <threads
+# moved>" and exits; it exits quietly when the spare is gone or its warm-up ended.
 WAKE_WATCHER = r"""
 import os, sys, time
-spare, poll, watched = int(sys.argv[1]), float(sys.argv[2]), [int(a) for a in sys.argv[3:]]
+spare, poll, nice = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+watched = [int(a) for a in sys.argv[4:]]
 try:
     os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 except OSError:
     pass
+def held(t):
+    if nice < 0:
+        return os.sched_getscheduler(t) == os.SCHED_IDLE
+    return os.getpriority(os.PRIO_PROCESS, t) == 19
+def wake(t):
+    if nice < 0:
+        os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
+    else:
+        os.setpriority(os.PRIO_PROCESS, t, nice)
 def idle():
     try:
         tids = os.listdir("/proc/%d/task" % spare)
@@ -175,7 +186,7 @@ def idle():
     out = []
     for t in tids:
         try:
-            if os.sched_getscheduler(int(t)) == os.SCHED_IDLE:
+            if held(int(t)):
                 out.append(int(t))
         except OSError:
             pass
@@ -196,7 +207,7 @@ while True:
         moved = 0
         for t in idle() or ():
             try:
-                os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
+                wake(t)
                 moved += 1
             except OSError:
                 pass
@@ -206,16 +217,18 @@ while True:
 """
 
 
-def start_wake_watcher(watched: list[int], poll_s: float, spare_pid: int | None = None):
+def start_wake_watcher(watched: list[int], poll_s: float, spare_pid: int | None = None, nice: int | None = None):
     """Start the wake watcher (WAKE_WATCHER) of this process (or `spare_pid`) over the training workers
-    `watched`; returns its Popen, or None when there is nothing to watch or it cannot start."""
+    `watched`; returns its Popen, or None when there is nothing to watch or it cannot start. The spare
+    warms in SCHED_IDLE, or with `nice` at LOW_NICE: woken, its threads go back to that nice."""
     if not watched or not hasattr(os, "SCHED_IDLE"):
         return None
     import subprocess
     import sys
     try:
         return subprocess.Popen([sys.executable, "-S", "-I", "-c", WAKE_WATCHER, str(spare_pid or os.getpid()),
-                                 repr(float(poll_s)), *map(str, watched)],
+                                 repr(float(poll_s)), str(-1 if nice is None else int(nice)),
+                                 *map(str, watched)],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 close_fds=True)
     except OSError:
@@ -283,6 +296,63 @@ def normal_scheduling() -> int:
                 os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
                 moved += 1
     return moved
+
+
+LOW_NICE = 19
+
+
+def _nice_round_trip_allowed(nice: int) -> bool:
+    """Can a thread of this process go to nice LOW_NICE and back to `nice`? Tried on a throwaway thread."""
+    ok: list[bool] = []
+
+    def probe():
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, LOW_NICE)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+            ok.append(os.getpriority(os.PRIO_PROCESS, tid) == nice)
+        except OSError:
+            ok.append(False)
+    t = threading.Thread(target=probe, name="spotfill-nice-probe")
+    t.start()
+    t.join()
+    return bool(ok and ok[0])
+
+
+def restore_nice(nice: int) -> int:
+    """Put every thread of this process at nice LOW_NICE back to `nice`; returns how many were moved."""
+    moved = 0
+    for tid in _threads():
+        with contextlib.suppress(OSError):
+            if os.getpriority(os.PRIO_PROCESS, tid) == LOW_NICE:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                moved += 1
+    return moved
+
+
+@contextlib.contextmanager
+def low_while(enabled: bool):
+    """Run the block with the calling thread (and the threads it starts) at nice LOW_NICE, in the normal
+    scheduling class, when `enabled` and the way back is allowed; afterwards every thread at LOW_NICE is back
+    at the calling thread's nice. Yields the nice it had (None: not lowered). Unlike SCHED_IDLE a thread at
+    nice 19 still gets a share of a CPU its node's training saturates (15 to 36 per nice-15 worker: Ray's
+    workers run at nice 15), so a spare warms up while the group steps, at a bounded cost to the steps."""
+    tid = threading.get_native_id()
+    try:
+        nice = os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError:
+        nice = LOW_NICE
+    use = bool(enabled) and nice < LOW_NICE and _nice_round_trip_allowed(nice)
+    if use:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, LOW_NICE)
+        except OSError:
+            use = False
+    try:
+        yield nice if use else None
+    finally:
+        if use:
+            restore_nice(nice)
 
 
 @contextlib.contextmanager

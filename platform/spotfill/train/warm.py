@@ -10,6 +10,7 @@ then finds them loaded. A failed import here is ignored: the training function's
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import time
 
@@ -56,14 +57,20 @@ def start() -> None:
     marks["warm_hook_t"] = round(time.time(), 3)
     from spotfill.config import constants
     from spotfill.ray_compat.names import RAY_TRAIN_WORKER_MODULE
-    from spotfill.train.spares import end_wake_watcher, idle_while, start_wake_watcher
-    # a spare warms up in SCHED_IDLE on CPU time its node's training workers leave unused, and a watcher
-    # process wakes it the moment one of them is gone (the group stops for a restart: train.readiness);
-    # with no training worker on its node there is nothing to give way to
+    from spotfill.train.spares import end_wake_watcher, idle_while, low_while, start_wake_watcher
+    # a spare gives way to its node's training workers while it warms up (constants.SPARE_WARM_CLASS: nice 19,
+    # or SCHED_IDLE), and a watcher process wakes it the moment one of them is gone (the group stops for a
+    # restart: train.readiness); with no training worker on its node there is nothing to give way to
     group = _group_workers() if _is_spare() else []
-    watcher = start_wake_watcher(group, constants.SPARE_WAKE_POLL_S) if group else None
-    with idle_while(bool(group)) as idle:
-        marks["warm_idle"] = idle
+    low = constants.SPARE_WARM_CLASS == "low"
+    # started first, at the process's own priority (a child inherits SCHED_IDLE and nice)
+    watcher = start_wake_watcher(group, constants.SPARE_WAKE_POLL_S,
+                                 nice=os.getpriority(os.PRIO_PROCESS, 0) if low else None) if group else None
+    with (low_while if low else idle_while)(bool(group)) as held:
+        marks["warm_idle"] = held is not None and held is not False
+        marks["warm_class"] = ("low" if low else "idle") if marks["warm_idle"] else "normal"
+        if not marks["warm_idle"]:
+            watcher = end_wake_watcher(watcher) and None
         _record(ready=False)                 # on its way: a restart that stops the steps finds it
         thread = threading.Thread(target=_load, name="spotfill-warm-start", daemon=True)
         thread.start()

@@ -304,8 +304,8 @@ def _warm_state() -> dict:
     """This worker process's warm-up (train.warm): SCHED_IDLE or not, when its imports finished
     (`warm_after_t`, null: a process whose hook did not run) and when a restart woke it (`warm_woken_t`)."""
     from spotfill.train.warm import marks
-    return {"idle": marks.get("warm_idle"), "warm_after_t": marks.get("warm_after_t"),
-            "woken_t": marks.get("warm_woken_t")}
+    return {"idle": marks.get("warm_idle"), "class": marks.get("warm_class"),
+            "warm_after_t": marks.get("warm_after_t"), "woken_t": marks.get("warm_woken_t")}
 
 
 def _start_marks(entered: float, restored: float, imported: float, engine: float) -> dict:
