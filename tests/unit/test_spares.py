@@ -246,3 +246,16 @@ def test_a_spare_warms_up_at_nice_19_and_every_thread_gets_its_nice_back():
     if "inside" not in seen:
         pytest.skip("this process may not raise its priority back (no RLIMIT_NICE)")
     assert seen["inside"] == 19 and seen["child"] == 19 and seen["held"] == nice and seen["after"] == nice
+
+
+def test_the_first_worker_on_a_node_asks_spares_for_the_slots_its_group_does_not_use(monkeypatch):
+    """A restart sizes the group to every slot of the nodes that are left: each needs a spare there."""
+    from spotfill.config import constants
+    from spotfill.train import worker_loop
+    monkeypatch.setattr(worker_loop, "node_slots", lambda job, node: 3)
+    w, nodes = constants.WARM_SPARES, ["a", "b", "b"]          # rank 0 on a; ranks 1 and 2 on b
+    assert worker_loop._spares_here(None, 0, "a", nodes) == 3 * w     # itself + 2 slots lent or free
+    assert worker_loop._spares_here(None, 1, "b", nodes) == 2 * w     # itself + 1 slot
+    assert worker_loop._spares_here(None, 2, "b", nodes) == w         # itself
+    monkeypatch.setattr(worker_loop, "node_slots", lambda job, node: 0)     # unknown: its own only
+    assert worker_loop._spares_here(None, 0, "a", nodes) == w

@@ -180,7 +180,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             verdict = run_attempt(job, sink, comms, engine, reader, ckpt, rank=rank, world=world, attempt=attempt,
                                   shape=shape, vocab=vocab, flops=flops, device=device, client_state=client_state,
                                   start_event=start_event, pipe=pipe, notice=notice,
-                                  group=collections.Counter(n for n, *_ in placed))
+                                  group=collections.Counter(n for n, *_ in placed),
+                                  spares_here=_spares_here(job, rank, node_id, [p[0] for p in placed]))
         finally:
             if pipe:
                 pipe.close()
@@ -193,7 +194,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
 def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, *, rank: int, world: int,
                 attempt: int, shape: BatchShape, vocab: int, flops: dict, device: dict, client_state: dict | None,
-                start_event: dict, pipe=None, group: dict | None = None, notice=None) -> dict:
+                start_event: dict, pipe=None, group: dict | None = None, notice=None,
+                spares_here: int | None = None) -> dict:
     """One attempt's steps, from the state its checkpoint gave (`client_state`; None: a fresh start) to the
     last step or a planned exit (PlannedExit): the data path (feed.py: rows read, checked against the
     schedule, their positions recorded in the ledger) and the executor; `pipe` (train/pipeline.py) runs the
@@ -247,7 +249,7 @@ def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, 
                                                flops["hardware_flops_per_token"], device["peak_flops_per_gpu"]),
                                 **run.gpu_sample(), **(pipe.step_fields(run.rows) if pipe else {})})
             if spares and step + 1 == spare_step:
-                _prestart_spares(constants.WARM_SPARES)
+                _prestart_spares(constants.WARM_SPARES if spares_here is None else spares_here)
             decision = run.policy.decide(facts)
             run.apply(decision, step + 1)
             if decision.action == FINISH:
@@ -340,6 +342,31 @@ def _warm_imports():
     thread = threading.Thread(target=load, name="spotfill-warm-imports", daemon=True)
     thread.start()
     return thread
+
+
+def _spares_here(job: JobConfig, rank: int, node_id: str, nodes_by_rank: list[str]) -> int:
+    """How many spares this worker asks its node's raylet for: SPOTFILL_WARM_SPARES for itself, and on the
+    node's first rank as many more for each slot of the node its group does not use (GPUs lent to fill-in or
+    free): a restart after a loss sizes the group to every slot of the nodes that are left
+    (train.readiness.restart_size), and a worker placed there without a spare starts cold -- seen in a demo:
+    a survivor with 3 GPUs, 1 worker and 2 spares restarted 3 workers, the third cold (20 s of imports)."""
+    mine = [r for r, n in enumerate(nodes_by_rank) if n == node_id]
+    if not mine or mine[0] != rank:
+        return constants.WARM_SPARES
+    return constants.WARM_SPARES * (1 + max(0, node_slots(job, node_id) - len(mine)))
+
+
+def node_slots(job: JobConfig, node_id: str) -> int:
+    """Workers the node could hold by its total of training's GPU resource, at most training's max (0 when
+    Ray's node list does not say)."""
+    import ray
+    try:
+        total = next((n.get("Resources", {}).get(job.cluster.gpu_resource, 0.0) for n in ray.nodes()
+                      if n.get("NodeID") == node_id), 0.0)
+    except Exception:  # noqa: BLE001 -- unknown: no spares beyond the workers' own
+        return 0
+    gpw = max(1.0, float(job.cluster.gpus_per_worker or 1))
+    return min(int(total // gpw), job.training.max_workers)
 
 
 def _prestart_spares(count: int) -> None:
