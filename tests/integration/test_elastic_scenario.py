@@ -120,7 +120,10 @@ def test_the_group_after_a_hard_loss_starts_on_warm_spares(scenario_run):
     # up before the restart was decided (a process started for the restart starts after that; the loss may
     # come right after a grow, before the grown group's first step, with its spares starting)
     assert resume["process_started_t"] < decided["t"], (kill, decided, resume)
-    assert resume["warm_idle"] is True and resume["idle_threads"] == 0, resume      # a spare, warmed idle
+    assert resume["warm_idle"] is True and resume["idle_threads"] == 0, resume      # a spare, warmed held back
+    # placed where it was sized: pinned to the survivors' warm nodes (train.readiness.warm_placement), and
+    # every worker there
+    assert decided["pinned"] and {n for n, _ in resume["workers"]} <= set(decided["pinned"]), (decided, resume)
     # the loss waited for the survivor's spares (scenario `spares_ready`), it did not fire on a timeout
     fired = next(e for e in report["events"] if e["action"] == "kill_node")
     assert fired["spares"]["ready"] is True, fired
