@@ -3,7 +3,7 @@
 in SCHED_IDLE, through tokens in the GCS store, on a node the group steps on), record their readiness
 (train.readiness), and hold none of the node's Ray resources: a tenant still gets the node's GPU and CPU
 while they are there. The same holds for the spares a training worker asks its own node's raylet for
-(train.worker_loop._prestart_spares)."""
+(train.spare_workers.prestart_spares)."""
 from __future__ import annotations
 
 import logging
@@ -119,8 +119,8 @@ def test_the_worker_loops_spares_hold_no_ray_resource_and_warm_idle(cluster):
     def ask_for_spares():
         import os
 
-        from spotfill.train.worker_loop import _prestart_spares
-        _prestart_spares(2)
+        from spotfill.train.spare_workers import prestart_spares
+        prestart_spares(2)
         return os.getpid()          # its thread asks the raylet; the process stays (an idle worker)
 
     ray.get(ask_for_spares.options(scheduling_strategy=pin).remote(), timeout=120)

@@ -98,14 +98,14 @@ def test_a_node_whose_memory_is_unknown_keeps_its_spares():
 
 
 def test_prestarting_spares_asks_the_raylet_for_no_more_than_the_memory_allows(monkeypatch):
-    """The worker loop's ask (train.worker_loop._prestart_spares) goes through the cap: a node with 3 spares
+    """The worker loop's ask (train.spare_workers.prestart_spares) goes through the cap: a node with 3 spares
     already and room for 4 gets 1 more, however many its workers ask for."""
     import sys
     import threading
     import types
 
     from spotfill.config import constants
-    from spotfill.train import elastic, spares, worker_loop
+    from spotfill.train import elastic, spare_workers, spares
     asked: dict = {}
     monkeypatch.setattr(constants, "WARM_SPARE_RSS_MB", 512)
     monkeypatch.setattr(constants, "WARM_SPARE_MEMORY_FRACTION", 0.25)
@@ -121,7 +121,7 @@ def test_prestarting_spares_asks_the_raylet_for_no_more_than_the_memory_allows(m
     threads = []
     monkeypatch.setattr(threading, "Thread", lambda target, **_: threads.append(target) or
                         types.SimpleNamespace(start=lambda: None))
-    worker_loop._prestart_spares(2)
+    spare_workers.prestart_spares(2)
     threads[0]()
     assert asked == {"offered": 1, "started": 1}
 
@@ -251,11 +251,11 @@ def test_a_spare_warms_up_at_nice_19_and_every_thread_gets_its_nice_back():
 def test_the_first_worker_on_a_node_asks_spares_for_the_slots_its_group_does_not_use(monkeypatch):
     """A restart sizes the group to every slot of the nodes that are left: each needs a spare there."""
     from spotfill.config import constants
-    from spotfill.train import worker_loop
-    monkeypatch.setattr(worker_loop, "node_slots", lambda job, node: 3)
+    from spotfill.train import spare_workers
+    monkeypatch.setattr(spare_workers, "node_slots", lambda job, node: 3)
     w, nodes = constants.WARM_SPARES, ["a", "b", "b"]          # rank 0 on a; ranks 1 and 2 on b
-    assert worker_loop._spares_here(None, 0, "a", nodes) == 3 * w     # itself + 2 slots lent or free
-    assert worker_loop._spares_here(None, 1, "b", nodes) == 2 * w     # itself + 1 slot
-    assert worker_loop._spares_here(None, 2, "b", nodes) == w         # itself
-    monkeypatch.setattr(worker_loop, "node_slots", lambda job, node: 0)     # unknown: its own only
-    assert worker_loop._spares_here(None, 0, "a", nodes) == w
+    assert spare_workers.spares_to_ask(None, 0, "a", nodes) == 3 * w     # itself + 2 slots lent or free
+    assert spare_workers.spares_to_ask(None, 1, "b", nodes) == 2 * w     # itself + 1 slot
+    assert spare_workers.spares_to_ask(None, 2, "b", nodes) == w         # itself
+    monkeypatch.setattr(spare_workers, "node_slots", lambda job, node: 0)     # unknown: its own only
+    assert spare_workers.spares_to_ask(None, 0, "a", nodes) == w

@@ -1,13 +1,15 @@
 """Warm spare worker processes warm up at idle CPU priority, and count against their node's memory (pure: the
 os module only, no Ray).
 
-A training worker asks its node's raylet for spare worker processes (train.worker_loop `_prestart_spares`)
+A training worker asks its node's raylet for spare worker processes (train.spare_workers `prestart_spares`)
 while its group trains. Their setup hook (train.warm) imports torch, DeepSpeed and Ray Train: seconds of CPU
 that, at the priority of every other Ray worker, the running group's steps lost (a tiny model stepped at
 0.72 of its speed while spares warmed). So the requester first leaves one token per spare in a node-local
-directory, and a starting process that claims a token (`claim`) is a spare: it does its warm-up in the
-SCHED_IDLE class (`idle_while`), which the kernel runs only on CPU time the group leaves unused, and puts
-every thread back to normal scheduling once the warm-up ends, before it can run a training worker.
+directory, and a starting process that claims a token (`claim`) is a spare: it does its warm-up held back --
+at nice 19 (`low_while`, the default: a bounded share of a CPU the steps saturate) or in the SCHED_IDLE class
+(`idle_while`: only CPU time the group leaves unused) -- and puts every thread back once the warm-up ends,
+before it can run a training worker; a watcher process (`start_wake_watcher`) puts it back the moment one
+of its node's training workers is gone (a restart), so a restart never waits on a held-back warm-up.
 
 A process started for an actor (no token left) warms up at normal priority, as before: that is a start or a
 restart, with no group stepping on the node. A process that claims a token meant for another (the raylet
@@ -254,16 +256,25 @@ def _round_trip_allowed() -> bool:
     """Can a thread of this process enter SCHED_IDLE and leave it again? Tried on a throwaway thread."""
     if not hasattr(os, "SCHED_IDLE"):
         return False
+
+    def probe() -> bool:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        return os.sched_getscheduler(0) == os.SCHED_OTHER
+    return _on_a_throwaway_thread(probe)
+
+
+def _on_a_throwaway_thread(probe) -> bool:
+    """`probe()` run on a thread of its own (a change of its scheduling stays there); False if it raised
+    OSError (not allowed)."""
     ok: list[bool] = []
 
-    def probe():
+    def run():
         try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-            ok.append(os.sched_getscheduler(0) == os.SCHED_OTHER)
+            ok.append(bool(probe()))
         except OSError:
             ok.append(False)
-    t = threading.Thread(target=probe, name="spotfill-sched-probe")
+    t = threading.Thread(target=run, name="spotfill-sched-probe")
     t.start()
     t.join()
     return bool(ok and ok[0])
@@ -303,20 +314,12 @@ LOW_NICE = 19
 
 def _nice_round_trip_allowed(nice: int) -> bool:
     """Can a thread of this process go to nice LOW_NICE and back to `nice`? Tried on a throwaway thread."""
-    ok: list[bool] = []
-
-    def probe():
+    def probe() -> bool:
         tid = threading.get_native_id()
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, LOW_NICE)
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-            ok.append(os.getpriority(os.PRIO_PROCESS, tid) == nice)
-        except OSError:
-            ok.append(False)
-    t = threading.Thread(target=probe, name="spotfill-nice-probe")
-    t.start()
-    t.join()
-    return bool(ok and ok[0])
+        os.setpriority(os.PRIO_PROCESS, tid, LOW_NICE)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return os.getpriority(os.PRIO_PROCESS, tid) == nice
+    return _on_a_throwaway_thread(probe)
 
 
 def restore_nice(nice: int) -> int:

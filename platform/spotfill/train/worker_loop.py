@@ -38,6 +38,7 @@ from spotfill.train.notice_watch import DrainWatch, PlannedExit, StartNotice, ei
 from spotfill.train.step_policy import CONTINUE, FINISH, StepDecision, StepFacts, StepPolicy
 from spotfill.telemetry.process import process_start_time
 from spotfill.telemetry.throughput import split_step, step_metrics
+from spotfill.train.spare_workers import prestart_spares, spares_to_ask, warm_state
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # per rank: its node, its process's start (before the restart: a warm spare) and the GPUs Ray assigned it
     # -- summed, the group's GPUs in the attempt event: the ledger and goodput count them, not the plan
     placed = comms.gather_objects((node_id, process_start_time(), _assigned_gpus(job.cluster.gpu_resource),
-                                   _warm_state()))
+                                   warm_state()))
     # rank 0 reads its group's drains itself from here on (Ray Train's watcher may start seconds later); the
     # thread ends with this process (Ray Train ends the group's actors with the attempt): train.notice_watch
     watch = (DrainWatch({p[0] for p in placed}, draining_node_ids, constants.DRAIN_POLL_S)
@@ -181,7 +182,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                   shape=shape, vocab=vocab, flops=flops, device=device, client_state=client_state,
                                   start_event=start_event, pipe=pipe, notice=notice,
                                   group=collections.Counter(n for n, *_ in placed),
-                                  spares_here=_spares_here(job, rank, node_id, [p[0] for p in placed]))
+                                  spares_here=spares_to_ask(job, rank, node_id, [p[0] for p in placed]))
         finally:
             if pipe:
                 pipe.close()
@@ -249,7 +250,7 @@ def run_attempt(job: JobConfig, sink, comms, engine, reader: ShardReader, ckpt, 
                                                flops["hardware_flops_per_token"], device["peak_flops_per_gpu"]),
                                 **run.gpu_sample(), **(pipe.step_fields(run.rows) if pipe else {})})
             if spares and step + 1 == spare_step:
-                _prestart_spares(constants.WARM_SPARES if spares_here is None else spares_here)
+                prestart_spares(constants.WARM_SPARES if spares_here is None else spares_here)
             decision = run.policy.decide(facts)
             run.apply(decision, step + 1)
             if decision.action == FINISH:
@@ -302,14 +303,6 @@ def node_local_root(job_name: str, node_id: str) -> str:
     return os.path.join(constants.LOCAL_DIR, job_name, f"node-{node_id}")
 
 
-def _warm_state() -> dict:
-    """This worker process's warm-up (train.warm): SCHED_IDLE or not, when its imports finished
-    (`warm_after_t`, null: a process whose hook did not run) and when a restart woke it (`warm_woken_t`)."""
-    from spotfill.train.warm import marks
-    return {"idle": marks.get("warm_idle"), "class": marks.get("warm_class"),
-            "warm_after_t": marks.get("warm_after_t"), "woken_t": marks.get("warm_woken_t")}
-
-
 def _start_marks(entered: float, restored: float, imported: float, engine: float) -> dict:
     """When (unix s) this worker process started, entered the training function, finished the restore,
     had DeepSpeed imported and its engine built: the recovery breakdown splits worker start-up with them."""
@@ -342,65 +335,6 @@ def _warm_imports():
     thread = threading.Thread(target=load, name="spotfill-warm-imports", daemon=True)
     thread.start()
     return thread
-
-
-def _spares_here(job: JobConfig, rank: int, node_id: str, nodes_by_rank: list[str]) -> int:
-    """How many spares this worker asks its node's raylet for: SPOTFILL_WARM_SPARES for itself, and on the
-    node's first rank as many more for each slot of the node its group does not use (GPUs lent to fill-in or
-    free): a restart after a loss sizes the group to every slot of the nodes that are left
-    (train.readiness.restart_size), and a worker placed there without a spare starts cold -- seen in a demo:
-    a survivor with 3 GPUs, 1 worker and 2 spares restarted 3 workers, the third cold (20 s of imports)."""
-    mine = [r for r, n in enumerate(nodes_by_rank) if n == node_id]
-    if not mine or mine[0] != rank:
-        return constants.WARM_SPARES
-    return constants.WARM_SPARES * (1 + max(0, node_slots(job, node_id) - len(mine)))
-
-
-def node_slots(job: JobConfig, node_id: str) -> int:
-    """Workers the node could hold by its total of training's GPU resource, at most training's max (0 when
-    Ray's node list does not say)."""
-    import ray
-    try:
-        total = next((n.get("Resources", {}).get(job.cluster.gpu_resource, 0.0) for n in ray.nodes()
-                      if n.get("NodeID") == node_id), 0.0)
-    except Exception:  # noqa: BLE001 -- unknown: no spares beyond the workers' own
-        return 0
-    gpw = max(1.0, float(job.cluster.gpus_per_worker or 1))
-    return min(int(total // gpw), job.training.max_workers)
-
-
-def _prestart_spares(count: int) -> None:
-    """Have this node's raylet start `count` spare worker processes for the next worker group (one set per
-    worker, so a node holds as many spares as it runs workers), on a thread, off the step loop: they
-    import torch and DeepSpeed (spotfill.train.warm, their setup hook) while this group trains, and the
-    actors of the group after a restart land on them instead of on cold processes. Spares the next group
-    does not take stay idle for SPOTFILL_WARM_SPARE_KEEP_ALIVE_S, then Ray's idle-worker policy applies;
-    Ray kills them with the job. They count against the node's memory (train.spares.spares_within_memory, with
-    the spares already there): beyond it, fewer are asked. A failure costs nothing but the head start: it is
-    logged."""
-    import threading
-
-    import ray
-
-    from spotfill.ray_compat import prestart_workers
-    from spotfill.train.elastic import ready_spares
-    from spotfill.train.spares import host_memory_bytes, offer, spares_within_memory
-
-    def run():
-        try:
-            node = ray.get_runtime_context().get_node_id()
-            n, why = spares_within_memory(count, host_memory_bytes(), ready_spares(warming=True).get(node, 0),
-                                          constants.WARM_SPARE_RSS_MB << 20, constants.WARM_SPARE_MEMORY_FRACTION)
-            if why:
-                log.info("spares on this node: %s", why)
-            if n:
-                offer(node, n)    # they warm up in SCHED_IDLE
-                prestart_workers(n, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
-        except Exception as exc:  # noqa: BLE001 -- the next group starts cold processes, as stock Ray does
-            log.warning("spare worker processes not started (%s: %s); the next worker group starts cold",
-                        type(exc).__name__, exc)
-
-    threading.Thread(target=run, name="spotfill-prestart-spares", daemon=True).start()
 
 
 def _finish(sink, rank: int, verdict: dict) -> None:

@@ -1,0 +1,77 @@
+"""Asking a node's raylet for warm spare worker processes (the Ray side of train.spares): how many a training
+worker asks for, the ask itself, and the warm-up state a worker reports (train.warm's marks)."""
+from __future__ import annotations
+
+import logging
+
+from spotfill.config import constants
+from spotfill.config.job import JobConfig
+
+log = logging.getLogger("spotfill.train.worker_loop")
+
+
+def warm_state() -> dict:
+    """This worker process's warm-up (train.warm): held back or not (its class: low, idle, normal), when its imports finished
+    (`warm_after_t`, null: a process whose hook did not run) and when a restart woke it (`warm_woken_t`)."""
+    from spotfill.train.warm import marks
+    return {"idle": marks.get("warm_idle"), "class": marks.get("warm_class"),
+            "warm_after_t": marks.get("warm_after_t"), "woken_t": marks.get("warm_woken_t")}
+
+
+def spares_to_ask(job: JobConfig, rank: int, node_id: str, nodes_by_rank: list[str]) -> int:
+    """How many spares this worker asks its node's raylet for: SPOTFILL_WARM_SPARES for itself, and on the
+    node's first rank as many more for each slot of the node its group does not use (GPUs lent to fill-in or
+    free): a restart after a loss sizes the group to every slot of the nodes that are left
+    (train.readiness.restart_size), and a worker placed there without a spare starts cold -- seen in a demo:
+    a survivor with 3 GPUs, 1 worker and 2 spares restarted 3 workers, the third cold (20 s of imports)."""
+    mine = [r for r, n in enumerate(nodes_by_rank) if n == node_id]
+    if not mine or mine[0] != rank:
+        return constants.WARM_SPARES
+    return constants.WARM_SPARES * (1 + max(0, node_slots(job, node_id) - len(mine)))
+
+
+def node_slots(job: JobConfig, node_id: str) -> int:
+    """Workers the node could hold by its total of training's GPU resource, at most training's max (0 when
+    Ray's node list does not say)."""
+    import ray
+    try:
+        total = next((n.get("Resources", {}).get(job.cluster.gpu_resource, 0.0) for n in ray.nodes()
+                      if n.get("NodeID") == node_id), 0.0)
+    except Exception:  # noqa: BLE001 -- unknown: no spares beyond the workers' own
+        return 0
+    gpw = max(1.0, float(job.cluster.gpus_per_worker or 1))
+    return min(int(total // gpw), job.training.max_workers)
+
+
+def prestart_spares(count: int) -> None:
+    """Have this node's raylet start `count` spare worker processes for the next worker group (one set per
+    worker, so a node holds as many spares as it runs workers), on a thread, off the step loop: they
+    import torch and DeepSpeed (spotfill.train.warm, their setup hook) while this group trains, and the
+    actors of the group after a restart land on them instead of on cold processes. Spares the next group
+    does not take stay idle for SPOTFILL_WARM_SPARE_KEEP_ALIVE_S, then Ray's idle-worker policy applies;
+    Ray kills them with the job. They count against the node's memory (train.spares.spares_within_memory, with
+    the spares already there): beyond it, fewer are asked. A failure costs nothing but the head start: it is
+    logged."""
+    import threading
+
+    import ray
+
+    from spotfill.ray_compat import prestart_workers
+    from spotfill.train.elastic import ready_spares
+    from spotfill.train.spares import host_memory_bytes, offer, spares_within_memory
+
+    def run():
+        try:
+            node = ray.get_runtime_context().get_node_id()
+            n, why = spares_within_memory(count, host_memory_bytes(), ready_spares(warming=True).get(node, 0),
+                                          constants.WARM_SPARE_RSS_MB << 20, constants.WARM_SPARE_MEMORY_FRACTION)
+            if why:
+                log.info("spares on this node: %s", why)
+            if n:
+                offer(node, n)    # they warm up in SCHED_IDLE
+                prestart_workers(n, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
+        except Exception as exc:  # noqa: BLE001 -- the next group starts cold processes, as stock Ray does
+            log.warning("spare worker processes not started (%s: %s); the next worker group starts cold",
+                        type(exc).__name__, exc)
+
+    threading.Thread(target=run, name="spotfill-prestart-spares", daemon=True).start()
