@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import replace
 
-from spotfill.fillin.arbiter_state import load, state_text, write_atomically
+from spotfill.fillin.arbiter_state import load, read_dashboard_url, state_text, write_atomically
 from spotfill.fillin.busy import check_busy
 from spotfill.fillin.cluster_view import READ_WAIT_S, HoldingsReads, View, read_demand, read_nodes
 from spotfill.fillin.hosts import RESOURCE_VIEW_LAG_S, HostTracker
@@ -57,7 +57,7 @@ class Arbiter:
         self.gpu_resource, self.interval_s = gpu_resource, interval_s
         self.order = tuple(order) if order is not None else reclaim_order()     # the registry's, by default
         # Serve's scale endpoint and the job API live on the dashboard; found in the GCS when not given
-        self.dashboard_url = dashboard_url or self._dashboard_url()
+        self.dashboard_url = dashboard_url or read_dashboard_url()
         self.forced: dict[str, float] = {}                    # job tenant -> when it was last forced
         # autoscaled cluster: lend only on nodes training uses, reclaim from nodes training left (so idle
         # nodes scale down), and never leave a replica pending (demand the autoscaler would buy a node
@@ -87,8 +87,8 @@ class Arbiter:
         # job -> (GPUs of its new group, hold until): free and reclaimed GPUs stay reserved for the claiming
         # job until its new group holds them all (or the hold ends) -- a start, restart or grow places the
         # whole group, so the hold is the group's size, not just what the claim had to free
-        self.pending: dict[str, tuple[int, float]] = {}
-        self.pending_nodes: dict[str, tuple[str, ...]] = {}   # a pinned claim's nodes (held there first)
+        # job -> (GPUs held for its new group, until when, the nodes a pinned claim holds them on first)
+        self.pending: dict[str, tuple[int, float, tuple[str, ...]]] = {}
         self.tenants: dict[str, Tenant] = {}
         self.asked_at: dict[str, float] = {}                  # tenant -> when it was last asked to grow
         self.reasserted: dict[str, float] = {}                # serve tenant -> when its count was last re-sent
@@ -124,22 +124,13 @@ class Arbiter:
         self.decisions.add(decisions)
 
     # -- registration ----------------------------------------------------------------------------------
-    @staticmethod
-    def _dashboard_url() -> str | None:
-        try:
-            from spotfill.ray_compat import dashboard_url
-            return dashboard_url()
-        except Exception as exc:  # noqa: BLE001 - a tenant registered with its own URL still works
-            log.warning("fill-in: the dashboard's address could not be read from the GCS: %s", exc)
-            return None
-
     def register_tenant(self, spec: dict) -> dict:
         """A Serve deployment (app, deployment) deployed with external_scaler_enabled becomes a tenant; its
         replica count is set through the scale endpoint of the dashboard at `dashboard_url` (this cluster's,
         read from the GCS, when the spec leaves it empty)."""
         spec = dict(spec)
         if not spec.get("dashboard_url"):
-            self.dashboard_url = self.dashboard_url or self._dashboard_url()
+            self.dashboard_url = self.dashboard_url or read_dashboard_url()
             if not self.dashboard_url:
                 raise RuntimeError("no dashboard address: Serve's scale endpoint cannot be reached (start "
                                    "the head with the dashboard, or give dashboard_url)")
@@ -202,7 +193,6 @@ class Arbiter:
         with self.lock:
             self.jobs.pop(job, None)
             self.pending.pop(job, None)
-            self.pending_nodes.pop(job, None)
             self._save()
 
     def report_busy(self, events: list) -> int:
@@ -277,10 +267,9 @@ class Arbiter:
         self.journal.add(events)
         self.leases = leases
         self.reclaiming = {le.lease_id: le.reclaiming_since for le in self.leases if le.reclaiming_since}
-        for job, (_, until) in list(self.pending.items()):
+        for job, (_, until, _) in list(self.pending.items()):
             if now > until:
                 del self.pending[job]
-                self.pending_nodes.pop(job, None)
         self.training_gpus = sum(row["training"] for row in ownership(Snapshot(
             tuple(n for n in nodes if n.alive), (), self.leases)).values())
         current = {le.lease_id for le in self.leases}
@@ -295,8 +284,8 @@ class Arbiter:
     def _current(self, hosts: bool = True) -> Snapshot:
         """The snapshot of what was last applied (a read: it changes nothing); on an autoscaled cluster that
         must not launch nodes, with the hosts found when it was applied (unless `hosts` is False)."""
-        jobs = tuple(replace(j, pending_gpus=self._still_pending(j.job), pending_nodes=self.pending_nodes.get(j.job, ()))
-                     for j in self.jobs.values())
+        jobs = tuple(replace(j, pending_gpus=self._still_pending(j.job),
+                             pending_nodes=self.pending.get(j.job, (0, 0, ()))[2]) for j in self.jobs.values())
         snap = Snapshot(self.last_nodes, jobs, self.leases)
         return replace(snap, hosts=self.hosts.last_hosts) if hosts and self.autoscaled and not self.launch_nodes \
             else snap
@@ -318,7 +307,7 @@ class Arbiter:
     def _still_pending(self, job: str) -> int:
         """GPUs held for `job`'s new group that it does not hold yet: the group's size minus the GPUs in use
         that no lease holds, less what the other registered jobs run (with one job: all of training's)."""
-        held, _ = self.pending.get(job, (0, 0.0))
+        held = self.pending.get(job, (0, 0.0, ()))[0]
         others = sum(j.running * j.gpus_per_worker for j in self.jobs.values() if j.job != job)
         return max(0, held - max(0, self.training_gpus - others))
 
@@ -353,7 +342,6 @@ class Arbiter:
                 with self.lock:
                     if self.jobs.pop(name, None) is not None:
                         self.pending.pop(name, None)
-                        self.pending_nodes.pop(name, None)
                         self._record([Decision("drop", f"training:{name}", 0, at=now, reason=(
                             f"training job {name}'s driver (Ray job {rec.get('ray_job_id')}) has ended without "
                             f"withdrawing it: its GPUs may be lent again"))])
@@ -542,13 +530,13 @@ class Arbiter:
                 job, int(min_workers or (prev.min_workers if prev else 1)),
                 int(max_workers or (prev.max_workers if prev else max(1, gpus // gpw))),
                 current_workers=max(1, int(gpus) // gpw), gpus_per_worker=gpw)
-            held, until = self.pending.get(job, (0, 0.0))
+            held, until, _ = self.pending.get(job, (0, 0.0, ()))
             # the whole new group stays held until it holds its GPUs: a claim that came back short (Ray's
             # resource view lags a stopped replica) must not see the reclaimed GPUs lent again, nor a grow
             # see the old group's GPUs lent while the group restarts larger. A later claim of the same start
             # (Ray Train may ask again) never shrinks what is held for it.
-            self.pending[job] = (max(int(gpus), held if until > now else 0), now + CLAIM_HOLD_S)
-            self.pending_nodes[job] = tuple(sorted(nodes or ()))
+            self.pending[job] = (max(int(gpus), held if until > now else 0), now + CLAIM_HOLD_S,
+                                 tuple(sorted(nodes or ())))
             why = (f"{plan.free_now} of {wanted} needed GPU(s) free after {waited:.2f}s"
                    + (f", {len(reclaimed)} lease(s) reclaimed" if reclaimed else "")
                    + ("" if ok else f"; short by {wanted - plan.free_now} (deadline or nothing left to reclaim)"))

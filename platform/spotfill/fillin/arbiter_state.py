@@ -79,3 +79,13 @@ def write_atomically(path: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def read_dashboard_url() -> str | None:
+    """The dashboard's address from the GCS (tenants' health links), or None with a warning."""
+    try:
+        from spotfill.ray_compat import dashboard_url
+        return dashboard_url()
+    except Exception as exc:  # noqa: BLE001 - a tenant registered with its own URL still works
+        log.warning("fill-in: the dashboard's address could not be read from the GCS: %s", exc)
+        return None

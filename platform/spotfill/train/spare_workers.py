@@ -11,8 +11,8 @@ log = logging.getLogger("spotfill.train.worker_loop")
 
 
 def warm_state() -> dict:
-    """This worker process's warm-up (train.warm): held back or not (its class: low, idle, normal), when its imports finished
-    (`warm_after_t`, null: a process whose hook did not run) and when a restart woke it (`warm_woken_t`)."""
+    """This worker process's warm-up (train.warm): held back or not (its class: low, idle, normal), when its
+    imports finished (`warm_after_t`, null: a process whose hook did not run) and when a restart woke it."""
     from spotfill.train.warm import marks
     return {"idle": marks.get("warm_idle"), "class": marks.get("warm_class"),
             "warm_after_t": marks.get("warm_after_t"), "woken_t": marks.get("warm_woken_t")}
