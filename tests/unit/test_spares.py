@@ -259,3 +259,14 @@ def test_the_first_worker_on_a_node_asks_spares_for_the_slots_its_group_does_not
     assert spare_workers.spares_to_ask(None, 2, "b", nodes) == w         # itself
     monkeypatch.setattr(spare_workers, "node_slots", lambda job, node: 0)     # unknown: its own only
     assert spare_workers.spares_to_ask(None, 0, "a", nodes) == w
+
+
+def test_the_process_start_time_is_read_once_and_kept():
+    """Read at the process's start and kept (telemetry.process): a later read would date it by a boot time
+    that drifts against the wall clock."""
+    import time
+
+    from spotfill.telemetry.process import process_start_time
+    first = process_start_time()
+    time.sleep(0.05)
+    assert first is not None and process_start_time() == first and first <= time.time()

@@ -54,6 +54,8 @@ def start() -> None:
     if _started.is_set():
         return
     _started.set()
+    from spotfill.telemetry.process import process_start_time
+    process_start_time()                     # read (and kept) at the process's start: see its docstring
     marks["warm_hook_t"] = round(time.time(), 3)
     from spotfill.config import constants
     from spotfill.ray_compat.names import RAY_TRAIN_WORKER_MODULE
