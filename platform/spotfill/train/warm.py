@@ -62,13 +62,14 @@ def start() -> None:
     from spotfill.train.spares import end_wake_watcher, idle_while, low_while, start_wake_watcher
     # a spare gives way to its node's training workers while it warms up (constants.SPARE_WARM_CLASS: nice 19,
     # or SCHED_IDLE), and a watcher process wakes it the moment one of them is gone (the group stops for a
-    # restart: train.readiness); with no training worker on its node there is nothing to give way to
-    group = _group_workers() if _is_spare() else []
+    # restart: train.readiness)
+    spare = _is_spare()
+    group = _group_workers() if spare else []
     low = constants.SPARE_WARM_CLASS == "low"
     # started first, at the process's own priority (a child inherits SCHED_IDLE and nice)
     watcher = start_wake_watcher(group, constants.SPARE_WAKE_POLL_S,
                                  nice=os.getpriority(os.PRIO_PROCESS, 0) if low else None) if group else None
-    with (low_while if low else idle_while)(bool(group)) as held:
+    with (low_while if low else idle_while)(spare) as held:
         marks["warm_idle"] = held is not None and held is not False
         marks["warm_class"] = ("low" if low else "idle") if marks["warm_idle"] else "normal"
         if not marks["warm_idle"]:
