@@ -163,6 +163,9 @@ def test_eval_loss_equals_an_independent_forward_and_every_row_lands_once_on_s3(
     assert all(r["tokens"] <= 8 and r["finish_reason"] in ("stop", "length") for r in gen)
 
 
+# CI's time budget (`python -m pytest -m slow`); in CI a reclaimed batch job's rows stay exactly once through
+# test_jobs_submit (batch via `ray job submit`) and the unit tests of fillin/batch_plan.py
+@pytest.mark.slow
 def test_a_job_reclaimed_twice_by_training_ends_with_every_row_exactly_once(env, inputs, tmp_path):
     import ray
 

@@ -31,6 +31,9 @@ def _run(tmp_path, name, training, events):
         return run_scenario(parse_scenario(scenario, name), str(tmp_path), quiet=True)
 
 
+# CI's time budget (`python -m pytest -m slow`); in CI the same restore (real checkpoint files, a damaged newest
+# tag quarantined, the previous one restored on every rank) is tests/unit/test_restore.py
+@pytest.mark.slow
 def test_restore_goes_past_a_corrupted_checkpoint_and_quarantines_it(tmp_path):
     report = _run(tmp_path, "corrupt", {"steps": 80, "checkpoint_every": 20, "keep_checkpoints": 3},
                   [{"at_step": 45, "action": "corrupt_checkpoint"}, {"at_step": 45, "action": "kill_node", "node": 1}])

@@ -67,6 +67,9 @@ def _fit_with_deadline(job) -> tuple[dict | None, str | None]:
     return out.get("report"), out.get("error")
 
 
+# CI's time budget (`python -m pytest -m slow`); in CI grows onto free capacity run in test_elastic_scenario
+# and the sizing in tests/unit/test_capacity.py
+@pytest.mark.slow
 def test_grow_counts_free_not_total_capacity(cluster, dataset, tmp_path):
     """Another actor holds one of the 4 GPU slots. Counting totals, training believed 4 workers fit:
     it checkpointed and restarted every resize_check_s into a group that could never be placed (or never

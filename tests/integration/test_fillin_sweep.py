@@ -325,6 +325,9 @@ def test_a_trial_whose_actor_is_killed_resumes_from_its_checkpoint_without_repea
     assert res["step"] == STEPS and res["eval_loss"] is not None
 
 
+# CI's time budget (`python -m pytest -m slow`); in CI a sweep's GPUs are taken back (and its trials paused and
+# resumed) by test_nothing_starts_at_grant_zero_and_a_drop_pauses_trials_that_resume_from_their_checkpoint
+@pytest.mark.slow
 def test_a_training_claim_takes_the_sweeps_gpus_back_within_its_grace_and_the_sweep_finishes(env, tmp_path):
     import ray
 

@@ -49,7 +49,8 @@ def test_zero12_resumes_on_fewer_and_more_ranks_without_conversion(stage, tmp_pa
         _assert_same(saved, loaded)
 
 
-@pytest.mark.parametrize("stage,save", [(3, "save"), (2, "save-rigid")])
+# (2, "save-rigid"): CI's time budget -- the ZeRO-2 elastic load without conversion runs in CI above
+@pytest.mark.parametrize("stage,save", [(3, "save"), pytest.param(2, "save-rigid", marks=pytest.mark.slow)])
 def test_universal_resume_on_fewer_and_more_ranks(stage, save, tmp_path, s3_uri):
     uri = s3_uri if stage == 2 else str(tmp_path / "storage")
     saved = _spawn(2, save, stage, uri, str(tmp_path))

@@ -105,6 +105,9 @@ def start_driver(env, cfg_path, log_path):
         env={**os.environ, "RAY_ADDRESS": env["cluster"].address, "PYTHONPATH": os.path.join(ROOT, "platform")})
 
 
+# CI's time budget (`python -m pytest -m slow`); in CI the rerun's restore decision is the unit tests of
+# fillin/sweep_state.py
+@pytest.mark.slow
 def test_a_sweep_driver_killed_mid_run_is_continued_by_a_rerun_not_started_over(env, tmp_path):
     name = "killed-driver"
     cfg = sweep_config(env, name)          # one unit: the trials run one after the other
