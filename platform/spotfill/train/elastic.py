@@ -196,11 +196,7 @@ PINNED: dict[int, "DrainAwareElasticPolicy"] = {}
 
 def pinned_nodes() -> tuple[str, ...] | None:
     """The warm nodes the group this controller starts next is pinned to, or None (no pin / no policy)."""
-    for policy in list(PINNED.values()):
-        nodes = policy.pinned_nodes()
-        if nodes:
-            return nodes
-    return None
+    return next((nodes for policy in list(PINNED.values()) if (nodes := policy.pinned_nodes())), None)
 
 
 class DrainAwareElasticPolicy(ElasticScalingPolicy):

@@ -70,7 +70,7 @@ def start() -> None:
     watcher = start_wake_watcher(group, constants.SPARE_WAKE_POLL_S,
                                  nice=os.getpriority(os.PRIO_PROCESS, 0) if low else None) if group else None
     with (low_while if low else idle_while)(spare) as held:
-        marks["warm_idle"] = held is not None and held is not False
+        marks["warm_idle"] = held not in (None, False)     # idle_while yields a bool, low_while the nice or None
         marks["warm_class"] = ("low" if low else "idle") if marks["warm_idle"] else "normal"
         if not marks["warm_idle"]:
             watcher = end_wake_watcher(watcher) and None
@@ -92,8 +92,6 @@ def start() -> None:
 def _group_workers() -> list[int]:
     """This host's training workers of this process's Ray job (train.spares.group_worker_pids)."""
     try:
-        import os
-
         from spotfill.ray_compat.names import RAY_TRAIN_WORKER_TITLE
         from spotfill.train.spares import group_worker_pids
         return group_worker_pids(os.environ.get("RAY_JOB_ID"), RAY_TRAIN_WORKER_TITLE)
