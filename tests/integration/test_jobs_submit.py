@@ -247,6 +247,9 @@ def job_logs(head, job_id: str) -> str:
                           capture_output=True, text=True).stdout
 
 
+TRAIN_STEPS = 60
+
+
 @pytest.fixture(scope="module")
 def trained(head, staged, tmp_path_factory):
     """prepare_data.py; `serve deploy` of the generation app over the run's checkpoints (the arbiter lends it
@@ -277,9 +280,11 @@ def trained(head, staged, tmp_path_factory):
             break
         time.sleep(1)
     out["serve_status"] = serve_cli(head, "status", "--address", head["address"]).stdout
+    # 60 steps: Serve must load one of the run's checkpoints (held against retention, keep_last 2) while it
+    # trains; with 30 (4.5 s of steps here) a CI run ended before the idle-priority replica had loaded one
     out["train_id"], _ = submit(head, staged, "jobs/pretrain.py", "--config", "examples/tiny-cpu.yaml", "--steps",
-                                "30", "--storage", str(ckpt), "--run-dir", str(run_dir), "--data", str(data),
-                                wait=False)
+                                str(TRAIN_STEPS), "--storage", str(ckpt), "--run-dir", str(run_dir),
+                                "--data", str(data), wait=False)
     from ray.job_submission import JobSubmissionClient
     client = JobSubmissionClient(head["address"], headers=head["headers"])
     while True:
@@ -313,10 +318,10 @@ def test_prepare_then_pretrain_through_ray_job_submit(head, trained):
 
     assert trained["train_status"] == "SUCCEEDED", trained["train_logs"][-6000:]
     s = summary_line(trained["train_logs"])
-    assert s["ok"] and s["steps_completed"] == 30 and s["checkpoints"] >= 2, s
+    assert s["ok"] and s["steps_completed"] == TRAIN_STEPS and s["checkpoints"] >= 2, s
     assert s["spotfill"].startswith(head["temp_dir"]) and "working_dir" in s["spotfill"], s
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["ok"] is True and report["training"]["steps_completed"] == 30
+    assert report["ok"] is True and report["training"]["steps_completed"] == TRAIN_STEPS
     assert (run_dir / "events.jsonl").is_file()
     if not head["hidden"]:
         pytest.fail("could not hide the installed spotfill from the head; the job may have used it")
@@ -343,7 +348,8 @@ def test_serve_answers_from_the_run_while_it_trains_on_the_gpu_training_leaves(t
     answered = [c for c in trained["completions"] if c["code"] == 200 and c["job"] == "RUNNING"]
     codes = [c["code"] for c in trained["completions"]]
     print(f"completions while training ran: {len(codes)}, {codes.count(200)} x 200, {codes.count(503)} x 503, "
-          f"longest {max((c['took_s'] for c in trained['completions']), default=None)} s")
+          f"longest {max((c['took_s'] for c in trained['completions']), default=None)} s; answered from "
+          f"{sorted({c['checkpoint'] for c in answered})}")
     assert answered, trained["completions"][-20:]
     assert all(c["checkpoint"].startswith("step-") for c in answered) and any(c["text"] for c in answered), answered
     # after the hand-back one replica stays: the GPU beyond training's max of 2 on this 3-GPU head

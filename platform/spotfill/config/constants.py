@@ -105,6 +105,9 @@ STORAGE_CHUNK_MB = env_int("SPOTFILL_STORAGE_CHUNK_MB", 16, minimum=1)
 STORAGE_CHECK_TIMEOUT_S = env_float("SPOTFILL_STORAGE_CHECK_TIMEOUT_S", 3.0, strict=True)
 # Checkpoint retention: committed checkpoints kept (older ones are deleted after each commit).
 CHECKPOINT_KEEP_LAST = env_int("SPOTFILL_CHECKPOINT_KEEP_LAST", 3, minimum=1)
+# A reader's hold on the checkpoint it downloads (Serve, batch, export): retention keeps a held tag until the
+# reader releases it or this many seconds pass (a reader that died holds nothing longer).
+CHECKPOINT_READ_HOLD_S = env_float("SPOTFILL_CHECKPOINT_READ_HOLD_S", 900.0, strict=True)
 # How long commit() waits for every rank's done marker.
 CHECKPOINT_COMMIT_TIMEOUT_S = env_float("SPOTFILL_CHECKPOINT_COMMIT_TIMEOUT_S", 600.0, strict=True)
 # Emergency checkpoint (preemption notice): seconds kept free before the deadline, so the save must be

@@ -8,6 +8,7 @@ Layout under a Storage (usually a run's prefix), with `prefix="checkpoints"`::
     checkpoints/latest                         {"tag", "step", "committed", "generation", "writer"}, moved
                                                only after a manifest
     checkpoints/writers/gen-<N>.json           the writer generations (storage/fence.py)
+    checkpoints/<tag>/holds/<reader>           {"until", "holder"}: a reader downloading <tag> (hold())
 
 `files` maps the path relative to the tag directory ("rank-0/model.pt") to {size, sha256}. The manifest is
 written only after every rank's marker exists, and `latest` only after the manifest, so a reader that trusts
@@ -25,6 +26,12 @@ mismatch in storage before calling the checkpoint damaged (storage/verified_fetc
 
 Tags sort by step, then attempt: `tag_for(120)` is "step-00000120", `tag_for(120, 3)` "step-00000120-a3"
 (unique per attempt: a step re-saved after a rollback never writes into a committed tag).
+
+Readers of a store training writes (Serve, batch, export: restore(resume=False)) hold the tag they download
+(`<tag>/holds/<reader>`, released when the download ends, expiring after CHECKPOINT_READ_HOLD_S): retention
+keeps a held tag past keep_last, so a reader slower than training's checkpoint cadence still gets a
+checkpoint. A tag that retention deleted while it was read anyway (before the hold landed) is "rotated
+away", not damaged: the reader lists again and takes the newest, and quarantines nothing.
 """
 from __future__ import annotations
 
@@ -32,7 +39,9 @@ import json
 import logging
 import os
 import re
+import socket
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
@@ -46,6 +55,7 @@ from spotfill.storage.verified_fetch import fetch_verified, hash_files
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 QUARANTINE = "quarantined.json"
+HOLDS = "holds"
 UNIVERSAL = "universal"                 # <tag>/universal/...: the converted (universal) copy
 UNIVERSAL_INDEX = "universal.json"      # <tag>/universal.json: its files {rel: {size, sha256}}, written last
 LATEST = "latest"
@@ -265,6 +275,46 @@ class CheckpointStore:
             {"tag": tag, "reason": reason, "t": time.time()}).encode())
         log.warning("checkpoint %s quarantined: %s", tag, reason)
 
+    # -- a reader's hold against retention ---------------------------------------------------------
+    def hold(self, tag: str, ttl_s: float | None = None) -> str | None:
+        """Hold `tag` for a reader: retention (cleanup) keeps it until release() or `ttl_s` (default
+        CHECKPOINT_READ_HOLD_S) passes. The hold's key, or None where this reader may not write the store
+        (it then reads unheld, as before holds existed)."""
+        ttl = constants.CHECKPOINT_READ_HOLD_S if ttl_s is None else ttl_s
+        holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        key = self._k(tag, HOLDS, holder)
+        try:
+            self.storage.put_bytes(key, json.dumps({"until": time.time() + ttl, "holder": holder}).encode())
+        except Exception as exc:  # noqa: BLE001 - read-only credentials: read without a hold
+            log.info("checkpoint %s read without a hold (the store refused it: %s)", tag, exc)
+            return None
+        return key
+
+    def release(self, key: str | None) -> None:
+        if key is not None:
+            try:
+                self.storage.delete(key)
+            except Exception as exc:  # noqa: BLE001 - an unreleased hold expires on its own
+                log.info("checkpoint hold %s not released (%s); it expires on its own", key, exc)
+
+    def held_until(self, tag: str, now: float | None = None) -> float | None:
+        """The latest expiry of `tag`'s live holds, or None when no reader holds it."""
+        now, until = time.time() if now is None else now, None
+        for key in self.storage.list(self._k(tag, HOLDS) + "/"):
+            try:
+                t = float(json.loads(self.storage.get_bytes(key))["until"])
+            except FileNotFoundError:
+                continue                       # released meanwhile
+            except (ValueError, KeyError, TypeError):
+                continue                       # unreadable: holds nothing
+            if t > now and (until is None or t > until):
+                until = t
+        return until
+
+    def _rotated_away(self, tag: str) -> bool:
+        """`tag` lost its manifest: retention deleted it (manifest first) -- gone, not damaged."""
+        return not self.storage.exists(self._k(tag, MANIFEST))
+
     # -- reading ------------------------------------------------------------------------------------
     def _tags(self) -> tuple[list[str], set[str], set[str]]:
         """(all tag directories, tags with a manifest, quarantined tags) from one listing."""
@@ -380,21 +430,39 @@ class CheckpointStore:
         """
         candidates = [tag] if tag else self.restore_candidates()
         self.last_quarantined = [] if tag else self.last_quarantined
+        self.last_rotated: list[str] = []
         want = None if ranks is None else {f"rank-{r}/" for r in ranks}
-        for cand in candidates:
-            try:
-                manifest = self.check_listing(cand, want)
-                out = self.download(manifest, local_dir, verify, want)
-            except CheckpointCorrupt as exc:
-                if tag:
-                    raise
-                log.warning("checkpoint %s skipped on restore: %s; falling back to an older one", cand, exc)
-                self.quarantine(cand, str(exc))
-                self.last_quarantined.append((cand, str(exc)))
-                continue
-            if not tag and resume:
-                self.mark_resumed(cand, int(out["step"]))
-            return out
+        relists = 0
+        while True:
+            rotated = False
+            for cand in candidates:
+                held = None if resume else self.hold(cand)     # a reader: keep retention off this tag
+                try:
+                    manifest = self.check_listing(cand, want)
+                    out = self.download(manifest, local_dir, verify, want)
+                except (CheckpointCorrupt, FileNotFoundError) as exc:
+                    if self._rotated_away(cand):
+                        self.last_rotated.append(cand)
+                        if tag:
+                            raise CheckpointCorrupt(f"{cand}: deleted by retention while it was read") from None
+                        log.info("checkpoint %s deleted by retention while it was read; listing again", cand)
+                        rotated = True
+                        break
+                    if tag or isinstance(exc, FileNotFoundError):
+                        raise
+                    log.warning("checkpoint %s skipped on restore: %s; falling back to an older one", cand, exc)
+                    self.quarantine(cand, str(exc))
+                    self.last_quarantined.append((cand, str(exc)))
+                    continue
+                finally:
+                    self.release(held)
+                if not tag and resume:
+                    self.mark_resumed(cand, int(out["step"]))
+                return out
+            if not rotated or relists >= 3:
+                break
+            relists += 1                       # newer tags were committed meanwhile: the newest of those
+            candidates = self.restore_candidates()
         if candidates:
             log.warning("no intact checkpoint among %d committed in %s", len(candidates), self.storage.uri)
         return None
@@ -490,6 +558,11 @@ class CheckpointStore:
         if lineage.head is None:
             return []
         doomed = [t for t in lineage.deletable(self.keep_last) if t in done or t in bad]
+        held = {t: until for t in doomed if (until := self.held_until(t)) is not None}
+        if held:                               # a reader downloads it: deleted by a later cleanup
+            log.info("checkpoint retention keeps %s: held by a reader until %s", sorted(held),
+                     {t: time.strftime("%H:%M:%S", time.localtime(u)) for t, u in held.items()})
+            doomed = [t for t in doomed if t not in held]
         newest = tag_key(lineage.head)
         orphans = [t for t in tags if t not in done and t not in bad and tag_key(t) < newest]
         for tag in doomed:  # manifest first: a half-deleted tag must not look committed
