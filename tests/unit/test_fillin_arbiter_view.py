@@ -112,3 +112,34 @@ def test_a_trial_gives_training_back_the_cpu_beside_its_gpu(tmp_path):
         assert count_workers(free, {"GPU_SLOT": 1, "CPU": 1}, 4) == 3
     finally:
         arb._stop.set()
+
+
+def test_a_node_training_waits_to_grow_onto_is_a_host_while_it_waits():
+    """Autoscaled cluster: n2 came back and training waits for its spares to warm before it grows onto it
+    (train.readiness). Its GPUs are lent meanwhile -- before, fill-in lent only where training already ran
+    and a demo's new node sat idle ~100 s (300 GPU-s) while its spares warmed. A node no longer waited for
+    leaves the hosts by the idle rule; with no training job registered nothing is coming."""
+    from spotfill.fillin.hosts import HostTracker
+    from spotfill.fillin.policy import Snapshot, lendable
+
+    hosts = HostTracker(idle_s=10.0)
+    snap = Snapshot(nodes=(Node("n1", 3, 0), Node("n2", 3, 3)))              # training fills n1; n2 is new
+    assert hosts.update(snap, [], jobs=True, between=False, now=100.0) == {"n1"}
+    assert hosts.update(snap, [], jobs=True, between=False, now=102.0, coming=["n2"]) == {"n1", "n2"}
+    from dataclasses import replace
+    assert lendable(replace(snap, hosts=frozenset({"n1", "n2"}))).get("n2", 0) == 3
+    assert lendable(replace(snap, hosts=frozenset({"n1"}))).get("n2", 0) == 0    # before: nothing lent there
+    assert hosts.update(snap, [], jobs=True, between=False, now=110.0, coming=["n2"]) == {"n1", "n2"}
+    assert hosts.update(snap, [], jobs=True, between=False, now=119.0) == {"n1", "n2"}   # within idle_s
+    assert hosts.update(snap, [], jobs=True, between=False, now=121.0) == {"n1"}         # no longer waited for
+    fresh = HostTracker(idle_s=10.0)
+    assert fresh.update(snap, [], jobs=False, between=False, now=100.0, coming=["n2"]) == set()
+    assert fresh.update(snap, [], jobs=True, between=False, now=101.0, coming=["gone"]) == {"n1"}   # not alive
+
+
+def test_coming_records_run_out():
+    from spotfill.train.arbiter_link import coming_nodes, coming_record
+    recs = [coming_record(["a", "b"], 20.0, now=100.0), coming_record(["c"], 5.0, now=100.0), {"nodes": "x"}]
+    assert coming_nodes(recs, 104.0) == {"a", "b", "c"}
+    assert coming_nodes(recs, 110.0) == {"a", "b"}
+    assert coming_nodes(recs, 121.0) == set()

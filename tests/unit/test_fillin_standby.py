@@ -86,11 +86,18 @@ def test_the_start_event_says_warm_or_cold_and_the_report_sums_them():
     assert [le.get("start_kind") for le in leases] == ["warm", "cold", None]
 
 
-def test_no_standby_is_asked_where_trainings_spares_are_still_warming_up():
+def test_a_standby_waits_only_while_trainings_spares_start_not_while_they_warm_up():
+    """a: a spare began its warm-up 3 s ago (others asked with it may still be starting): no standby yet.
+    d: its spare has warmed for 30 s (started long ago): the standby is asked now -- before, it waited for the
+    whole warm-up. b: ready; c: keep-alive over; e: an older record without a start time."""
     from spotfill.train.readiness import record_key, record_value
-    records = {record_key("job", "a", 1): record_value(None, 500.0), record_key("job", "b", 2): record_value(90.0, 500.0),
-               record_key("job", "c", 3): record_value(None, 50.0)}               # c's keep-alive ran out
-    assert sb.training_warming(records, 100.0) == {"a"}
+    records = {record_key("job", "a", 1): record_value(None, 500.0, since_t=97.0),
+               record_key("job", "b", 2): record_value(90.0, 500.0, since_t=60.0),
+               record_key("job", "c", 3): record_value(None, 50.0, since_t=99.0),       # c's keep-alive ran out
+               record_key("job", "d", 4): record_value(None, 500.0, since_t=70.0),
+               record_key("job", "e", 5): record_value(None, 500.0)}
+    assert sb.training_starting(records, 100.0) == {"a"}
+    assert sb.training_starting(records, 108.0) == set()
 
 
 def test_a_woken_standby_computes_only_on_the_gpus_of_its_lease():

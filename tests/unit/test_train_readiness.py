@@ -30,12 +30,12 @@ def test_a_grow_onto_a_new_node_waits_until_its_spares_are_ready():
     plan = GrowPlanner(bound_s=60.0)
     step = plan.decide(world=2, max_workers=4, fitting_by_node={B: 2}, group={A: 2}, ready={A: 2}, now=0.0)
     assert step.extra == 0 and step.warm == {B: 2}            # asked to warm, no grow yet
-    assert "waiting for warm spares" in step.reason
+    assert "waiting for warm spares" in step.reason and step.waiting_nodes == (B,)   # fill-in lends B meanwhile
     step = plan.decide(2, 4, {B: 2}, {A: 2}, {A: 2, B: 1}, now=5.0)
     assert step.extra == 0 and step.warm == {}                # asked once; half ready is not ready
     step = plan.decide(2, 4, {B: 2}, {A: 2}, {A: 2, B: 2}, now=8.0)
     assert step.extra == 2 and step.warm_nodes == (B,) and step.cold_nodes == ()
-    assert step.ready_wait_s == 8.0
+    assert step.ready_wait_s == 8.0 and step.waiting_nodes == ()
 
 
 def test_a_grow_goes_cold_after_the_bound_and_says_so():
@@ -208,13 +208,18 @@ def test_the_grow_check_warms_a_new_node_through_its_raylet_and_grows_once_it_is
         return True
     monkeypatch.setattr(ray_train, "prestart_workers", prestart)
     ready: dict = {}
+    coming: list = []
+    monkeypatch.setattr(elastic, "announce_coming", lambda run, nodes, ttl: coming.append((run, tuple(nodes))))
     check = elastic.GrowCheck(per, max_workers=4, run_key="t", group={A: 2}, ready=lambda warming=False: dict(ready))
     assert check.extra_workers(2, 0.0) == 0              # B is warming: no grow yet
     assert done.wait(10) and asked == [(B, 2)]
+    assert coming == [("t", (B,))]                       # fill-in may lend B's GPUs while they warm
+    assert check.extra_workers(2, 0.5) == 0 and coming == [("t", (B,))]       # the same set: not written again
     # B runs no training: its spares warm at normal priority (no SCHED_IDLE tokens)
     assert not any(k.startswith("spotfill:spare-token:") for k in store)
     ready.update({A: 2, B: 2})
     assert check.extra_workers(2, 1.0) == 2
+    assert coming[-1] == ("t", ())                       # growing onto it: the record goes
     fields = check.exit_fields()
     assert fields["warm_nodes"] == [B] and fields["cold_nodes"] == [] and fields["ready_wait_s"] >= 0
 

@@ -72,6 +72,7 @@ class Arbiter:
                  self.cluster_kind)
         self.autoscaled, self.launch_nodes = bool(autoscaled), bool(launch_nodes)
         self.records_read_at = 0.0                            # training records in the GCS, last read
+        self.coming: set[str] = set()                         # nodes training waits to grow onto (read then)
         self.idle_reclaim_s = float(idle_reclaim_s)
         self.turn_s, self.turns = float(turn_s), TurnClock()  # fewer units than tenants: turns (fillin/turns.py)
         self.hosts = HostTracker(self.idle_reclaim_s)         # autoscaled: the nodes fill-in may lend on
@@ -278,7 +279,7 @@ class Arbiter:
             between = self.training_gpus == 0 or any(self._still_pending(j) for j in self.jobs)
             self.hosts.update(self._current(hosts=False), [le.node_id for le in before.values()
                                                             if le.lease_id not in current],
-                              jobs=bool(self.jobs), between=between, now=now)
+                              jobs=bool(self.jobs), between=between, now=now, coming=self.coming)
         return self._current()
 
     def _current(self, hosts: bool = True) -> Snapshot:
@@ -327,12 +328,15 @@ class Arbiter:
             return
         self.records_read_at = now
         from spotfill import ray_compat
-        from spotfill.fillin.wiring import TRAINING_KEY, announced_training
+        from spotfill.fillin.wiring import TRAINING_KEY, announced_coming, announced_training
         try:
             records, dead = announced_training(), ray_compat.dead_job_ids()
+            coming = announced_coming(now)
         except Exception as exc:  # noqa: BLE001 - next time
             log.warning("fill-in: training records not read from the GCS: %s", exc)
             return
+        with self.lock:
+            self.coming = coming
         for rec in records:
             name = rec.get("job")
             if not name:

@@ -26,9 +26,12 @@ class HostTracker:
     last_hosts: frozenset[str] = frozenset()
 
     def update(self, snap: Snapshot, ended_on: Iterable[str], *, jobs: bool, between: bool,
-               now: float) -> frozenset[str]:
+               now: float, coming: Iterable[str] = ()) -> frozenset[str]:
         """The hosts now. `ended_on`: nodes where a lease ended since the last snapshot; `jobs`: a training job
-        is registered; `between`: a registered job's group is down or being placed (a restart, a grow).
+        is registered; `between`: a registered job's group is down or being placed (a restart, a grow);
+        `coming`: nodes a registered job waits to grow onto while its spares warm there (a node the
+        autoscaler brought back): training's already, so their GPUs are lent meanwhile -- the window a grow
+        onto ready nodes opens -- and its grow claims them back.
 
         GPUs in use that no lease holds are training's -- except just after a lease on the node ended: Ray's
         resource view still shows the stopped replica's GPU in use for a moment, which must not make the node
@@ -42,6 +45,9 @@ class HostTracker:
                 if row["training"] > 0 and now - self.lease_ended_on.get(node_id, 0.0) > RESOURCE_VIEW_LAG_S:
                     self.training_seen[node_id] = now
                     self.training_anywhere = now
+            for node_id in coming:
+                if node_id in alive:
+                    self.training_seen[node_id] = now
             if between and now - self.training_anywhere <= RESTART_GRACE_S:
                 for node_id in self.training_seen:
                     if node_id in alive:

@@ -17,8 +17,9 @@ worker pool hands it an idle worker of the same job and runtime_env -- the stand
 started (`start_event`: warm or cold, init_s, wake_s). The keeper then starts a new standby on that node.
 Reclaim ends the actor, its process exits, its device memory is gone with it, and only then is the GPU free.
 
-Training comes first: a node where training's spare processes are still warming up gets its standby after
-them (a raylet starts only as many processes at once as its node has CPUs and drops the rest). A node's
+Training comes first: a node where training's spare processes are starting gets its standby after them (a
+raylet starts only as many processes at once as its node has CPUs and drops the rest); it then warms up in
+SCHED_IDLE beside their warm-up, which runs at nice 19 and so goes first. A node's
 standbys hold host memory: a model over the budget (SPOTFILL_STANDBY_HOST_MEMORY_FRACTION of the node's
 memory, 0.25 by default) is not held (one line naming the budget; the actor loads it itself when lent).
 
@@ -40,6 +41,7 @@ REASK_S = 15.0               # a node asked for a standby that never recorded it
 KEEP_ALIVE_S = 3600          # the raylet keeps a prestarted idle process this long (then it may end it)
 RECORD_TTL_S = 3600.0
 CHECK_S = 2.0                # how often a keeper looks at the nodes
+SPARE_START_S = 10.0         # a node's standby waits this long after a training spare there began its warm-up
 BUDGET_ENV = "SPOTFILL_STANDBY_HOST_MEMORY_FRACTION"
 _STANDBY: dict = {}          # this process's standby: {"kind", "owner", "key", "loaded", "record", ...}
 _HOOK: dict = {}             # a process whose setup hook found no token: why (a cold start's event says it)
@@ -78,13 +80,17 @@ def records_by_node(records: dict[str, str | bytes | None], now: float, prefix: 
     return out
 
 
-def training_warming(records: dict[str, str | bytes | None], now: float) -> set[str]:
-    """Nodes where training's spare processes are still warming up (train.readiness records without a
-    ready time): a raylet starts only as many processes at once as its node has CPUs and drops the rest, so
-    a standby waits there until training's spares are up -- training's transitions come first."""
-    from spotfill.train.readiness import ready_by_node
-    ready = ready_by_node(records, now)
-    return {node for node, n in ready_by_node(records, now, warming=True).items() if n > ready.get(node, 0)}
+def training_starting(records: dict[str, str | bytes | None], now: float,
+                      within_s: float = SPARE_START_S) -> set[str]:
+    """Nodes where training's spare processes are starting (train.readiness records: a spare began its warm-up
+    less than `within_s` ago, so those asked with it may still be starting): a raylet starts only as many
+    processes at once as its node has CPUs and drops the rest, so a standby is asked there after them --
+    training's transitions come first. Once they started, a standby warms beside them in SCHED_IDLE, behind
+    their nice-19 warm-up: it waited for their whole warm-up before, and a node training was moving onto
+    (its spares re-warming after each restart) had no standby for minutes -- every lend there a cold start
+    (demo: batch started cold 1-3 times and warm never)."""
+    from spotfill.train.readiness import starting_nodes
+    return starting_nodes(records, now, within_s)
 
 
 def fits_budget(model_bytes: int, node_bytes: int, fraction: float) -> tuple[bool, str]:
@@ -318,7 +324,7 @@ class Keeper:
         keys = kv_list(f"{self.record_prefix}{self.owner}:")
         have = records_by_node({k: kv_get(k) for k in keys}, now, self.record_prefix)
         from spotfill.train.readiness import RECORD_PREFIX as SPARES
-        for node in training_warming({k: kv_get(k) for k in kv_list(SPARES)}, now):
+        for node in training_starting({k: kv_get(k) for k in kv_list(SPARES)}, now):
             nodes.pop(node, None)                   # training's spares start first there
         asks = standby_asks(nodes, have, self.asked, now, self.per_node)
         for node, n in asks.items():

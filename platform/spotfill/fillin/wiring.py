@@ -82,6 +82,20 @@ def announced_training() -> list[dict]:
     return out
 
 
+def announced_coming(now: float) -> set[str]:
+    """The nodes training runs wait to grow onto (train.arbiter_link.announce_coming), whose time has not run
+    out."""
+    from spotfill import ray_compat
+    from spotfill.train.arbiter_link import COMING_KEY, coming_nodes
+    records = []
+    for key in ray_compat.kv_list(COMING_KEY):
+        try:
+            records.append(json.loads(ray_compat.kv_get(key)))
+        except (TypeError, ValueError):
+            continue
+    return coming_nodes(records, now)
+
+
 # -- Serve tenants ----------------------------------------------------------------------------------------
 def register_serve_app(app: str, deployment: str, *, gpu_resource: str = "GPU", max_replicas: int = 4,
                        grace_s: float = 3.0, gpus_per_replica: int = 1, dashboard_url: str = "",

@@ -9,6 +9,9 @@ both defined here, so no training module imports fill-in:
     announce_training(...)   a training job that fill-in must never take GPUs from: recorded under TRAINING_KEY
                              (an arbiter started later reads it) and told to a running arbiter
     withdraw_training(name)  the job is done
+    announce_coming(...)     nodes new to the run that training waits to grow onto (its spares warm there):
+                             recorded under COMING_KEY for a short while, so an autoscaled cluster's fill-in
+                             lends their GPUs meanwhile (fillin/hosts.py) -- training's grow claims them back
     fillin_reclaimable()     GPUs per node lent to fill-in, which training's claim takes back (restart sizing)
     LeaseForwarder           copies the arbiter's journal (fillin/journal.py) into a run's events.jsonl, so the
                              run's GPU-seconds ledger counts fill-in and its harvest ratio
@@ -28,6 +31,7 @@ log = logging.getLogger("spotfill.train.arbiter_link")
 ARBITER_NAME = "spotfill-arbiter"
 NAMESPACE = "spotfill"
 TRAINING_KEY = "fillin/training/"          # GCS KV (namespace spotfill): one record per announced training job
+COMING_KEY = "fillin/coming/"              # GCS KV: nodes a run waits to grow onto, {"nodes", "t", "until_t"}
 
 
 def get_arbiter():
@@ -79,6 +83,36 @@ def withdraw_training(name: str) -> None:
     except Exception as exc:  # noqa: BLE001
         log.warning("fill-in: training job %s not withdrawn (%s); the arbiter drops it once its driver is gone",
                     name, exc)
+
+
+def coming_record(nodes, ttl_s: float, now: float | None = None) -> dict:
+    now = time.time() if now is None else now
+    return {"nodes": sorted(nodes), "t": round(now, 3), "until_t": round(now + ttl_s, 3)}
+
+
+def coming_nodes(records: list[dict], now: float) -> set[str]:
+    """The nodes of `records` (coming_record values) whose time has not run out."""
+    out: set[str] = set()
+    for rec in records:
+        try:
+            if float(rec["until_t"]) > now:
+                out.update(str(n) for n in rec["nodes"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def announce_coming(run: str, nodes, ttl_s: float) -> None:
+    """Rank 0 of run `run` waits to grow onto `nodes` (new to the run; its spares warm there): fill-in may lend
+    their GPUs until then (the record lasts `ttl_s`, renewed by each resize check while it waits). No nodes:
+    the record goes. Never raises."""
+    try:
+        if nodes:
+            ray_compat.kv_put(COMING_KEY + run, json.dumps(coming_record(nodes, ttl_s)))
+        else:
+            ray_compat.kv_del(COMING_KEY + run)
+    except Exception as exc:  # noqa: BLE001 - fill-in never stops training
+        log.info("fill-in: the nodes training waits for not announced (%s); they are lent after it grows", exc)
 
 
 def fillin_reclaimable() -> dict[str, dict[str, float]]:

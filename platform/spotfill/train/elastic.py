@@ -25,7 +25,7 @@ from spotfill.config import constants
 from spotfill.ray_compat import (ElasticScalingPolicy, available_resources_per_node, draining_node_ids,
                                  kv_get, kv_list, kv_put, node_label_selector, usable, use_spotfill_controller)
 from spotfill.spot.early_warning import without_warned
-from spotfill.train.arbiter_link import fillin_reclaimable
+from spotfill.train.arbiter_link import announce_coming, fillin_reclaimable
 from spotfill.train.capacity import (GrowDecision, GrowGate, NodeCapacity, capacity_state, count_workers,
                                      free_resources, reachable, workers_by_node)
 from spotfill.config.pipe_layout import round_to_replicas
@@ -109,6 +109,9 @@ def node_memory_bytes(node_id: str) -> int:
     return int(res.get("memory", 0) + res.get("object_store_memory", 0))
 
 
+COMING_TTL_S = 20.0     # how long fill-in counts a node training waits for as training's (renewed meanwhile)
+
+
 class GrowCheck:
     """Rank 0's periodic question during training: how many more workers would fit in free capacity now,
     on nodes that can take them warm?
@@ -130,6 +133,8 @@ class GrowCheck:
         self._warm, self._ready = (warm if spares > 0 else None), (ready if spares > 0 else (lambda **_: {}))
         self.last: GrowDecision | None = None
         self.step: GrowStep | None = None       # the readiness decision behind the last grow
+        self._run_key = run_key
+        self._coming: tuple[tuple, float] = ((), 0.0)    # the nodes last announced as coming, and when
 
     def extra_workers(self, world: int, now: float) -> int:
         """Workers beyond `world` that the free capacity of schedulable nodes holds warm (0 when none, when
@@ -144,6 +149,7 @@ class GrowCheck:
         for node, count in step.warm.items():
             if self._warm is not None:
                 self._warm(node, count, node in self.group)
+        self._announce_coming(() if step.extra else step.waiting_nodes, now)
         if not step.extra:
             self.last = GrowDecision(0, step.reason)
             return 0
@@ -154,6 +160,16 @@ class GrowCheck:
             self._save(gate.tried)
             log.info("grow check: %s (%s)", self.last.reason, step.reason)
         return self.last.extra
+
+    def _announce_coming(self, nodes: tuple, now: float) -> None:
+        """The new nodes this run waits to grow onto, for fill-in (train.arbiter_link.announce_coming): an
+        autoscaled cluster's fill-in lends their GPUs while the spares warm (the grow claims them back).
+        Written when the set changes and renewed before its time runs out."""
+        last, at = self._coming
+        if tuple(sorted(nodes)) == last and (not nodes or now - at < COMING_TTL_S / 2):
+            return
+        self._coming = (tuple(sorted(nodes)), now)
+        announce_coming(self._run_key or _train_run_name(), nodes, COMING_TTL_S)
 
     _told: str | None = None
 

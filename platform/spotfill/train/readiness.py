@@ -46,11 +46,33 @@ def record_key(job_id: str, node_id: str, pid: int) -> str:
     return f"{record_prefix(job_id, node_id)}{int(pid)}"
 
 
-def record_value(ready_t: float | None, until_t: float, idle: bool | None = None) -> str:
+def record_value(ready_t: float | None, until_t: float, idle: bool | None = None,
+                 since_t: float | None = None) -> str:
     """A record's value: when the spare became ready (None: still warming up), until when its keep-alive
-    holds it idle, and whether it warms up in SCHED_IDLE (on CPU time nothing else on its node wanted)."""
+    holds it idle, whether it warms up in SCHED_IDLE (on CPU time nothing else on its node wanted), and
+    since when its process runs its warm-up (`since_t`: it started and registered with its raylet then)."""
     return json.dumps({"ready_t": None if ready_t is None else round(ready_t, 3), "until_t": round(until_t, 3),
-                       "idle": idle})
+                       "idle": idle, "since_t": None if since_t is None else round(since_t, 3)})
+
+
+def starting_nodes(records: dict[str, str | bytes | None], now: float, within_s: float) -> set[str]:
+    """Nodes where a spare of these records began its warm-up less than `within_s` ago: spares asked with it
+    may still be starting there (a raylet starts at most as many processes at once as its node has CPUs and
+    drops the rest, so other processes asked there now could push them out). A spare that began longer ago
+    has started; its warm-up no longer competes for a start."""
+    out: set[str] = set()
+    for key, raw in records.items():
+        node = node_of(key)
+        if node is None or raw is None:
+            continue
+        try:
+            value = json.loads(raw)
+            until, since = float(value["until_t"]), value.get("since_t")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if until > now and value.get("ready_t") is None and since is not None and now - float(since) < within_s:
+            out.add(node)
+    return out
 
 
 def node_of(key: str) -> str | None:
@@ -87,6 +109,7 @@ class GrowStep:
     ready_wait_s: float | None = None       # a grow onto new nodes: how long it waited for them
     cold_nodes: tuple = ()                  # nodes it grows onto without ready spares (bound passed)
     warm_nodes: tuple = ()                  # nodes new to the run it grows onto warm
+    waiting_nodes: tuple = ()               # nodes new to the run it waits for (their spares warm up)
 
 
 @dataclass
@@ -120,6 +143,7 @@ class GrowPlanner:
                 self.last_ask.pop(node, None)
         warm_ask: dict[str, int] = {}
         counted, cold, warm_new, waited, waiting, own_waiting = 0, [], [], [], [], False
+        new_waiting: list[str] = []
         room = max(0, max_workers - world)             # workers the grow can add at most
         # the group's own nodes first, then the nodes with the most spares ready: the room goes to them
         order = sorted(set(fitting_by_node) | set(group),
@@ -156,6 +180,7 @@ class GrowPlanner:
             else:
                 waiting.append(f"{short(node)} ({have}/{need} {'spares' if own else 'ready'})")
                 own_waiting = own_waiting or own > 0
+                new_waiting += [node] if n and not own else []
         if own_waiting:
             counted = 0             # the group's own nodes not warm yet: a grow now would restart them cold
         fitting = min(max_workers, world + counted)
@@ -170,9 +195,10 @@ class GrowPlanner:
             if waiting:
                 why.append(f"still warming: {', '.join(waiting)}")
             return GrowStep(extra, "; ".join(why), warm_ask, round(max(waited), 3) if waited else None,
-                            tuple(cold), tuple(warm_new))
+                            tuple(cold), tuple(warm_new), tuple(new_waiting))
         if waiting and any(fitting_by_node.get(n, 0) > 0 for n in fitting_by_node):
-            return GrowStep(0, f"waiting for warm spares: {', '.join(waiting)}", warm_ask)
+            return GrowStep(0, f"waiting for warm spares: {', '.join(waiting)}", warm_ask,
+                            waiting_nodes=tuple(new_waiting))
         return GrowStep(0, f"no free capacity for more than {world} workers", warm_ask)
 
 

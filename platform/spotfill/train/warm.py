@@ -132,8 +132,9 @@ def _record(ready: bool) -> None:
         from spotfill.ray_compat import kv_put
         from spotfill.train.readiness import record_value
         now = time.time()
+        since = marks.get("warm_hook_t", now)                 # the warm-up began (the process registered)
         kv_put(_record_key(), record_value(now if ready else None, now + constants.WARM_SPARE_KEEP_ALIVE_S,
-                                           marks.get("warm_idle")))
+                                           marks.get("warm_idle"), since_t=since))
     except Exception:  # noqa: BLE001 -- unrecorded: this node counts as cold, as without readiness
         pass
 
