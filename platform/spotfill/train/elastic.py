@@ -109,7 +109,7 @@ def node_memory_bytes(node_id: str) -> int:
     return int(res.get("memory", 0) + res.get("object_store_memory", 0))
 
 
-COMING_TTL_S = 20.0     # how long fill-in counts a node training waits for as training's (renewed meanwhile)
+COMING_TTL_S = 20.0     # at least this long fill-in counts a node training waits for as training's (renewed)
 
 
 class GrowCheck:
@@ -123,7 +123,8 @@ class GrowCheck:
     key-value store under the run's name, since every grow restarts the worker processes."""
 
     def __init__(self, per_worker: dict[str, float], max_workers: int, run_key: str | None = None,
-                 multiple: int = 1, group: dict | None = None, warm=warm_node, ready=ready_spares):
+                 multiple: int = 1, group: dict | None = None, warm=warm_node, ready=ready_spares,
+                 check_every_s: float = 1.0):
         self.per_worker, self.max_workers, self.multiple = per_worker, max_workers, multiple
         self._key = f"spotfill:grow-tried:{run_key or _train_run_name()}"
         self.group = dict(group or {})           # this group's workers per node
@@ -135,6 +136,7 @@ class GrowCheck:
         self.step: GrowStep | None = None       # the readiness decision behind the last grow
         self._run_key = run_key
         self._coming: tuple[tuple, float] = ((), 0.0)    # the nodes last announced as coming, and when
+        self._coming_ttl_s = max(COMING_TTL_S, 3 * check_every_s)     # outlives the checks that renew it
 
     def extra_workers(self, world: int, now: float) -> int:
         """Workers beyond `world` that the free capacity of schedulable nodes holds warm (0 when none, when
@@ -166,10 +168,10 @@ class GrowCheck:
         autoscaled cluster's fill-in lends their GPUs while the spares warm (the grow claims them back).
         Written when the set changes and renewed before its time runs out."""
         last, at = self._coming
-        if tuple(sorted(nodes)) == last and (not nodes or now - at < COMING_TTL_S / 2):
+        if tuple(sorted(nodes)) == last and (not nodes or now - at < self._coming_ttl_s / 2):
             return
         self._coming = (tuple(sorted(nodes)), now)
-        announce_coming(self._run_key or _train_run_name(), nodes, COMING_TTL_S)
+        announce_coming(self._run_key or _train_run_name(), nodes, self._coming_ttl_s)
 
     _told: str | None = None
 

@@ -441,7 +441,7 @@ class _Executor:
             from spotfill.train.elastic import GrowCheck
             self._grow = GrowCheck({job.cluster.gpu_resource: job.cluster.gpus_per_worker,
                                     "CPU": job.cluster.cpus_per_worker}, t.max_workers,
-                                   multiple=t.pipeline_stages, group=group)
+                                   multiple=t.pipeline_stages, group=group, check_every_s=t.resize_check_s)
         self._grow_every, self._last_grow = t.resize_check_s, time.monotonic()
         self._steps: list[dict] = []
         self._steps_sent = time.monotonic()
