@@ -94,6 +94,21 @@ def test_gpus_held_for_a_group_pinned_to_its_warm_node_are_held_there_not_on_a_f
     assert lendable(unpinned).get("a", 0) == 1 and lendable(unpinned).get("c", 0) == 0
 
 
+def test_every_free_gpu_of_a_pinned_groups_nodes_is_held_until_the_group_is_placed():
+    """A grow pinned to a and b claimed 1 GPU more than it runs (4 workers, 3 running on b). Ray packs the
+    4 bundles onto a and b as it likes -- 2 may land on a -- so a's 3 free GPUs are all held until the
+    group is placed (its GPUs taken, pending 0); then a's rest is lent. Before, 2 of a's were lent, Ray took
+    one of them for training, and the batch unit lent it waited 30 s and was refused (a demo, 6 times)."""
+    job = TrainingJob("j", 1, 4, current_workers=3, pending_gpus=1, pending_nodes=("a", "b"))
+    snap = Snapshot((Node("a", 3, 3), Node("b", 3, 0), Node("c", 3, 3)), (job,))
+    assert lendable(snap).get("a", 0) == 0
+    placed = Snapshot((Node("a", 3, 1), Node("b", 3, 1), Node("c", 3, 3)),
+                      (replace(job, current_workers=4, pending_gpus=0),))
+    assert lendable(placed).get("a", 0) == 1 and lendable(placed).get("b", 0) == 1
+    unpinned = Snapshot(snap.nodes, (replace(job, pending_nodes=()),))
+    assert lendable(unpinned).get("a", 0) + lendable(unpinned).get("c", 0) == 4   # the claimed GPU + headroom
+
+
 def test_claim_counts_whole_workers_and_skips_useless_reclaims():
     # 2 GPUs per worker: reclaiming one lease on node b (whose other GPU is training's) frees no worker
     leases = (lease("a1", "serve", "a", at=3), lease("b1", "serve", "b", at=2), lease("a2", "serve", "a", at=1))

@@ -136,10 +136,13 @@ def reserved_for_training(snap: Snapshot) -> tuple[dict[str, int], list[str]]:
         pending = job.pending_gpus
         pinned = set(job.pending_nodes)       # a group pinned to its warm nodes takes its GPUs there: held
         for node_id in sorted(left, key=lambda k: (k not in pinned, -left[k], k)):   # there, not elsewhere
-            take = min(pending, left[node_id])
+            # until the pinned group is placed, every free GPU of its nodes is held: Ray packs its bundles
+            # onto those nodes as it likes, and a GPU lent there meanwhile may be one it takes (a demo's batch
+            # unit, lent a GPU of a pinned node, waited 30 s for it and was refused; the lease thrashed 6 times)
+            take = left[node_id] if (pending and node_id in pinned) else min(pending, left[node_id])
             reserved[node_id] += take
             left[node_id] -= take
-            pending -= take
+            pending = max(0, pending - take)
         if job.pending_gpus:
             why.append(f"{job.job} claimed {job.pending_gpus} GPU(s) its group has not taken yet")
         need = max(0, job.max_workers - job.running)
