@@ -132,3 +132,58 @@ def test_take_refuses_to_wake_a_standby_on_a_device_other_than_its_lease(monkeyp
     monkeypatch.setattr(sb, "cuda_initialised", lambda: True)
     with pytest.raises(RuntimeError, match="initialised"):
         sb.take("batch", "j", "k")
+
+
+def test_a_standby_warms_up_at_nice_19_not_in_sched_idle(monkeypatch):
+    """The injected fault this guards is the old class: in SCHED_IDLE a standby on a node whose CPUs training
+    keeps busy never finished its warm-up, and the lent actor Ray handed its process waited in
+    PENDING_CREATION until the arbiter gave up (a demo: 30 s, six times). At nice 19 it gets a bounded share.
+    `idle` (SPOTFILL_STANDBY_WARM_CLASS) keeps SCHED_IDLE where CPU is plentiful. The standby runs on a
+    thread of this process: the class is the calling thread's, and put back after the warm-up."""
+    import json
+    import os
+    import threading
+    import time
+
+    import ray
+
+    from spotfill.config import constants
+    from spotfill.train.spares import _nice_round_trip_allowed
+
+    if not _nice_round_trip_allowed(os.getpriority(os.PRIO_PROCESS, 0)):
+        import pytest
+        pytest.skip("this user may not raise a thread's priority back (no CAP_SYS_NICE)")
+
+    class Ctx:
+        def get_node_id(self):
+            return "n1"
+
+    def run(cls: str) -> dict:
+        store = {f"tok/own:n1:{time.time():.3f}:abcd": json.dumps({"owner": "own"})}
+        kv = (store.get, store.__setitem__, lambda p: [k for k in store if k.startswith(p)],
+              lambda k: 1 if store.pop(k, None) is not None else 0)
+        monkeypatch.setattr(sb, "_kv", lambda: kv)
+        monkeypatch.setattr(sb, "_STANDBY", {})
+        monkeypatch.setattr(ray, "get_runtime_context", lambda: Ctx())
+        monkeypatch.setattr(constants, "STANDBY_WARM_CLASS", cls)
+        seen: dict = {}
+
+        def warm(args):
+            tid = threading.get_native_id()
+            seen.update(nice=os.getpriority(os.PRIO_PROCESS, tid), idle=os.sched_getscheduler(0) == os.SCHED_IDLE,
+                        owner=args["owner"])
+
+        def body():
+            before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            sb.start("batch", "tok/", "rec/", warm)
+            seen.update(after=os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before,
+                        after_idle=os.sched_getscheduler(0) == os.SCHED_IDLE)
+        t = threading.Thread(target=body)
+        t.start()
+        t.join(30)
+        return {**seen, "class": sb._STANDBY.get("warm_class")}
+
+    low = run("low")
+    assert low == {"nice": 19, "idle": False, "owner": "own", "after": True, "after_idle": False, "class": "low"}
+    idle = run("idle")
+    assert idle["idle"] is True and idle["class"] == "idle" and idle["after_idle"] is False

@@ -70,7 +70,8 @@ def start() -> None:
     watcher = start_wake_watcher(group, constants.SPARE_WAKE_POLL_S,
                                  nice=os.getpriority(os.PRIO_PROCESS, 0) if low else None) if group else None
     with (low_while if low else idle_while)(spare) as held:
-        marks["warm_idle"] = held not in (None, False)     # idle_while yields a bool, low_while the nice or None
+        # idle_while yields a bool, low_while the nice it had (0 too: `in (None, False)` took 0 for False) or None
+        marks["warm_idle"] = held is not None and held is not False
         marks["warm_class"] = ("low" if low else "idle") if marks["warm_idle"] else "normal"
         if not marks["warm_idle"]:
             watcher = end_wake_watcher(watcher) and None
