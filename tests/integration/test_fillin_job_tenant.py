@@ -119,6 +119,37 @@ def test_a_yielding_job_tenant_gets_spare_gpus_and_hands_them_back_on_a_claim(en
     assert not any(t["tenant"] == "batch:evaluate" for t in arbiter_status(env)["tenants"])
 
 
+def test_a_unit_whose_constructor_runs_is_seen_as_the_tenants_lease(env):
+    """A batch unit's actor holds its GPU from the moment Ray hands it a process; while its constructor runs
+    (a cold start, or a standby still warming) Ray's state API gives it no node (PENDING_CREATION, node_id
+    None, pid set). Before, the arbiter did not see it -- its GPU counted as training's and the unit as
+    "not placed" -- and gave it up after 30 s (a demo: six times). Now its node comes from its process."""
+    import ray
+    from ray.util.state import list_actors
+
+    from spotfill.fillin.grant import ArbiterGrant
+
+    grant, actor = ArbiterGrant("batch", "constructing", max_units=1, grace_s=3.0, arbiter=env["arbiter"]), None
+    try:
+        assert grant.wait(1, timeout=30) == 1
+
+        @ray.remote(num_cpus=0, num_gpus=1)
+        class SlowStart:
+            def __init__(self):
+                time.sleep(60)             # a warm-up that has not ended
+
+        actor = SlowStart.remote()
+        rows = wait_for(lambda: [a for a in list_actors(detail=True)        # its class name is qualified
+                                 if a.class_name.endswith(".SlowStart") and a.pid] or None, 60, "the actor's process")
+        assert rows[0].state == "PENDING_CREATION" and rows[0].node_id is None, rows   # what Ray says of it
+        held = wait_for(lambda: leases_of(env, "batch:constructing") or None, 20, "the constructing unit's lease")
+        assert len(held) == 1 and held[0]["lease_id"] == rows[0].actor_id, held
+    finally:
+        if actor is not None:
+            ray.kill(actor)
+        grant.close()
+
+
 def test_a_job_tenant_that_does_not_yield_is_stopped_after_its_grace(env):
     import ray
 

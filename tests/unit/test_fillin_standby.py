@@ -187,3 +187,15 @@ def test_a_standby_warms_up_at_nice_19_not_in_sched_idle(monkeypatch):
     assert low == {"nice": 19, "idle": False, "owner": "own", "after": True, "after_idle": False, "class": "low"}
     idle = run("idle")
     assert idle["idle"] is True and idle["class"] == "idle" and idle["after_idle"] is False
+
+
+def test_a_constructing_actor_is_placed_on_the_node_of_its_process():
+    from types import SimpleNamespace as A
+
+    from spotfill.fillin.job_tenant import constructing_nodes
+    actors = [A(actor_id="a1", state="PENDING_CREATION", node_id=None, pid=11),    # constructor runs
+              A(actor_id="a2", state="PENDING_CREATION", node_id=None, pid=0),     # waits for resources
+              A(actor_id="a3", state="ALIVE", node_id="n2", pid=12),
+              A(actor_id="a4", state="PENDING_CREATION", node_id=None, pid=13)]    # pid on two nodes
+    workers = [A(pid=11, node_id="n1"), A(pid=12, node_id="n2"), A(pid=13, node_id="n1"), A(pid=13, node_id="n3")]
+    assert constructing_nodes(actors, workers) == {"a1": "n1"}

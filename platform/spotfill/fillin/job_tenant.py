@@ -10,7 +10,11 @@ the arbiter kills the holders it marked (`force_release`), and the reclaim is re
 What a job tenant holds is read from Ray's public state API, so it survives an arbiter restart like Serve's
 leases do: every GPU bundle of a placement group the job created (Tune's trial groups), and every live actor
 of the job that asked for the GPU resource outside a placement group (Ray Data's actor pool). One Holding
-per unit; its key (lease id) is the actor id, or `<placement group id>:<bundle index>`.
+per unit; its key (lease id) is the actor id, or `<placement group id>:<bundle index>`. An actor whose
+constructor runs holds its GPU already, but Ray's state API gives it no node (PENDING_CREATION: node_id None,
+its process's pid set): its node is the one of the live worker with that pid (`constructing_nodes`).
+Unseen, its GPU looked like training's, and the unit "not placed" -- a demo's batch unit constructing on a
+warming standby was given up after 30 s, again and again.
 """
 from __future__ import annotations
 
@@ -114,12 +118,18 @@ class JobTenant:
                     out.append(self._holding(bundle["node_id"], gpus, f"{pg.placement_group_id}:{i}"))
         actors = list_actors(filters=[("job_id", "=", self.spec.job_id)], detail=True, limit=10000,
                              raise_on_missing_output=False)
+        nodes = {}
+        if any(_constructing(a) for a in actors):
+            from ray.util.state import list_workers
+            nodes = constructing_nodes(actors, list_workers(filters=[("is_alive", "=", True)], limit=10000,
+                                                             raise_on_missing_output=False))
         for a in actors:
-            if a.state not in LIVE_ACTOR or not a.node_id or a.placement_group_id:
+            node_id = a.node_id or nodes.get(a.actor_id)
+            if a.state not in LIVE_ACTOR or not node_id or a.placement_group_id:
                 continue
             gpus = int((a.required_resources or {}).get(res, 0) + 1e-9)
             if gpus:
-                out.append(self._holding(a.node_id, gpus, a.actor_id))
+                out.append(self._holding(node_id, gpus, a.actor_id))
         return out
 
     def _holding(self, node_id: str, gpus: int, key: str) -> Holding:
@@ -160,6 +170,27 @@ class JobTenant:
             raise LookupError(f"driver node {info.node_ip_address} of job {self.spec.job_id} not found")
         ray.get(_kill_pid_task().options(scheduling_strategy=_on_node(node)).remote(int(info.pid)), timeout=30)
         return f"killed driver pid {info.pid} on {info.node_ip_address}"
+
+
+def _constructing(actor) -> bool:
+    """An actor whose constructor runs in a leased worker: PENDING_CREATION with a process, no node yet."""
+    return actor.state == "PENDING_CREATION" and not actor.node_id and bool(actor.pid)
+
+
+def constructing_nodes(actors, workers) -> dict[str, str]:
+    """actor id -> node of each constructing actor (`_constructing`), from the live workers (Ray's state API
+    rows: pid, node_id): the node of the one live worker with its pid. A pid two nodes share (real nodes
+    number their processes apart) says nothing: that actor stays unseen, as before."""
+    by_pid: dict[int, set] = {}
+    for w in workers:
+        if getattr(w, "pid", None) and getattr(w, "node_id", None):
+            by_pid.setdefault(int(w.pid), set()).add(w.node_id)
+    out = {}
+    for a in actors:
+        found = by_pid.get(int(a.pid or 0), set()) if _constructing(a) else set()
+        if len(found) == 1:
+            out[a.actor_id] = next(iter(found))
+    return out
 
 
 def _on_node(node_id: str):
