@@ -194,7 +194,7 @@ WARM_SPARE_MEMORY_FRACTION = env_float("SPOTFILL_WARM_SPARE_MEMORY_FRACTION", 0.
 SPARE_WARM_CLASS = env_choice("SPOTFILL_SPARE_WARM_CLASS", "low", ("low", "idle"))
 # A fill-in tenant's standby (fillin/standby.py) warms up the same way: `low` (nice 19, a bounded share of
 # CPUs training saturates) or `idle` (SCHED_IDLE). Its tenant's work itself stays at fill-in's priority.
-STANDBY_WARM_CLASS = env_choice("SPOTFILL_STANDBY_WARM_CLASS", "low", ("low", "idle"))
+STANDBY_WARM_CLASS = env_choice("SPOTFILL_STANDBY_WARM_CLASS", "idle", ("idle", "low"))
 # Its wake watcher looks this often (s) whether a training worker of its node is gone (train.spares).
 SPARE_WAKE_POLL_S = env_float("SPOTFILL_SPARE_WAKE_POLL_S", 0.2, strict=True)
 # spotfill runs: rank 0 reads the drains of its group's nodes from the GCS this often (s), from the moment the
