@@ -5,8 +5,8 @@ A standby is a Ray worker process started BEFORE any lend, on each node whose GP
 and runtime_env of the tenant's GPU actors: a keeper (`Keeper`, a thread of a process that has exactly that
 runtime_env: Serve's Ingress replica, a batch job's keeper actor) leaves a token in the GCS key-value store
 and asks the node's raylet to prestart a worker (ray_compat.prestart_workers). The process's setup hook (Ray's
-worker_process_setup_hook: the kind's `start`) claims the token and -- at nice 19, a bounded share of CPUs
-training saturates (SPOTFILL_STANDBY_WARM_CLASS=idle: SCHED_IDLE) -- imports what the tenant's actor imports
+worker_process_setup_hook: the kind's `start`) claims the token and -- in SCHED_IDLE, on CPU time training
+leaves (SPOTFILL_STANDBY_WARM_CLASS=low: nice 19, a bounded share of it) -- imports what the tenant's actor imports
 and loads the model into host memory (the CPU, fp32), holding no GPU and never touching CUDA: Ray sets the
 process's CUDA_VISIBLE_DEVICES for the GPU it assigns when an actor lands on it, and CUDA initialised before
 that would see the wrong devices. Its state is a record
@@ -20,7 +20,7 @@ Reclaim ends the actor, its process exits, its device memory is gone with it, an
 
 Training comes first: a node where training's spare processes are starting gets its standby after them (a
 raylet starts only as many processes at once as its node has CPUs and drops the rest); it then warms up beside
-them, at their priority. A node's
+them, below their priority. A node's
 standbys hold host memory: a model over the budget (SPOTFILL_STANDBY_HOST_MEMORY_FRACTION of the node's
 memory, 0.25 by default) is not held (one line naming the budget; the actor loads it itself when lent).
 
@@ -228,10 +228,9 @@ def start(kind: str, token_prefix: str, record_prefix: str, warm, owner_of_proce
     from spotfill.config import constants
     from spotfill.train.spares import idle_while, low_while
     low = constants.STANDBY_WARM_CLASS == "low"
-    # nice 19 by default: a bounded share of CPUs training saturates. In SCHED_IDLE (`idle`) a standby on a
-    # node whose CPUs training keeps busy never finished its warm-up -- and a lent actor Ray handed its process
-    # waited for it: a demo's batch unit sat in PENDING_CREATION on its standby until the arbiter gave up
-    # (30 s), six times over
+    # SCHED_IDLE by default: training first. On a node whose CPUs training keeps busy its warm-up then crawls,
+    # and a lent actor Ray hands its process waits for it (PENDING_CREATION: the arbiter sees it as held,
+    # fillin/job_tenant.constructing_nodes). `low` (nice 19) warms it sooner, at a bounded cost to the steps
     with (low_while(True) if low else idle_while(True)) as held:
         _STANDBY["idle"] = held is not None and held is not False    # low_while yields the nice (0 too)
         _STANDBY["warm_class"] = ("low" if low else "idle") if _STANDBY["idle"] else "normal"
