@@ -134,12 +134,11 @@ def test_take_refuses_to_wake_a_standby_on_a_device_other_than_its_lease(monkeyp
         sb.take("batch", "j", "k")
 
 
-def test_a_standby_warms_up_at_nice_19_not_in_sched_idle(monkeypatch):
-    """The injected fault this guards is the old class: in SCHED_IDLE a standby on a node whose CPUs training
-    keeps busy never finished its warm-up, and the lent actor Ray handed its process waited in
-    PENDING_CREATION until the arbiter gave up (a demo: 30 s, six times). At nice 19 it gets a bounded share.
-    `idle` (SPOTFILL_STANDBY_WARM_CLASS) keeps SCHED_IDLE where CPU is plentiful. The standby runs on a
-    thread of this process: the class is the calling thread's, and put back after the warm-up."""
+def test_a_standby_warms_up_in_the_class_it_is_set_to(monkeypatch):
+    """SPOTFILL_STANDBY_WARM_CLASS is what the warm-up runs in: `low` at nice 19 in the normal class (a
+    bounded share of CPUs training saturates), `idle` (the default) in SCHED_IDLE -- and either is put back
+    after the warm-up (a nice of 0 before it once read as "not lowered"). The standby runs on a thread of
+    this process: the class is the calling thread's."""
     import json
     import os
     import threading
