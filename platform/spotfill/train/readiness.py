@@ -60,19 +60,26 @@ def starting_nodes(records: dict[str, str | bytes | None], now: float, within_s:
     may still be starting there (a raylet starts at most as many processes at once as its node has CPUs and
     drops the rest, so other processes asked there now could push them out). A spare that began longer ago
     has started; its warm-up no longer competes for a start."""
-    out: set[str] = set()
+    def began_within(value: dict) -> bool:
+        try:
+            return now - float(value["since_t"]) < within_s
+        except (KeyError, TypeError, ValueError):        # no start time (an older record): started long ago
+            return False
+    return {node for node, value in _live(records, now) if value.get("ready_t") is None and began_within(value)}
+
+
+def _live(records: dict[str, str | bytes | None], now: float):
+    """(node, value) of each readable record whose keep-alive has not run out (an unreadable one: none)."""
     for key, raw in records.items():
         node = node_of(key)
         if node is None or raw is None:
             continue
         try:
             value = json.loads(raw)
-            until, since = float(value["until_t"]), value.get("since_t")
+            if float(value["until_t"]) > now:
+                yield node, value
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
-        if until > now and value.get("ready_t") is None and since is not None and now - float(since) < within_s:
-            out.add(node)
-    return out
 
 
 def node_of(key: str) -> str | None:
@@ -86,16 +93,8 @@ def ready_by_node(records: dict[str, str | bytes | None], now: float, warming: b
     `warming` those still warming up too. A value that cannot be read counts as no spare (a warm grow is an
     optimisation; a wrong count must not make one)."""
     out: dict[str, int] = {}
-    for key, raw in records.items():
-        node = node_of(key)
-        if node is None or raw is None:
-            continue
-        try:
-            value = json.loads(raw)
-            until, ready = float(value["until_t"]), value.get("ready_t")
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
-        if until > now and (warming or ready is not None):
+    for node, value in _live(records, now):
+        if warming or value.get("ready_t") is not None:
             out[node] = out.get(node, 0) + 1
     return out
 
