@@ -335,8 +335,7 @@ class Arbiter:
         except Exception as exc:  # noqa: BLE001 - next time
             log.warning("fill-in: training records not read from the GCS: %s", exc)
             return
-        with self.lock:
-            self.coming = coming
+        self.coming = coming                       # one reference swapped: the tick reads it whole
         for rec in records:
             name = rec.get("job")
             if not name:

@@ -69,31 +69,28 @@ def arbiter(gpu_resource: str = "GPU", *, order: tuple[str, ...] = DEFAULT_ORDER
 
 
 # -- training jobs ----------------------------------------------------------------------------------------
-def announced_training() -> list[dict]:
-    """Every training record in the GCS key-value store (the arbiter reads these on its ticks)."""
+def _records(prefix: str, what: str) -> list[dict]:
+    """The JSON records under `prefix` in the GCS key-value store (an unreadable one is logged and skipped)."""
     from spotfill import ray_compat
     out = []
-    for key in ray_compat.kv_list(TRAINING_KEY):
-        raw = ray_compat.kv_get(key)
+    for key in ray_compat.kv_list(prefix):
         try:
-            out.append(json.loads(raw))
+            out.append(json.loads(ray_compat.kv_get(key)))
         except (TypeError, ValueError):
-            log.warning("fill-in: unreadable training record %s ignored", key)
+            log.warning("fill-in: unreadable %s record %s ignored", what, key)
     return out
+
+
+def announced_training() -> list[dict]:
+    """Every training record in the GCS key-value store (the arbiter reads these on its ticks)."""
+    return _records(TRAINING_KEY, "training")
 
 
 def announced_coming(now: float) -> set[str]:
     """The nodes training runs wait to grow onto (train.arbiter_link.announce_coming), whose time has not run
     out."""
-    from spotfill import ray_compat
     from spotfill.train.arbiter_link import COMING_KEY, coming_nodes
-    records = []
-    for key in ray_compat.kv_list(COMING_KEY):
-        try:
-            records.append(json.loads(ray_compat.kv_get(key)))
-        except (TypeError, ValueError):
-            continue
-    return coming_nodes(records, now)
+    return coming_nodes(_records(COMING_KEY, "coming-nodes"), now)
 
 
 # -- Serve tenants ----------------------------------------------------------------------------------------
