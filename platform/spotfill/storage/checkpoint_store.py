@@ -462,7 +462,9 @@ class CheckpointStore:
             if not rotated or relists >= 3:
                 break
             relists += 1                       # newer tags were committed meanwhile: the newest of those
+            found = self.last_quarantined
             candidates = self.restore_candidates()
+            self.last_quarantined = found + self.last_quarantined      # the listing starts its own list
         if candidates:
             log.warning("no intact checkpoint among %d committed in %s", len(candidates), self.storage.uri)
         return None
