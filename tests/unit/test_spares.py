@@ -197,7 +197,7 @@ def test_a_spare_holding_the_gil_held_back_is_woken_when_its_nodes_worker_is_gon
         else:
             assert os.getpriority(os.PRIO_PROCESS, spare.pid) == NICE, "the spare was left at nice 19"
         woke = end_wake_watcher(watcher)
-        assert woke is not None and woke[0] >= gone_at and woke[1] >= 1
+        assert woke is not None and woke[0] >= gone_at and woke[1] >= 1 and woke[2] == "restart"
     finally:
         spare.kill()
         worker.kill()
@@ -270,3 +270,35 @@ def test_the_process_start_time_is_read_once_and_kept():
     first = process_start_time()
     time.sleep(0.05)
     assert first is not None and process_start_time() == first and first <= time.time()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux only")
+@pytest.mark.parametrize("mode", ["idle", "low"])
+def test_a_held_back_spare_is_put_back_after_the_longest_hold_while_the_group_still_runs(mode):
+    """SPOTFILL_SPARE_HOLD_MAX_S: held back without bound on a node whose CPUs the steps saturate, a demo's
+    spares were still importing when the next grow came 33 s later. With the group still running (its worker
+    alive), the watcher ends the hold after hold_max_s and says why; without a bound (0) it does not."""
+    import time
+
+    from spotfill.train.spares import end_wake_watcher, start_wake_watcher
+    if mode == "low" and NICE >= 19:
+        pytest.skip("this process already runs at nice 19")
+    spare, worker = _spare_and_worker(mode)
+    unbounded, _ = _spare_and_worker(mode)
+    try:
+        nice = NICE if mode == "low" else None
+        started = time.time()
+        watcher = start_wake_watcher([worker.pid], 0.05, spare_pid=spare.pid, nice=nice, hold_max_s=1.0)
+        other = start_wake_watcher([worker.pid], 0.05, spare_pid=unbounded.pid, nice=nice)
+        deadline = time.time() + 20
+        while _held(spare.pid, mode) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not _held(spare.pid, mode), "the hold-back outlived its bound"
+        assert worker.poll() is None                                     # nothing restarted
+        woke = end_wake_watcher(watcher)
+        assert woke is not None and woke[0] - started >= 0.9 and woke[1] >= 1 and woke[2] == "hold_max"
+        assert _held(unbounded.pid, mode)                                # no bound: still held back
+        assert end_wake_watcher(other) is None
+    finally:
+        for p in (spare, worker, unbounded):
+            p.kill()

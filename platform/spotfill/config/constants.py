@@ -198,6 +198,11 @@ SPARE_WARM_CLASS = env_choice("SPOTFILL_SPARE_WARM_CLASS", "low", ("low", "idle"
 STANDBY_WARM_CLASS = env_choice("SPOTFILL_STANDBY_WARM_CLASS", "idle", ("idle", "low"))
 # Its wake watcher looks this often (s) whether a training worker of its node is gone (train.spares).
 SPARE_WAKE_POLL_S = env_float("SPOTFILL_SPARE_WAKE_POLL_S", 0.2, strict=True)
+# ... and ends the hold-back after this long (s; 0: only a restart ends it): a spare held back on a node whose
+# CPUs the steps saturate got almost none (nice 19 against Ray's nice-15 workers), and a grow 33 s later found
+# its node's spares still importing (a demo here: the grown group's actors there waited 6-10 s for them). A
+# bounded hold costs the steps one warm-up's CPU per group; a restart after it finds the spares ready.
+SPARE_HOLD_MAX_S = env_float("SPOTFILL_SPARE_HOLD_MAX_S", 15.0)
 # spotfill runs: rank 0 reads the drains of its group's nodes from the GCS this often (s), from the moment the
 # training function starts (train.notice_watch): Ray Train's own watcher is an actor started with each group,
 # which on a busy node began answering 11 s after the group started -- past a 15 s notice's save.

@@ -15,10 +15,12 @@ runs out. This module reads those records and makes the two decisions that depen
   are fewer than training's minimum does it count cold capacity too (waiting is then cheaper than nothing).
 
 A spare records itself as it starts (warming) and again once its imports are done (ready). A node the group
-steps on warms its spares in SCHED_IDLE, on CPU time the steps leave, which on a busy machine may be none
-until the group stops: there a spare that is still warming counts -- the restart wakes it (below) and its
-imports finish at normal priority, far ahead of a process started cold. A node new to the run warms at
-normal priority and counts once ready.
+steps on warms its spares held back (nice 19, or SCHED_IDLE), on CPU time the steps leave, which on a busy
+machine may be almost none -- for at most SPOTFILL_SPARE_HOLD_MAX_S, then at the workers' priority. A grow
+(planned) counts a node once its spares are ready, the group's own nodes too; a restart after a loss counts a
+spare still warming as well -- the restart wakes it (below) and its imports finish at normal priority, far
+ahead of a process started cold. A node new to the run warms at normal priority (no steps there to give way
+to).
 
 Waking: a spare warming in SCHED_IDLE runs Ray's worker setup hook on its main thread, so Ray cannot hand it
 an actor before the warm-up ends, and stopping the steps does not end it quickly where fill-in tenants (SCHED_IDLE
@@ -133,8 +135,10 @@ class GrowPlanner:
     def decide(self, world: int, max_workers: int, fitting_by_node: dict[str, int], group: dict[str, int],
                ready: dict[str, int], now: float, multiple: int = 1,
                present: dict[str, int] | None = None) -> GrowStep:
-        """`present`: spares per node warming or ready (default `ready`): what counts on the group's own
-        nodes, whose spares warm up in SCHED_IDLE and finish as the restart stops the steps."""
+        """`present`: spares per node warming or ready (default `ready`): those already on their way (not
+        asked again). A node counts, the group's own nodes too, once its spares are ready: a grow is planned,
+        and the restart it makes would otherwise wait for the imports with every worker stopped (a demo
+        here: a grown group's actors waited 6-10 s on its own node's spares still importing)."""
         present = ready if present is None else present
         for node in list(self.asked):       # a node that left (lost, draining, full) is asked again later
             if fitting_by_node.get(node, 0) <= 0 and node not in group:
@@ -156,7 +160,7 @@ class GrowPlanner:
                 continue
             # Ray places the grown group (its placement group packs the bundles where it likes): a node may
             # get as many workers as fit there, up to the group's size -- each needs a process there first
-            need, have = min(own + fits, most), (present if own else ready).get(node, 0)
+            need, have = min(own + fits, most), ready.get(node, 0)
             started = present.get(node, 0)          # spares that exist there, warming or ready
             if node not in self.asked:
                 self.asked[node] = self.last_ask[node] = now

@@ -12,10 +12,12 @@ log = logging.getLogger("spotfill.train.worker_loop")
 
 def warm_state() -> dict:
     """This worker process's warm-up (train.warm): held back or not (its class: low, idle, normal), when its
-    imports finished (`warm_after_t`, null: a process whose hook did not run) and when a restart woke it."""
+    imports finished (`warm_after_t`, null: a process whose hook did not run), and when and why its hold-back
+    ended early (`woken_t`, `woken_by`: "restart", or "hold_max" after SPOTFILL_SPARE_HOLD_MAX_S)."""
     from spotfill.train.warm import marks
     return {"idle": marks.get("warm_idle"), "class": marks.get("warm_class"),
-            "warm_after_t": marks.get("warm_after_t"), "woken_t": marks.get("warm_woken_t")}
+            "warm_after_t": marks.get("warm_after_t"), "woken_t": marks.get("warm_woken_t"),
+            "woken_by": marks.get("warm_woken_by")}
 
 
 def spares_to_ask(job: JobConfig, rank: int, node_id: str, nodes_by_rank: list[str]) -> int:

@@ -9,7 +9,9 @@ directory, and a starting process that claims a token (`claim`) is a spare: it d
 at nice 19 (`low_while`, the default: a bounded share of a CPU the steps saturate) or in the SCHED_IDLE class
 (`idle_while`: only CPU time the group leaves unused) -- and puts every thread back once the warm-up ends,
 before it can run a training worker; a watcher process (`start_wake_watcher`) puts it back the moment one
-of its node's training workers is gone (a restart), so a restart never waits on a held-back warm-up.
+of its node's training workers is gone (a restart), so a restart never waits on a held-back warm-up, or once
+it was held back for SPOTFILL_SPARE_HOLD_MAX_S (a hold without bound left spares on a saturated node still
+importing when the next grow came).
 
 A process started for an actor (no token left) warms up at normal priority, as before: that is a start or a
 restart, with no group stepping on the node. A process that claims a token meant for another (the raylet
@@ -159,14 +161,15 @@ def group_worker_pids(job_id: str | None, title: str, proc: str = "/proc") -> li
 
 # The wake watcher: a separate process (so that no GIL is between it and the spare's starved threads), `os` only
 # and no site (`python -S -I`: milliseconds to start). Argv: the spare's pid, the poll interval (s), the nice to
-# give back (-1: the spare warms in SCHED_IDLE), the pids of the node's training workers. Once the spare has
-# threads held back (SCHED_IDLE, or nice 19), and as soon as one of those workers is gone (a zombie counts as
-# gone), it moves every such thread of the spare back (SCHED_OTHER / the nice), prints "<unix time> <threads
-# moved>" and exits; it exits quietly when the spare is gone or its warm-up ended.
+# give back (-1: the spare warms in SCHED_IDLE), the longest hold-back (s; 0: none), the pids of the node's
+# training workers. Once the spare has threads held back (SCHED_IDLE, or nice 19), and as soon as one of those
+# workers is gone (a zombie counts as gone: "restart") or the spare was held back for the longest hold-back
+# ("hold_max"), it moves every such thread of the spare back (SCHED_OTHER / the nice), prints "<unix time>
+# <threads moved> <why>" and exits; it exits quietly when the spare is gone or its warm-up ended.
 WAKE_WATCHER = r"""
 import os, sys, time
-spare, poll, nice = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-watched = [int(a) for a in sys.argv[4:]]
+spare, poll, nice, hold_max = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+watched = [int(a) for a in sys.argv[5:]]
 try:
     os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 except OSError:
@@ -205,7 +208,12 @@ while True:
     if tids is None or (not tids and (seen or time.time() - t0 > 30)):
         break
     seen = seen or bool(tids)
+    why = None
     if tids and any(gone(p) for p in watched):
+        why = "restart"
+    elif tids and hold_max > 0 and time.time() - t0 >= hold_max:
+        why = "hold_max"
+    if why:
         moved = 0
         for t in idle() or ():
             try:
@@ -213,16 +221,18 @@ while True:
                 moved += 1
             except OSError:
                 pass
-        print("%.3f %d" % (time.time(), moved), flush=True)
+        print("%.3f %d %s" % (time.time(), moved, why), flush=True)
         break
     time.sleep(poll)
 """
 
 
-def start_wake_watcher(watched: list[int], poll_s: float, spare_pid: int | None = None, nice: int | None = None):
+def start_wake_watcher(watched: list[int], poll_s: float, spare_pid: int | None = None, nice: int | None = None,
+                       hold_max_s: float = 0.0):
     """Start the wake watcher (WAKE_WATCHER) of this process (or `spare_pid`) over the training workers
     `watched`; returns its Popen, or None when there is nothing to watch or it cannot start. The spare
-    warms in SCHED_IDLE, or with `nice` at LOW_NICE: woken, its threads go back to that nice."""
+    warms in SCHED_IDLE, or with `nice` at LOW_NICE: woken, its threads go back to that nice -- when a
+    watched worker is gone, or after `hold_max_s` held back (0: only then)."""
     if not watched or not hasattr(os, "SCHED_IDLE"):
         return None
     import subprocess
@@ -230,24 +240,25 @@ def start_wake_watcher(watched: list[int], poll_s: float, spare_pid: int | None 
     try:
         return subprocess.Popen([sys.executable, "-S", "-I", "-c", WAKE_WATCHER, str(spare_pid or os.getpid()),
                                  repr(float(poll_s)), str(-1 if nice is None else int(nice)),
-                                 *map(str, watched)],
+                                 repr(max(0.0, float(hold_max_s))), *map(str, watched)],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 close_fds=True)
     except OSError:
         return None
 
 
-def end_wake_watcher(proc) -> tuple[float, int] | None:
-    """Stop the watcher (the warm-up ended) and return when it woke this process and how many threads it
-    moved, or None when it did not."""
+def end_wake_watcher(proc) -> tuple[float, int, str] | None:
+    """Stop the watcher (the warm-up ended) and return when it woke this process, how many threads it
+    moved and why ("restart": a training worker of its node was gone; "hold_max": held back long enough),
+    or None when it did not."""
     if proc is None:
         return None
     try:
         if proc.poll() is None:
             proc.terminate()
         out, _ = proc.communicate(timeout=5)
-        when, moved = out.decode().split()
-        return float(when), int(moved)
+        when, moved, why = out.decode().split()
+        return float(when), int(moved), why
     except Exception:  # noqa: BLE001 -- nothing woke it (no line), or it could not be read
         return None
 

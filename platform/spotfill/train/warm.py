@@ -66,9 +66,11 @@ def start() -> None:
     spare = _is_spare()
     group = _group_workers() if spare else []
     low = constants.SPARE_WARM_CLASS == "low"
-    # started first, at the process's own priority (a child inherits SCHED_IDLE and nice)
+    # started first, at the process's own priority (a child inherits SCHED_IDLE and nice); it also ends the
+    # hold-back after SPOTFILL_SPARE_HOLD_MAX_S
     watcher = start_wake_watcher(group, constants.SPARE_WAKE_POLL_S,
-                                 nice=os.getpriority(os.PRIO_PROCESS, 0) if low else None) if group else None
+                                 nice=os.getpriority(os.PRIO_PROCESS, 0) if low else None,
+                                 hold_max_s=constants.SPARE_HOLD_MAX_S) if group else None
     with (low_while if low else idle_while)(spare) as held:
         # idle_while yields a bool, low_while the nice it had (0 too: `in (None, False)` took 0 for False) or None
         marks["warm_idle"] = held is not None and held is not False
@@ -85,7 +87,7 @@ def start() -> None:
             _import(name)
         woke = end_wake_watcher(watcher)
         if woke:
-            marks["warm_woken_t"], marks["warm_woken_moved"] = round(woke[0], 3), woke[1]
+            marks["warm_woken_t"], marks["warm_woken_moved"], marks["warm_woken_by"] = round(woke[0], 3), *woke[1:]
     marks["warm_after_t"] = round(time.time(), 3)
     _record(ready=True)
 
