@@ -120,8 +120,19 @@ def test_restart_goes_on_at_once_on_warm_survivors():
 
 
 def test_a_restart_comes_back_at_full_size_on_gpus_taken_back_on_the_nodes_that_are_left():
-    """A ran 2 workers (2 spares) and lent its third GPU to fill-in: the restart takes all 3 there."""
-    assert restart_size({A: 3, C: 2}, {A: 2}, 1, 4)[0] == 3
+    """A ran 2 workers and lent its third GPU to fill-in; its first rank asked spares for every slot (3):
+    the restart takes all 3 there."""
+    assert restart_size({A: 3, C: 2}, {A: 3}, 1, 4)[0] == 3
+
+
+def test_a_restart_starts_no_worker_beyond_a_nodes_spares():
+    """A survivor with 3 free GPUs and 2 spares: 2 workers now (warm), the third through a warm grow -- a
+    demo's restart of 3 there started one process cold and the whole group waited 38 s for it."""
+    size, why = restart_size({A: 3, C: 2}, {A: 2}, 1, 4)
+    assert size == 2 and "2 more fit on 2 node(s) short of spares" in why
+    assert restart_size({A: 3, B: 2}, {A: 2, B: 1}, 1, 4)[0] == 3          # per node: 2 on A, 1 on B
+    size, why = restart_size({A: 3}, {A: 1}, 2, 4)                          # below the minimum: cold too
+    assert size == 3 and "below training's minimum" in why
 
 
 def test_restart_below_the_minimum_counts_cold_capacity():

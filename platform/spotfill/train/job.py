@@ -126,6 +126,7 @@ class TrainingJob:
         from spotfill.train.elastic import spotfill_trainer
         from spotfill.train.fillin_claims import training_callbacks
         from spotfill.train.sink import RestartCauseCallback
+        from spotfill.train.spare_workers import ControllerHelperSpares
         from spotfill.train.teardown import UnreachableWorkerReaper
 
         from spotfill.train.worker_loop import train_loop_per_worker
@@ -161,7 +162,8 @@ class TrainingJob:
                 # and, on a cluster with fill-in, claim the GPUs first (a missing arbiter never blocks)
                 # and, on spotfill runs, a teardown that does not wait on workers of a dead node
                 callbacks=[RestartCauseCallback(sink_name, namespace),
-                           *([UnreachableWorkerReaper(sink_name, namespace), *training_callbacks(cfg)]
+                           *([UnreachableWorkerReaper(sink_name, namespace), *training_callbacks(cfg),
+                              ControllerHelperSpares()]
                              if spotfill else [])],
             ),
         )
