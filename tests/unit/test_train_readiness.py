@@ -131,8 +131,18 @@ def test_a_restart_starts_no_worker_beyond_a_nodes_spares():
     size, why = restart_size({A: 3, C: 2}, {A: 2}, 1, 4)
     assert size == 2 and "2 more fit on 2 node(s) short of spares" in why
     assert restart_size({A: 3, B: 2}, {A: 2, B: 1}, 1, 4)[0] == 3          # per node: 2 on A, 1 on B
-    size, why = restart_size({A: 3}, {A: 1}, 2, 4)                          # below the minimum: cold too
+    size, why = restart_size({A: 3}, {A: 2}, 3, 4)                          # below the minimum: cold too
     assert size == 3 and "below training's minimum" in why
+
+
+def test_a_restart_far_below_what_the_survivors_hold_starts_cold_where_spares_are_missing():
+    """1 spare on a survivor that holds 3: a demo restarted at 1 worker and stepped at 1 for minutes while
+    the grow's spares warmed; below half of what the warm nodes hold, the restart takes them all."""
+    size, why = restart_size({A: 3}, {A: 1}, 1, 4)
+    assert size == 3 and "2 of them cold" in why
+    size, why = restart_size({A: 3, C: 2}, {A: 1}, 1, 4)                   # C (no spare) still waits
+    assert size == 3 and "1 more fit on node(s) with no spare yet" in why
+    assert restart_size({A: 4}, {A: 2}, 1, 4)[0] == 2                       # half: warm only
 
 
 def test_restart_below_the_minimum_counts_cold_capacity():

@@ -233,14 +233,23 @@ def restart_size(free_by_node: dict[str, int], ready: dict[str, int], min_worker
     slots comes back at full size), and none on nodes without a spare (a replacement, a node new to the run)
     nor beyond a node's spares: a warm grow adds them once their spares are ready. One process started cold
     holds the whole group's start (a demo here: a survivor with 2 spares restarted 3 workers, 38 s from the
-    loss to the group's start, against ~10 s warm). When the warm workers are fewer than `min_workers`,
-    every worker free capacity holds (cold: waiting would stop training altogether)."""
+    loss to the group's start, against ~10 s warm). But a group that would start at less than half of what
+    those nodes hold takes them all, cold ones too: it would step slowly for as long as the spares of the grow
+    take (a demo here restarted at 1 of 3 and stepped at 1 worker for minutes). When the warm workers are
+    fewer than `min_workers`, every worker free capacity holds (cold: waiting would stop training
+    altogether)."""
     def whole(n: int) -> int:
         return n - n % multiple if multiple > 1 else n
 
     every = whole(min(max_workers, sum(free_by_node.values())))
+    on_warm = whole(min(max_workers, sum(n for node, n in free_by_node.items() if ready.get(node, 0) > 0)))
     left = whole(min(max_workers, sum(min(n, ready.get(node, 0)) for node, n in free_by_node.items())))
     cold = [node for node, n in free_by_node.items() if n > ready.get(node, 0)]
+    if 2 * left < on_warm and on_warm >= min_workers:      # far below their size: cold where spares miss
+        return on_warm, (f"{on_warm} workers on the nodes that are left, {on_warm - left} of them cold: "
+                         f"their {left} spare(s) hold less than half"
+                         + (f"; {every - on_warm} more fit on node(s) with no spare yet (a warm grow adds "
+                            f"them once they are ready)" if on_warm < every else ""))
     if left >= min_workers and left < every:
         return left, (f"{left} workers on the nodes that are left now; {every - left} more fit on "
                       f"{len(cold)} node(s) short of spares (a warm grow adds them once they are ready)")

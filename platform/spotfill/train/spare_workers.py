@@ -87,8 +87,10 @@ def prestart_spares(count: int) -> None:
 # actors, created on warm spares in 0.15 s, were reported up only as it came (the controller's `worker actors
 # created` 3.0-3.9 s of a 6.4-8.2 s group start).
 CONTROLLER_HELPERS = 2
-HELPERS_AFTER_S = 5.0         # after the group's own helpers took their processes (the DatasetManager's
-                              # lease is issued as the group starts)
+HELPERS_AFTER_S = 30.0        # well after the group's own helpers took their processes (the DatasetManager's
+                              # lease is issued as the group starts) and out of its start's CPU: at 5 s, in a
+                              # quick demo here, their imports shared the CPUs with a spot notice's emergency
+                              # save (a restart within 30 s of the last start starts them cold, as before)
 
 
 def prestart_controller_helpers(count: int = CONTROLLER_HELPERS, delay_s: float = HELPERS_AFTER_S) -> None:
