@@ -302,3 +302,41 @@ def test_a_held_back_spare_is_put_back_after_the_longest_hold_while_the_group_st
     finally:
         for p in (spare, worker, unbounded):
             p.kill()
+
+
+def test_the_controllers_helpers_are_prestarted_after_a_group_start_and_a_failure_only_logs(monkeypatch, caplog):
+    """Ray Train's SynchronizationActor and DatasetManager took a new process with every group (2.3-3.1 s of
+    a warm grow's start): the callback has the controller's raylet start two idle processes for the next
+    group; a refused ask costs the head start only."""
+    import logging
+    import threading
+
+    from spotfill.ray_compat import ray_train
+    from spotfill.train import spare_workers
+
+    asked, done = [], threading.Event()
+
+    def prestart(n, keep_alive_s, **kw):
+        asked.append((n, keep_alive_s, kw))
+        done.set()
+        return True
+    monkeypatch.setattr(ray_train, "prestart_workers", prestart)
+    monkeypatch.setattr(spare_workers, "HELPERS_AFTER_S", 0.0)
+    monkeypatch.setattr(spare_workers.prestart_controller_helpers, "__defaults__", (2, 0.0))
+    spare_workers.ControllerHelperSpares().after_worker_group_start(None)
+    assert done.wait(10) and asked == [(2, spare_workers.constants.WARM_SPARE_KEEP_ALIVE_S, {})]
+
+    failed = threading.Event()
+
+    def refuse(n, keep_alive_s, **kw):
+        failed.set()
+        raise RuntimeError("no PrestartWorkers RPC")
+    monkeypatch.setattr(ray_train, "prestart_workers", refuse)
+    with caplog.at_level(logging.WARNING, logger="spotfill.train.worker_loop"):
+        spare_workers.prestart_controller_helpers(2, 0.0)
+        assert failed.wait(10)
+        for _ in range(100):
+            if any("helper processes not prestarted" in r.message for r in caplog.records):
+                break
+            threading.Event().wait(0.05)
+    assert any("helper processes not prestarted" in r.message for r in caplog.records)
