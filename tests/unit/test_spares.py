@@ -304,27 +304,43 @@ def test_a_held_back_spare_is_put_back_after_the_longest_hold_while_the_group_st
             p.kill()
 
 
-def test_the_controllers_helpers_are_prestarted_after_a_group_start_and_a_failure_only_logs(monkeypatch, caplog):
+def test_the_controllers_helpers_are_prestarted_once_per_group_and_a_failure_only_logs(monkeypatch, caplog):
     """Ray Train's SynchronizationActor and DatasetManager took a new process with every group (2.3-3.1 s of
     a warm grow's start): the callback has the controller's raylet start two idle processes for the next
-    group; a refused ask costs the head start only."""
+    group -- after the group's start settled, or at its shutdown when it stops sooner, never both (idle
+    processes would pile up over restarts); a refused ask costs the head start only."""
     import logging
     import threading
+    import time
 
     from spotfill.ray_compat import ray_train
     from spotfill.train import spare_workers
 
-    asked, done = [], threading.Event()
+    asked = []
 
     def prestart(n, keep_alive_s, **kw):
         asked.append((n, keep_alive_s, kw))
-        done.set()
         return True
     monkeypatch.setattr(ray_train, "prestart_workers", prestart)
-    monkeypatch.setattr(spare_workers, "HELPERS_AFTER_S", 0.0)
-    monkeypatch.setattr(spare_workers.prestart_controller_helpers, "__defaults__", (2, 0.0))
-    spare_workers.ControllerHelperSpares().after_worker_group_start(None)
-    assert done.wait(10) and asked == [(2, spare_workers.constants.WARM_SPARE_KEEP_ALIVE_S, {})]
+
+    def settle(count):
+        deadline = time.time() + 10
+        while len(asked) < count and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        return len(asked)
+
+    cb = spare_workers.ControllerHelperSpares(after_s=0.1)
+    cb.after_worker_group_start(None)
+    assert settle(1) == 1 and asked[0] == (2, spare_workers.constants.WARM_SPARE_KEEP_ALIVE_S, {})
+    cb.before_worker_group_shutdown(None)                   # already asked for this group: not again
+    assert settle(1) == 1
+    slow = spare_workers.ControllerHelperSpares(after_s=60.0)
+    slow.after_worker_group_start(None)
+    slow.before_worker_group_shutdown(None)                  # stopped before its ask: asks now, once
+    assert settle(2) == 2
+    slow.before_worker_group_shutdown(None)
+    assert settle(2) == 2
 
     failed = threading.Event()
 
@@ -333,10 +349,10 @@ def test_the_controllers_helpers_are_prestarted_after_a_group_start_and_a_failur
         raise RuntimeError("no PrestartWorkers RPC")
     monkeypatch.setattr(ray_train, "prestart_workers", refuse)
     with caplog.at_level(logging.WARNING, logger="spotfill.train.worker_loop"):
-        spare_workers.prestart_controller_helpers(2, 0.0)
+        spare_workers.prestart_controller_helpers(2)
         assert failed.wait(10)
-        for _ in range(100):
-            if any("helper processes not prestarted" in r.message for r in caplog.records):
-                break
-            threading.Event().wait(0.05)
+        deadline = time.time() + 5
+        while time.time() < deadline and not any("helper processes not prestarted" in r.message
+                                                 for r in caplog.records):
+            time.sleep(0.05)
     assert any("helper processes not prestarted" in r.message for r in caplog.records)

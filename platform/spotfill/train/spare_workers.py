@@ -3,7 +3,6 @@ worker asks for, the ask itself, and the warm-up state a worker reports (train.w
 from __future__ import annotations
 
 import logging
-import time
 
 from spotfill.config import constants
 from spotfill.config.job import JobConfig
@@ -90,22 +89,21 @@ CONTROLLER_HELPERS = 2
 HELPERS_AFTER_S = 30.0        # well after the group's own helpers took their processes (the DatasetManager's
                               # lease is issued as the group starts) and out of its start's CPU: at 5 s, in a
                               # quick demo here, their imports shared the CPUs with a spot notice's emergency
-                              # save (a restart within 30 s of the last start starts them cold, as before)
+                              # save. A group that stops before then asks at its shutdown (a head start of
+                              # the teardown and the placement: ~1-2 s)
 
 
-def prestart_controller_helpers(count: int = CONTROLLER_HELPERS, delay_s: float = HELPERS_AFTER_S) -> None:
-    """From Ray Train's controller (a worker group callback): have this node's raylet start `count` idle
-    processes in the controller's runtime_env, on a thread after `delay_s`, so that the next worker group's
-    helper actors land on them. They import only Ray (no setup hook: the controller's runtime_env is the
-    job's, not the training workers'), kept idle for SPOTFILL_WARM_SPARE_KEEP_ALIVE_S. A failure costs the
-    next start its head start, and is logged."""
+def prestart_controller_helpers(count: int = CONTROLLER_HELPERS) -> None:
+    """From Ray Train's controller: have this node's raylet start `count` idle processes in the controller's
+    runtime_env (on a thread), so that the next worker group's helper actors land on them. They import only
+    Ray (no setup hook: the controller's runtime_env is the job's, not the training workers'), kept idle for
+    SPOTFILL_WARM_SPARE_KEEP_ALIVE_S. A failure costs the next start its head start, and is logged."""
     import threading
 
     from spotfill.ray_compat import prestart_workers
 
     def run():
         try:
-            time.sleep(delay_s)
             prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
         except Exception as exc:  # noqa: BLE001 -- the helpers start cold, as stock Ray's do
             log.warning("Ray Train's helper processes not prestarted (%s: %s); the next group starts them cold",
@@ -114,10 +112,34 @@ def prestart_controller_helpers(count: int = CONTROLLER_HELPERS, delay_s: float 
     threading.Thread(target=run, name="spotfill-prestart-helpers", daemon=True).start()
 
 
-
 class ControllerHelperSpares(WorkerGroupCallback):
     """The worker group callback (RunConfig(callbacks=[...]), spotfill runs) that prestarts the controller's
-    helper processes after each group start (prestart_controller_helpers)."""
+    helper processes once per worker group: HELPERS_AFTER_S after its start, or at its shutdown when it stops
+    before then -- never both, so idle processes do not pile up over restarts."""
+
+    def __init__(self, after_s: float | None = None):
+        self.after_s = HELPERS_AFTER_S if after_s is None else after_s
+        self._timer = None           # made in the controller (a callback is pickled there before it runs)
+        self._asked = False
 
     def after_worker_group_start(self, worker_group) -> None:
+        import threading
+        self._cancel()
+        self._asked = False
+        self._timer = threading.Timer(self.after_s, self._ask)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def before_worker_group_shutdown(self, worker_group) -> None:
+        self._cancel()
+        if not self._asked:
+            self._ask()
+
+    def _cancel(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _ask(self) -> None:
+        self._asked = True
         prestart_controller_helpers()
