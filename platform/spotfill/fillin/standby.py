@@ -226,13 +226,13 @@ def start(kind: str, token_prefix: str, record_prefix: str, warm, owner_of_proce
     _STANDBY.update(kind=kind, owner=args["owner"], args=args, started_t=round(time.time(), 3), loaded=None,
                     record=f"{record_prefix}{args['owner']}:{node}:{os.getpid()}")
     from spotfill.config import constants
-    from spotfill.train.spares import idle_while, low_while
+    from spotfill.train.spares import held_back, idle_while, low_while
     low = constants.STANDBY_WARM_CLASS == "low"
     # SCHED_IDLE by default: training first. On a node whose CPUs training keeps busy its warm-up then crawls,
     # and a lent actor Ray hands its process waits for it (PENDING_CREATION: the arbiter sees it as held,
     # fillin/job_tenant.constructing_nodes). `low` (nice 19) warms it sooner, at a bounded cost to the steps
     with (low_while(True) if low else idle_while(True)) as held:
-        _STANDBY["idle"] = held is not None and held is not False    # low_while yields the nice (0 too)
+        _STANDBY["idle"] = held_back(held)
         _STANDBY["warm_class"] = ("low" if low else "idle") if _STANDBY["idle"] else "normal"
         record("warming")
         warm(args)

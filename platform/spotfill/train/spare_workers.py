@@ -55,29 +55,39 @@ def prestart_spares(count: int) -> None:
     Ray kills them with the job. They count against the node's memory (train.spares.spares_within_memory, with
     the spares already there): beyond it, fewer are asked. A failure costs nothing but the head start: it is
     logged."""
-    import threading
-
     import ray
 
     from spotfill.ray_compat import prestart_workers
     from spotfill.train.elastic import ready_spares
     from spotfill.train.spares import host_memory_bytes, offer, spares_within_memory
 
+    def ask():
+        node = ray.get_runtime_context().get_node_id()
+        n, why = spares_within_memory(count, host_memory_bytes(), ready_spares(warming=True).get(node, 0),
+                                      constants.WARM_SPARE_RSS_MB << 20, constants.WARM_SPARE_MEMORY_FRACTION)
+        if why:
+            log.info("spares on this node: %s", why)
+        if n:
+            offer(node, n)    # they warm up held back (train.spares)
+            prestart_workers(n, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
+
+    # a failure: the next group starts cold processes, as stock Ray does
+    _in_background("spotfill-prestart-spares", ask,
+                   "spare worker processes not started (%s: %s); the next worker group starts cold")
+
+
+def _in_background(name: str, ask, failed: str) -> None:
+    """Run `ask` on a daemon thread, off the caller's loop; an exception is logged with `failed` (formatted
+    with its type and message) and costs only the head start the ask was for."""
+    import threading
+
     def run():
         try:
-            node = ray.get_runtime_context().get_node_id()
-            n, why = spares_within_memory(count, host_memory_bytes(), ready_spares(warming=True).get(node, 0),
-                                          constants.WARM_SPARE_RSS_MB << 20, constants.WARM_SPARE_MEMORY_FRACTION)
-            if why:
-                log.info("spares on this node: %s", why)
-            if n:
-                offer(node, n)    # they warm up in SCHED_IDLE
-                prestart_workers(n, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
-        except Exception as exc:  # noqa: BLE001 -- the next group starts cold processes, as stock Ray does
-            log.warning("spare worker processes not started (%s: %s); the next worker group starts cold",
-                        type(exc).__name__, exc)
+            ask()
+        except Exception as exc:  # noqa: BLE001 -- a head start lost, never the caller's work
+            log.warning(failed, type(exc).__name__, exc)
 
-    threading.Thread(target=run, name="spotfill-prestart-spares", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
 
 
 # Ray Train's controller starts two helper actors of its own with every worker group, on its own node and in
@@ -98,18 +108,10 @@ def prestart_controller_helpers(count: int = CONTROLLER_HELPERS) -> None:
     runtime_env (on a thread), so that the next worker group's helper actors land on them. They import only
     Ray (no setup hook: the controller's runtime_env is the job's, not the training workers'), kept idle for
     SPOTFILL_WARM_SPARE_KEEP_ALIVE_S. A failure costs the next start its head start, and is logged."""
-    import threading
-
     from spotfill.ray_compat import prestart_workers
-
-    def run():
-        try:
-            prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
-        except Exception as exc:  # noqa: BLE001 -- the helpers start cold, as stock Ray's do
-            log.warning("Ray Train's helper processes not prestarted (%s: %s); the next group starts them cold",
-                        type(exc).__name__, exc)
-
-    threading.Thread(target=run, name="spotfill-prestart-helpers", daemon=True).start()
+    _in_background("spotfill-prestart-helpers",
+                   lambda: prestart_workers(count, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S),
+                   "Ray Train's helper processes not prestarted (%s: %s); the next group starts them cold")
 
 
 class ControllerHelperSpares(WorkerGroupCallback):

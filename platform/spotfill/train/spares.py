@@ -344,6 +344,12 @@ def restore_nice(nice: int) -> int:
     return moved
 
 
+def held_back(held) -> bool:
+    """Whether `low_while` / `idle_while` held the block back, from what it yielded: idle_while a bool,
+    low_while the nice it had -- 0 too, which a truth test (or `in (None, False)`) takes for False -- or None."""
+    return held is not None and held is not False
+
+
 @contextlib.contextmanager
 def low_while(enabled: bool):
     """Run the block with the calling thread (and the threads it starts) at nice LOW_NICE, in the normal

@@ -59,7 +59,7 @@ def start() -> None:
     marks["warm_hook_t"] = round(time.time(), 3)
     from spotfill.config import constants
     from spotfill.ray_compat.names import RAY_TRAIN_WORKER_MODULE
-    from spotfill.train.spares import end_wake_watcher, idle_while, low_while, start_wake_watcher
+    from spotfill.train.spares import end_wake_watcher, held_back, idle_while, low_while, start_wake_watcher
     # a spare gives way to its node's training workers while it warms up (constants.SPARE_WARM_CLASS: nice 19,
     # or SCHED_IDLE), and a watcher process wakes it the moment one of them is gone (the group stops for a
     # restart: train.readiness)
@@ -72,8 +72,7 @@ def start() -> None:
                                  nice=os.getpriority(os.PRIO_PROCESS, 0) if low else None,
                                  hold_max_s=constants.SPARE_HOLD_MAX_S) if group else None
     with (low_while if low else idle_while)(spare) as held:
-        # idle_while yields a bool, low_while the nice it had (0 too: `in (None, False)` took 0 for False) or None
-        marks["warm_idle"] = held is not None and held is not False
+        marks["warm_idle"] = held_back(held)
         marks["warm_class"] = ("low" if low else "idle") if marks["warm_idle"] else "normal"
         if not marks["warm_idle"]:
             watcher = end_wake_watcher(watcher) and None
