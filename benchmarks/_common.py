@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import platform as _stdlib_platform  # noqa: F401 - the stdlib one: platform/ has no __init__.py
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,7 @@ for _p in (PLATFORM, REPO):
         sys.path.insert(0, _p)
 
 from spotfill.config.constants import scoped_env  # noqa: E402,F401 - re-exported for the benchmark modules
+from spotfill.testing.ports import free_port  # noqa: E402,F401  (re-exported to the benchmarks)
 
 log = logging.getLogger("spotfill.bench")
 
@@ -31,12 +31,6 @@ def median(xs) -> float:
 
 def rnd(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(float(x), nd)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -18,22 +18,16 @@ keeps the node busy in step 4, and it never scales down.
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 
 from spotfill.fillin.load import ServeLoad
 from spotfill.testing.waiting import wait_for as _wait_for
+from spotfill.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(300)
 IDLE_S = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(check, timeout: float, what: str, every: float = 0.3):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import urllib.request
 
 import pytest
 
+from spotfill.testing.ports import free_port
 from spotfill.testing.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(420)
@@ -50,12 +50,6 @@ for uri, step in zip(sys.argv[1].split(","), map(int, sys.argv[2].split(","))):
 
 def metric(name: str, value) -> None:
     print(f"FILLIN-METRIC {name} {value}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(method: str, url: str, body: dict | None = None, timeout: float = 10.0):

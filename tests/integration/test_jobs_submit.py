@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import signal
-import socket
+
 import subprocess
 import sys
 import tempfile
@@ -33,6 +33,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from spotfill.testing.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 PLATFORM = str(REPO / "platform")
@@ -47,15 +49,7 @@ sys.path[:] = [p for p in sys.path if not (p and os.path.abspath(p) in _hide)]
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    return free_ports(n, "127.0.0.1")
 
 
 MARK = "SPOTFILL_TEST_RAY_HEAD"

@@ -1,20 +1,14 @@
 """`spotfill_*` series reach a Ray node's Prometheus endpoint: events recorded in an actor (as the event
 sink records them) show up at http://127.0.0.1:<metrics_export_port>/metrics (Ray prefixes `ray_`)."""
-import socket
 import time
 import urllib.request
 
 import pytest
+from spotfill.testing.ports import free_port
 
 ray = pytest.importorskip("ray")
 
 WAIT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from spotfill.config.errors import ConfigError, StorageError
-from spotfill.testing.s3local import free_port
+from spotfill.testing.ports import free_port
 from spotfill.storage.base import RetryPolicy, S3Storage, open_storage
 
 FAST_RETRY = RetryPolicy(attempts=60, base_s=0.05, max_s=0.25, deadline_s=20)

@@ -16,6 +16,7 @@ import os
 import time
 
 from spotfill.config.failure_detection import EMBEDDED as EMBEDDED_HEALTH_CHECK
+from spotfill.testing import ports
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +38,17 @@ FAST_FAILURE_DETECTION = EMBEDDED_HEALTH_CHECK.system_config()
 
 
 def free_port(preferred: int = 0) -> int:
-    """`preferred` when it is free on 127.0.0.1, else a free port the system picks."""
+    """`preferred` when it is free on 127.0.0.1, else a free one outside the ranges Ray and the kernel
+    allocate from (testing.ports)."""
     import socket
-    for port in (preferred, 0):
+    if preferred:
         with socket.socket() as s:
             try:
-                s.bind((LOOPBACK, port))
-                return s.getsockname()[1]
+                s.bind((LOOPBACK, preferred))
+                return preferred
             except OSError:
-                continue
-    return preferred
+                pass
+    return ports.free_port(LOOPBACK)
 
 
 class EmbeddedCluster:

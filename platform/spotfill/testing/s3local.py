@@ -32,6 +32,8 @@ import uuid
 from typing import Iterator
 from urllib.parse import quote
 
+from spotfill.testing.ports import free_port
+
 log = logging.getLogger(__name__)
 
 _AUTH_LOCK = threading.Lock()
@@ -98,13 +100,6 @@ def _make_server(host: str, port: int, conditional_writes: bool = True):
         return Server(host, port, app, handler=Handler)
     except SystemExit as exc:  # werkzeug exits on bind failure; make it an exception
         raise OSError(f"local s3: cannot bind {host}:{port}") from exc
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class LocalS3:
