@@ -210,8 +210,9 @@ def test_a_read_slower_than_a_round_is_used_by_the_next_round():
 
 def test_two_job_tenants_on_one_spare_gpu_take_turns_through_the_real_arbiter(tmp_path):
     """Fewer spare GPUs than tenants (lending.take_turns): the sweep holds the one spare GPU through two trials
-    (a one-tick gap between them is no break), the batch job waits; once the sweep held it a turn and its trial
-    computed (a busy report), the arbiter reclaims it (cause fair_share) and lends the freed GPU to the batch job."""
+    (a one-tick gap between them is no break), the batch job waits; once the sweep computed a turn (counted from
+    its first busy report: its trials' starts do not eat its turn), the arbiter reclaims it (cause fair_share)
+    and lends the freed GPU to the batch job."""
     arb = Arbiter("GPU", state_path=str(tmp_path / "state.json"), interval_s=3600, autoscaled=False, turn_s=30.0)
     try:
         nodes = [Node("n1", 2, 1)]                    # training holds one GPU slot; one is spare
@@ -240,12 +241,16 @@ def test_two_job_tenants_on_one_spare_gpu_take_turns_through_the_real_arbiter(tm
         assert sweep.target == 1 and not arb.reclaiming, "the second trial has not computed yet: no turn"
         arb.report_busy([{"kind": "fillin_busy", "tenant": sweep.tenant, "workload": "sweep", "lease_id": "pg2:0",
                           "busy_s": 1.0, "t0": T0 + 38, "t1": T0 + 39}])
-        tick(T0 + 40)
+        for t in range(40, 68):
+            tick(T0 + t)
+        assert sweep.target == 1 and not arb.reclaiming, "held 67 s but computed 29 s of its turn: no turn yet"
+        tick(T0 + 68)
         assert list(arb.reclaiming) == ["pg2:0"] and sweep.target == 0
         assert any(o.cause == "fair_share" and o.tenant == sweep.tenant for o in arb.orders)
-        assert "turns: " + batch.tenant in arb.decisions.items[-1].reason
+        reason = arb.decisions.items[-1].reason
+        assert "turns: " + batch.tenant in reason and "has computed 30s of the 67s it held GPUs" in reason, reason
         sweep.held, nodes[0] = [], Node("n1", 2, 1)   # the trial paused: its GPU is free
-        tick(T0 + 45)
+        tick(T0 + 73)
         assert batch.target == 1 and sweep.target == 0, "the freed GPU goes to the batch job that waited its turn"
     finally:
         arb._stop.set()

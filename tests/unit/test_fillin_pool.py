@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from spotfill.fillin.lending import MIN_HOLD_S, TenantView, fair_share, lend_round
-from spotfill.fillin.turns import take_turns
+from spotfill.fillin.turns import TurnClock, take_turns
 from spotfill.fillin.policy import Lease, Node, Snapshot
 
 T0 = 1000.0
@@ -136,6 +136,42 @@ def test_a_turn_takes_a_unit_that_computed_and_counts_the_holders_time_not_the_u
     # the holder's time counts, not the unit's: a tenant that started holding 10 s ago keeps its unit
     fresh = replace(sweep, holding_since=t - 10)
     assert take_turns([fresh, batch], snap, t, TURN, {"sweep:t-0": t - 8}) is None
+
+
+def test_a_turn_is_time_computing_not_time_holding():
+    # the demo's batch job: lent the GPU at T0, its wave's cold start took 25 s (the lease held the GPU all
+    # along), then it computed. With turns counted from the hold's start it was taken back 5 s into its
+    # compute (six leases, 0.7 s computed in a demo); counted from its first compute, it computes a whole turn
+    snap = one_spare_held_by("batch:t", since=T0)
+    batch = replace(view("batch", target=1, wanted=4), holding_since=T0, computing_since=T0 + 25)
+    sweep = replace(view("sweep", target=0, wanted=3), waiting_since=T0 - 40)
+    computed = {"batch:t-0": T0 + 25}
+    assert take_turns([sweep, batch], snap, T0 + TURN + 5, TURN, computed) is None, "computed 5 s of its turn"
+    assert take_turns([sweep, batch], snap, T0 + 25 + TURN - 1, TURN, computed) is None
+    d = take_turns([sweep, batch], snap, T0 + 25 + TURN, TURN, computed)
+    assert d is not None and d.lease_id == "batch:t-0"
+    assert f"has computed {TURN:.0f}s of the {TURN + 25:.0f}s it held GPUs" in d.reason, d.reason
+    # a hold in which nothing ever computed still ends a turn after its start (a start that never finishes)
+    stuck = replace(batch, computing_since=None)
+    d = take_turns([sweep, stuck], snap, T0 + TURN, TURN, {})
+    assert d is not None and "computed on none" in d.reason and "not computing yet" in d.reason
+
+
+def test_the_clock_counts_a_tenants_compute_from_its_first_busy_unit_in_the_hold():
+    clock = TurnClock()
+    snap = one_spare_held_by("batch:t", since=T0)
+    clock.observe({"batch:t": 4}, snap, T0)
+    assert clock.holding_since["batch:t"] == T0 and "batch:t" not in clock.computing_since
+    clock.busy("batch:t-0", T0 + 25)
+    clock.observe({"batch:t": 4}, snap, T0 + 26)
+    assert clock.computing_since["batch:t"] == T0 + 25
+    clock.busy("batch:t-0", T0 + 40)                      # later reports keep the first
+    clock.observe({"batch:t": 4}, snap, T0 + 41)
+    assert clock.computing_since["batch:t"] == T0 + 25
+    # a break (nothing held longer than HOLD_BREAK_S) ends the hold and its compute
+    clock.ended(["batch:t-0"])
+    clock.observe({"batch:t": 4}, Snapshot((Node("a", 2, 1),)), T0 + 50)
+    assert "batch:t" not in clock.computing_since and "batch:t" not in clock.holding_since
 
 
 def test_serve_is_never_made_to_give_its_replica_up_for_a_turn_but_may_take_one():

@@ -382,7 +382,8 @@ class Arbiter:
                                   t.wanted_units, scaled=not t.pulls_target, asked_at=self.asked_at.get(t.tenant),
                                   demand=bool(demand and demand.covers(t.shape(self.gpu_resource), t.pending_groups)),
                                   waiting_since=self.turns.waiting_since.get(t.tenant),
-                                  holding_since=self.turns.holding_since.get(t.tenant)))
+                                  holding_since=self.turns.holding_since.get(t.tenant),
+                                  computing_since=self.turns.computing_since.get(t.tenant)))
         return out
 
     def _lend(self, snap: Snapshot, now: float, demand=None) -> None:

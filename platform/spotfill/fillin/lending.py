@@ -44,6 +44,8 @@ class TenantView:
     demand: bool = False             # the autoscaler reports a unit of it as waiting for resources
     waiting_since: float | None = None   # since when it has held nothing while wanting units (None: it holds)
     holding_since: float | None = None   # since when it has held units without a break (None: it holds none)
+    computing_since: float | None = None  # since when, in that hold, one of its units first computed (None:
+                                         # none has yet: its units are still starting)
 
 
 @dataclass(frozen=True)

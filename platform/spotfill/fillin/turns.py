@@ -2,11 +2,16 @@
 Ray; `now` is an argument).
 
 With a share of 0 each (lending.fair_share moves nothing), `take_turns` decides: a tenant that has waited
-`turn_s` with nothing takes a unit from a batch job or sweep that has held units `turn_s` without a break (a
-sweep's next trial taking the unit its last one freed is no break) -- its oldest unit that has computed, so
-the sweep pauses a running trial with a checkpoint, the batch job stops a wave that did work; a unit that has
-not computed within `turn_s` of its grant goes too -- and `lend_round` serves the longest-waiting tenant
-first, so the freed unit goes where the turn said. Serve is never made to give a replica up for a turn (it
+`turn_s` with nothing takes a unit from a batch job or sweep that has held units without a break (a sweep's
+next trial taking the unit its last one freed is no break) and computed `turn_s` since its first unit of that
+hold first computed -- its oldest unit that has computed, so the sweep pauses a running trial with a
+checkpoint, the batch job stops a wave that did work; a tenant none of whose units computed within `turn_s` of
+the hold's start gives up its oldest, and a unit that has not computed within `turn_s` of its grant goes too
+-- and `lend_round` serves the longest-waiting tenant first, so the freed unit goes where the turn said.
+
+A turn is time computing, not time holding: a cold start (process, imports, the model's load: 15-25 s for a
+demo's batch wave here, and the lease holds the GPU all along) no longer eats the turn it starts. With turns
+of 30 s counted from the grant, a demo's batch job was lent a GPU six times and computed 0.7 s in all. Serve is never made to give a replica up for a turn (it
 answers users; training's claims still take it). Without turns a demo's batch job waited for its first GPU
 until the sweep ran out of trials.
 
@@ -34,6 +39,7 @@ class TurnClock:
         self.holding_since: dict[str, float] = {}   # tenant -> since when it holds units without a break
         self.held_at: dict[str, float] = {}         # tenant -> when it was last seen holding units
         self.busy_since: dict[str, float] = {}      # lease id -> when its holder first computed
+        self.computing_since: dict[str, float] = {}  # tenant -> when, in its current hold, a unit first computed
 
     def busy(self, lease_id: str, t0: float) -> None:
         self.busy_since.setdefault(lease_id, float(t0))
@@ -51,12 +57,17 @@ class TurnClock:
             else:
                 self.waiting_since.pop(name, None)
             if name in holding:
-                self.holding_since.setdefault(name, now)
+                since = self.holding_since.setdefault(name, now)
                 self.held_at[name] = now
+                first = min((self.busy_since[le.lease_id] for le in snap.leases
+                             if le.tenant == name and le.lease_id in self.busy_since), default=None)
+                if first is not None and name not in self.computing_since:
+                    self.computing_since[name] = max(first, since)
             elif now - self.held_at.get(name, 0.0) > HOLD_BREAK_S:
                 self.holding_since.pop(name, None)
+                self.computing_since.pop(name, None)
         for name in (set(self.waiting_since) | set(self.held_at)) - set(wanted):
-            for d in (self.waiting_since, self.holding_since, self.held_at):
+            for d in (self.waiting_since, self.holding_since, self.held_at, self.computing_since):
                 d.pop(name, None)
         if len(self.busy_since) > 4 * len(snap.leases) + 64:     # reports of leases that ended before they came
             live = {le.lease_id for le in snap.leases}
@@ -81,8 +92,7 @@ def take_turns(tenants: Iterable[TenantView], snap: Snapshot, now: float, turn_s
     if not waiting:
         return None
     p = waiting[0]
-    donors = {t.tenant: t for t in tenants if not t.scaled and t.tenant != p.tenant
-              and t.holding_since is not None and now - t.holding_since >= turn_s}
+    donors = {t.tenant: t for t in tenants if not t.scaled and t.tenant != p.tenant and _turn_over(t, now, turn_s)}
     usable = {n.node_id for n in snap.nodes if n.alive and not n.draining}
     leases = sorted((le for le in snap.leases if le.tenant in donors and le.node_id in usable
                      and le.gpus >= max(1, p.gpus_per_unit)
@@ -91,11 +101,24 @@ def take_turns(tenants: Iterable[TenantView], snap: Snapshot, now: float, turn_s
     if not leases:
         return None
     le = leases[0]
-    held = now - donors[le.tenant].holding_since
+    d = donors[le.tenant]
+    held = now - d.holding_since
+    used = (f"has computed {now - d.computing_since:.0f}s of the {held:.0f}s it held GPUs" if d.computing_since
+            is not None else f"has held GPUs {held:.0f}s and computed on none")
     return Decision("reclaim", le.tenant, le.gpus, at=now, node_id=le.node_id, lease_id=le.lease_id,
                     deadline=now + le.grace_s, reason=(
                         f"turns: {p.tenant} has waited {now - p.waiting_since:.0f}s with no GPU while fewer are "
-                        f"lendable than tenants want one; {le.tenant} has held GPUs {held:.0f}s (turn "
-                        f"{turn_s:g}s): its oldest unit "
+                        f"lendable than tenants want one; {le.tenant} {used} (turn "
+                        f"{turn_s:g}s of computing): its oldest unit "
                         + ("that computed" if le.lease_id in busy_since else "(not computing yet)")
                         + f" goes to {p.tenant}"))
+
+
+def _turn_over(t: TenantView, now: float, turn_s: float) -> bool:
+    """A donor's turn is over: it computed `turn_s` since its hold's first compute, or in a hold of `turn_s`
+    none of its units computed at all."""
+    if t.holding_since is None:
+        return False
+    if t.computing_since is not None:
+        return now - t.computing_since >= turn_s
+    return now - t.holding_since >= turn_s

@@ -524,8 +524,8 @@ AUTOSCALING_SCENARIO = {
                # was never reclaimed); what it has not written when training ends is left for its rerun
                # (sim/fillin_batch.py: on an autoscaled cluster no GPU is lent after training)
                "sweep": {"enabled": True, "trials": 2, "steps": 200},
-               # two spare GPUs, three tenants: the batch job and the sweep take turns of 30 s (a unit's start
-               # takes 10-20 s here), and each must be taken back and carry on (the invariant)
+               # two spare GPUs, three tenants: the batch job and the sweep take turns of 30 s of computing (a
+               # unit's start, 10-25 s here, comes on top), and each must be taken back and carry on (the invariant)
                "turn_s": 30, "require_resumes": True},
     "cluster": {"gpu_resource": "GPU", "autoscaler": {
         "max_workers": 2, "idle_timeout_s": 5, "allocate_timeout_s": 8, "node_types": {
