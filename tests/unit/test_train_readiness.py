@@ -245,7 +245,11 @@ def test_the_grow_check_warms_a_new_node_through_its_raylet_and_grows_once_it_is
     assert not any(k.startswith("spotfill:spare-token:") for k in store)
     ready.update({A: 2, B: 2})
     assert check.extra_workers(2, 1.0) == 2
-    assert coming[-1] == ("t", ())                       # growing onto it: the record goes
+    # growing onto it: the record stays until the group exits (the grow's claim, not the idle rule, takes the
+    # leases there back); the next group's first check replaces it
+    assert coming == [("t", (B,))]
+    nxt = elastic.GrowCheck(per, max_workers=4, run_key="t", group={A: 2, B: 2}, ready=lambda warming=False: dict(ready))
+    assert nxt.extra_workers(4, 30.0) == 0 and coming[-1] == ("t", ())
     fields = check.exit_fields()
     assert fields["warm_nodes"] == [B] and fields["cold_nodes"] == [] and fields["ready_wait_s"] >= 0
 

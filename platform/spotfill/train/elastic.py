@@ -135,7 +135,9 @@ class GrowCheck:
         self.last: GrowDecision | None = None
         self.step: GrowStep | None = None       # the readiness decision behind the last grow
         self._run_key = run_key
-        self._coming: tuple[tuple, float] = ((), 0.0)    # the nodes last announced as coming, and when
+        # the nodes last announced as coming, and when; None: nothing yet -- the first check writes (or removes)
+        # the run's record, which the previous group left while it grew
+        self._coming: tuple[tuple | None, float] = (None, 0.0)
         self._coming_ttl_s = max(COMING_TTL_S, 3 * check_every_s)     # outlives the checks that renew it
 
     def extra_workers(self, world: int, now: float) -> int:
@@ -151,7 +153,12 @@ class GrowCheck:
         for node, count in step.warm.items():
             if self._warm is not None:
                 self._warm(node, count, node in self.group)
-        self._announce_coming(() if step.extra else step.waiting_nodes, now)
+        # growing onto the nodes it waited for keeps them announced (renewed) until the group exits: its
+        # synchronous save and the new group's claim take seconds, and the arbiter's idle rule (a node no
+        # training runs on) must not reclaim their leases meanwhile -- the grow's claim takes them back, and
+        # says so (a demo's sweep lease there was reclaimed as `node_idle` 1.3 s before the grow's exit).
+        # The next group's first check replaces the record with what it waits for (or removes it).
+        self._announce_coming((self._coming[0] or ()) if step.extra else step.waiting_nodes, now)
         if not step.extra:
             self.last = GrowDecision(0, step.reason)
             return 0
