@@ -119,6 +119,21 @@ def test_a_yielding_job_tenant_gets_spare_gpus_and_hands_them_back_on_a_claim(en
     assert not any(t["tenant"] == "batch:evaluate" for t in arbiter_status(env)["tenants"])
 
 
+def test_a_job_registered_with_no_demand_is_lent_nothing_until_it_states_one(env):
+    """A batch job or sweep registers before it can run a unit (its plan, its keeper, Tune's start) with
+    demand 0: nothing is lent to it -- a demo's batch job held a lent GPU 53 s before its first wave -- until
+    it states what it can use."""
+    from spotfill.fillin.grant import ArbiterGrant
+
+    grant = ArbiterGrant("batch", "preparing", max_units=2, grace_s=3.0, arbiter=env["arbiter"], demand=0)
+    try:
+        assert grant.wait(1, timeout=3) == 0 and leases_of(env, "batch:preparing") == []
+        grant.demand(1)
+        assert grant.wait(1, timeout=30) == 1, "lent once it states a demand"
+    finally:
+        grant.close()
+
+
 def test_a_unit_whose_constructor_runs_is_seen_as_the_tenants_lease(env):
     """A batch unit's actor holds its GPU from the moment Ray hands it a process; while its constructor runs
     (a cold start, or a standby still warming) Ray's state API gives it no node (PENDING_CREATION, node_id

@@ -525,7 +525,8 @@ def run_batch(cfg, runtime_env: dict | None = None, wait_timeout_s: float | None
     if grant is None:
         grant = (FixedGrant(cfg.grant.units, cfg.cluster.grace_s) if cfg.grant.units else
                  ArbiterGrant("batch", cfg.name, max_units=cfg.cluster.max_units, grace_s=cfg.cluster.grace_s,
-                              gpu_resource=cfg.cluster.gpu_resource, runtime_env=runtime_env))
+                              gpu_resource=cfg.cluster.gpu_resource, runtime_env=runtime_env,
+                              demand=0))   # its wave loop states the demand once it can start a wave
     job.grant = grant
     try:
         summary = job.run(wait_timeout_s)

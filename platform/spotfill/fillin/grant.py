@@ -57,7 +57,11 @@ class ArbiterGrant:
 
     def __init__(self, kind: str, name: str, *, max_units: int, gpus_per_unit: int = 1, grace_s: float = 5.0,
                  gpu_resource: str = "GPU", poll_s: float = 0.25, arbiter=None, runtime_env: dict | None = None,
-                 cpus_per_unit: float = 0.0):
+                 cpus_per_unit: float = 0.0, demand: int | None = None):
+        """`demand`: the units it can use at registration (None: `max_units`). A job that still prepares
+        (plans its units, starts its keeper, its first trials) registers with 0 and states its demand when it
+        can run a unit: a GPU lent before then is held with nothing on it (a demo's batch job was lent a GPU
+        53 s before it could start its first wave)."""
         import ray
 
         from spotfill.fillin import wiring
@@ -67,7 +71,7 @@ class ArbiterGrant:
                      "max_replicas": int(max_units), "gpus_per_replica": int(gpus_per_unit),
                      "cpus_per_replica": float(cpus_per_unit), "grace_s": self.grace_s, "gpu_resource": gpu_resource}
         self.tenant = f"{kind}:{name}"
-        self._target, self._heard_at, self._demand = 0, time.monotonic(), None
+        self._target, self._heard_at, self._demand = 0, time.monotonic(), None if demand is None else max(0, int(demand))
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._register()

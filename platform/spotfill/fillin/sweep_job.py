@@ -44,7 +44,8 @@ def make_grant(cfg, runtime_env: dict | None = None):
     # a trial asks for {CPU: cpus_per_trial, GPU: 1}: the arbiter lends its GPU only where the CPUs are free too
     return ArbiterGrant("sweep", cfg.name, max_units=f.max_units, gpus_per_unit=1, grace_s=f.grace_s,
                         gpu_resource=cfg.cluster.gpu_resource, runtime_env=runtime_env,
-                        cpus_per_unit=cfg.cluster.cpus_per_trial)
+                        cpus_per_unit=cfg.cluster.cpus_per_trial,
+                        demand=0)     # Tune's searcher states it (SweepControl.plan) once it can start trials
 
 
 def sweep_handbacks(tenant: str, since: float) -> list[float]:
