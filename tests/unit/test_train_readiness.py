@@ -66,6 +66,9 @@ def test_a_grow_waits_for_the_groups_own_nodes_to_have_their_spares_ready():
     assert step.extra == 0 and f"{A[:8]} (0/2 spares)" in step.reason
     step = plan.decide(2, 4, {B: 2}, {A: 2}, {B: 2}, now=1.0, present={A: 2, B: 2})
     assert step.extra == 0 and f"{A[:8]} (0/2 spares)" in step.reason     # warming: not yet
+    # B is ready and waited for all the same: it stays announced to fill-in (a demo's replica there was
+    # reclaimed by the idle rule 3 s before the grow onto B)
+    assert step.waiting_nodes == (B,)
     step = plan.decide(2, 4, {B: 2}, {A: 2}, {A: 2, B: 2}, now=2.0, present={A: 2, B: 2})
     assert step.extra == 2 and step.warm_nodes == (B,)
 

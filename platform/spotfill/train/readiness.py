@@ -110,7 +110,8 @@ class GrowStep:
     ready_wait_s: float | None = None       # a grow onto new nodes: how long it waited for them
     cold_nodes: tuple = ()                  # nodes it grows onto without ready spares (bound passed)
     warm_nodes: tuple = ()                  # nodes new to the run it grows onto warm
-    waiting_nodes: tuple = ()               # nodes new to the run it waits for (their spares warm up)
+    waiting_nodes: tuple = ()               # nodes new to the run it waits to grow onto (their spares warm
+                                            # up, or are ready while other nodes' still warm)
 
 
 @dataclass
@@ -200,8 +201,12 @@ class GrowPlanner:
             return GrowStep(extra, "; ".join(why), warm_ask, round(max(waited), 3) if waited else None,
                             tuple(cold), tuple(warm_new), tuple(new_waiting))
         if waiting and any(fitting_by_node.get(n, 0) > 0 for n in fitting_by_node):
+            # every new node the grow waits to go onto, its spares ready or not: a new node already ready
+            # while the group's own nodes still warm is waited for too (fill-in lends there meanwhile, and
+            # its leases must not go to the idle rule -- a demo's Serve replica on such a node was reclaimed
+            # "no training on the node for 10s" 3 s before the grow onto it)
             return GrowStep(0, f"waiting for warm spares: {', '.join(waiting)}", warm_ask,
-                            waiting_nodes=tuple(new_waiting))
+                            waiting_nodes=tuple(sorted(set(new_waiting) | set(warm_new))))
         return GrowStep(0, f"no free capacity for more than {world} workers", warm_ask)
 
 
