@@ -367,6 +367,9 @@ class BatchJob:
         skipped_at_start = None
         from spotfill.fillin.batch_standby import start_standbys, stop_keeper
         self.actor_env, self.keeper = start_standbys(self.cfg)
+        # Ray Data's import before the first demand, not after the first lend: a demo's first wave started
+        # 15 s after its grant, importing it on a busy machine (the next waves: 0.3-3 s)
+        import ray.data  # noqa: F401
         try:
             while True:
                 todo = bp.remaining(units, committed(self.out, units))
