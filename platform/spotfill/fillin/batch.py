@@ -20,6 +20,7 @@ continuous batching), greedy rows giving what one-at-a-time decoding gives.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import json
 import logging
@@ -369,7 +370,7 @@ class BatchJob:
         self.actor_env, self.keeper = start_standbys(self.cfg)
         # Ray Data's import before the first demand, not after the first lend: a demo's first wave started
         # 15 s after its grant, importing it on a busy machine (the next waves: 0.3-3 s)
-        import ray.data  # noqa: F401
+        importlib.import_module("ray.data")
         try:
             while True:
                 todo = bp.remaining(units, committed(self.out, units))
@@ -428,6 +429,7 @@ class BatchJob:
         thread.start()
         stopped_at = more_since = None
         killed: list[str] | None = None
+        early: list[str] = []
         while thread.is_alive():
             thread.join(0.1)
             if not thread.is_alive():
@@ -442,6 +444,10 @@ class BatchJob:
                 stop.set()
                 log.info("batch %s: grant fell below %d: stopping the wave (%d of %d unit(s) done)",
                          self.cfg.name, n, wave["done"], len(units))
+                # an actor still being created (its process starting, its constructor loading the model)
+                # runs no unit: nothing to finish, so it goes now, not after the grace (a demo's hand-backs
+                # of waves stopped while their actor started cold: 6.6-12.6 s)
+                early = self._kill_stuck_actors(wave, not_alive_only=True)
             elif bp.regrow(n, allowed, self.cfg.cluster.max_units, len(units) - wave["done"]):
                 more_since = more_since or time.monotonic()
                 if time.monotonic() - more_since >= REGROW_AFTER_S:
@@ -457,7 +463,7 @@ class BatchJob:
             released_s = self._wait_released(stopped_at)
             stop_rec = {"at": time.time(), "done": wave["done"], "units": len(units),
                         "stop_s": round(time.monotonic() - stopped_at, 3), "released_s": released_s,
-                        "killed_actors": len(killed or [])}
+                        "killed_actors": len(early) + len(killed or [])}
             wave["stopped"] = stop_rec
             self.stops.append(stop_rec)
             try:     # on the output too: the job's own record survives a driver stopped before its summary
@@ -471,17 +477,22 @@ class BatchJob:
                         type(errors[0]).__name__, errors[0])
         wave["ended"] = time.time()
 
-    def _kill_stuck_actors(self, wave: dict) -> list[str]:
+    def _kill_stuck_actors(self, wave: dict, not_alive_only: bool = False) -> list[str]:
         """The wave was told to stop a grace ago and its reader still waits: its pool actor is not running a
         unit that would end it (one waits for a GPU no one lent -- its node died with the lease, Data
         started another -- while Data's executor spins a core). Kill the wave's map actors: the reader then
-        fails at once and the wave's uncommitted units are redone. Returns the ids killed."""
+        fails at once and the wave's uncommitted units are redone. `not_alive_only`: at the stop itself,
+        only the actors not created yet (no unit runs in them). Returns the ids killed."""
         from spotfill.ray_compat import kill_actor_id
         try:
             actors = self._wave_actors()
         except Exception as exc:  # noqa: BLE001 - the state API is best effort; tried again next wave
             log.warning("batch %s: cannot list the stuck wave's actors: %s", self.cfg.name, exc)
             return []
+        if not_alive_only:
+            actors = [a for a in actors if str(a.state) != "ALIVE"]
+            if not actors:
+                return []
         killed = []
         for a in actors:
             try:
@@ -489,6 +500,11 @@ class BatchJob:
                     killed.append(a.actor_id)
             except Exception as exc:  # noqa: BLE001 - gone meanwhile
                 log.debug("kill %s: %s", a.actor_id, exc)
+        if not_alive_only:
+            log.info("batch %s: wave %d stopped while %d of its actor(s) were still being created (%s): killed "
+                     "at once, no unit ran in them", self.cfg.name, len(self.waves), len(killed),
+                     sorted({str(a.state) for a in actors}))
+            return killed
         log.warning("batch %s: wave %d did not stop %.0fs after its grant fell (%d of %d unit(s) done; "
                     "actors %s): killed %d map actor(s), its uncommitted units are redone", self.cfg.name,
                     len(self.waves), self.cfg.cluster.grace_s, wave["done"], wave["units"],
