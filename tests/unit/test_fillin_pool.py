@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from spotfill.fillin.lending import MIN_HOLD_S, TenantView, fair_share, lend_round
+from spotfill.fillin.lending import MIN_HOLD_S, START_PATIENCE_S, TenantView, fair_share, lend_round
 from spotfill.fillin.turns import TurnClock, take_turns
 from spotfill.fillin.policy import Lease, Node, Snapshot
 
@@ -79,6 +79,29 @@ def test_fair_share_leaves_young_leases_and_satisfied_tenants_alone():
     # something is still lendable to the batch job: lending serves it, nothing is taken back
     spare = Snapshot((Node("a", 2, 0), Node("b", 1, 1)), leases=young)
     assert fair_share([sweep, batch], spare, T0 + MIN_HOLD_S) is None
+
+
+def test_fair_share_moves_no_unit_still_starting_and_counts_compute_where_it_is_known():
+    # the sweep holds both spare GPUs; the batch job wants one. The sweep's newest unit was granted 25 s ago
+    # and its trial is still starting cold (a demo's: 20-35 s): moving it would waste its start and the
+    # batch job's start alike, so it stays until it computed MIN_HOLD_S
+    old = Lease("sweep:t-old", "sweep:t", "sweep", "a", 1, granted_at=T0 - 100)
+    new = Lease("sweep:t-new", "sweep:t", "sweep", "a", 1, granted_at=T0 - 25)
+    snap = Snapshot((Node("a", 2, 0),), leases=(old, new))
+    sweep, batch = view("sweep", target=2, wanted=2), view("batch", target=0, wanted=2)
+    d = fair_share([sweep, batch], snap, T0, busy_since={"sweep:t-old": T0 - 90})
+    assert d is not None and d.lease_id == "sweep:t-old", "the unit that computed goes, not the one starting"
+    assert "computing 90s" in d.reason
+    started = {"sweep:t-old": T0 - 90, "sweep:t-new": T0 - 5}
+    assert fair_share([sweep, batch], snap, T0, busy_since=started).lease_id == "sweep:t-old", "5 s: not yet"
+    d = fair_share([sweep, batch], snap, T0 - 5 + MIN_HOLD_S, busy_since=started)
+    assert d.lease_id == "sweep:t-new", "the newest, once it computed MIN_HOLD_S"
+    # without compute reports a unit goes after MIN_HOLD_S + START_PATIENCE_S from its grant
+    alone = Snapshot((Node("a", 2, 0),), leases=(new, replace(new, lease_id="sweep:t-new2")))
+    at = T0 - 25 + MIN_HOLD_S + START_PATIENCE_S
+    assert fair_share([sweep, batch], alone, at - 1, busy_since={}) is None
+    d = fair_share([sweep, batch], alone, at, busy_since={})
+    assert d is not None and "computing" not in d.reason
 
 
 TURN = 60.0

@@ -405,8 +405,8 @@ class Arbiter:
                     now for d in g.lends for _ in range(max(1, d.gpus // tenant.spec.gpus_per_replica)))
             if g.lends or g.reassert:
                 self.asked_at[g.tenant] = now
-        fair = fair_share(self._views(), snap, now, self.order) or take_turns(self._views(), snap, now, self.turn_s,
-                                                                           self.turns.busy_since)
+        fair = (fair_share(self._views(), snap, now, self.order, busy_since=self.turns.busy_since)
+                or take_turns(self._views(), snap, now, self.turn_s, self.turns.busy_since))
         if fair is not None:
             self._apply_reclaims([fair], now, cause="fair_share")
 

@@ -18,7 +18,7 @@ Fewer units than tenants that want one: they take turns (fillin/turns.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from spotfill.fillin.policy import Decision, Snapshot, decide_lend, lendable, minus_anywhere, minus_free
 
@@ -143,11 +143,15 @@ def lend_round(tenants: Iterable[TenantView], snap: Snapshot, now: float, *, gua
 
 
 def fair_share(tenants: Iterable[TenantView], snap: Snapshot, now: float, order: Iterable[str] = (),
-               min_hold_s: float = MIN_HOLD_S) -> Decision | None:
+               min_hold_s: float = MIN_HOLD_S, busy_since: Mapping[str, float] | None = None) -> Decision | None:
     """A reclaim that moves one unit from a tenant above its fair share toward one below it, or None. One at
     a time: nothing while any lease is being reclaimed, or while something is still lendable (lending
     serves the hungry tenant then). The share: the GPUs fill-in holds plus what is lendable, split evenly
-    between the tenants that want GPUs."""
+    between the tenants that want GPUs. `busy_since` (lease id -> when its holder first computed; None:
+    not known, a lease's hold counts from its grant): a unit moves once it computed `min_hold_s`, or -- one
+    that never computed -- once it held START_PATIENCE_S beyond that: a unit still starting cold (20-35 s
+    in a demo here) is not taken away before its first compute, which would waste its start and the
+    receiver's start alike."""
     tenants = [t for t in tenants if t.wanted > 0]
     if len(tenants) < 2 or any(le.reclaiming_since is not None for le in snap.leases):
         return None
@@ -166,7 +170,8 @@ def fair_share(tenants: Iterable[TenantView], snap: Snapshot, now: float, order:
     usable = {n.node_id for n in snap.nodes if n.alive and not n.draining}
     for donor in donors:
         leases = sorted((le for le in snap.leases if le.tenant == donor.tenant and le.node_id in usable
-                         and now - le.granted_at >= min_hold_s), key=lambda le: (-le.granted_at, le.lease_id))
+                         and _held_enough(le, now, min_hold_s, busy_since)),
+                        key=lambda le: (-le.granted_at, le.lease_id))
         if leases:
             le, p = leases[0], poor[0]
             return Decision("reclaim", donor.tenant, le.gpus, at=now, node_id=le.node_id, lease_id=le.lease_id,
@@ -174,6 +179,16 @@ def fair_share(tenants: Iterable[TenantView], snap: Snapshot, now: float, order:
                                 f"fair share: {p.tenant} holds {gpus[p.tenant]} GPU(s) and wants more, "
                                 f"{donor.tenant} holds {gpus[donor.tenant]}; {len(tenants)} tenants want GPUs "
                                 f"and fill-in can use {pool}, {share} each: {donor.tenant}'s newest unit (held "
-                                f"{now - le.granted_at:.0f}s) goes to {p.tenant}"))
+                                f"{now - le.granted_at:.0f}s" + (f", computing {now - busy_since[le.lease_id]:.0f}s"
+                                                                 if busy_since and le.lease_id in busy_since else "")
+                                + f") goes to {p.tenant}"))
     return None
+
+
+def _held_enough(le, now: float, min_hold_s: float, busy_since: Mapping[str, float] | None) -> bool:
+    if busy_since is None:
+        return now - le.granted_at >= min_hold_s
+    if le.lease_id in busy_since:
+        return now - busy_since[le.lease_id] >= min_hold_s
+    return now - le.granted_at >= min_hold_s + START_PATIENCE_S
 
