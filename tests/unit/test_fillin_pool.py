@@ -119,7 +119,7 @@ def test_with_one_spare_gpu_and_two_job_tenants_they_take_turns():
     snap = one_spare_held_by("sweep:t", since=T0)
     sweep = replace(view("sweep", target=1, wanted=3), holding_since=T0)
     batch = replace(view("batch", target=0, wanted=4), waiting_since=T0)
-    computed = {"sweep:t-0": T0 + 10}
+    computed = {"sweep:t-0": T0}               # its trial computes from the start of its hold
     assert fair_share([sweep, batch], snap, T0 + 2 * TURN) is None
     assert take_turns([sweep, batch], snap, T0 + TURN / 2, TURN, computed) is None, "nobody waited a turn yet"
     d = take_turns([sweep, batch], snap, T0 + TURN, TURN, computed)
@@ -137,27 +137,29 @@ def test_with_one_spare_gpu_and_two_job_tenants_they_take_turns():
     snap = one_spare_held_by("batch:t", since=T0 + TURN + 3)
     sweep = replace(sweep, target=0, waiting_since=T0 + TURN, holding_since=None)
     batch = replace(batch, target=1, waiting_since=None, holding_since=T0 + TURN + 3)
-    computed = {"batch:t-0": T0 + TURN + 10}
+    computed = {"batch:t-0": T0 + TURN + 3}
     assert take_turns([sweep, batch], snap, T0 + 2 * TURN, TURN, computed) is None, "the batch job's turn is not over"
     d = take_turns([sweep, batch], snap, T0 + 2 * TURN + 3, TURN, computed)
     assert d is not None and d.tenant == "batch:t"
 
 
-def test_a_turn_takes_a_unit_that_computed_and_counts_the_holders_time_not_the_units():
+def test_a_turn_takes_a_unit_that_computed_and_counts_the_holders_compute_not_the_units():
     # the sweep has held the spare GPU for two turns, but through several trials: its current trial's group
     # got the unit 5 s ago and is still starting -- it is not taken until it computed (a running trial pauses
     # with a checkpoint; a starting one has nothing to save yet) or a turn passed since its grant
     t = T0 + 2 * TURN
     snap = one_spare_held_by("sweep:t", since=t - 5)
-    sweep = replace(view("sweep", target=1, wanted=3), holding_since=T0)
+    sweep = replace(view("sweep", target=1, wanted=3), holding_since=T0, computing_since=T0 + 5)  # its first trial's
     batch = replace(view("batch", target=0, wanted=4), waiting_since=T0)
     assert take_turns([sweep, batch], snap, t, TURN, {}) is None
     d = take_turns([sweep, batch], snap, t, TURN, {"sweep:t-0": t - 1})
     assert d is not None and d.lease_id == "sweep:t-0", "its new trial computes: the turn is over"
-    d = take_turns([sweep, batch], snap, t - 5 + TURN, TURN, {})
-    assert d is not None and "not computing yet" in d.reason, "a unit that never computed goes after a turn"
-    # the holder's time counts, not the unit's: a tenant that started holding 10 s ago keeps its unit
-    fresh = replace(sweep, holding_since=t - 10)
+    assert take_turns([sweep, batch], snap, t - 5 + TURN + START_PATIENCE_S - 1, TURN, {}) is None
+    d = take_turns([sweep, batch], snap, t - 5 + TURN + START_PATIENCE_S, TURN, {})
+    assert d is not None and "not computing yet" in d.reason, "a unit that never computed goes after a turn " \
+                                                              "and a start's patience"
+    # the holder's compute counts, not the unit's: a tenant that started computing 8 s ago keeps its unit
+    fresh = replace(sweep, holding_since=t - 10, computing_since=t - 8)
     assert take_turns([fresh, batch], snap, t, TURN, {"sweep:t-0": t - 8}) is None
 
 
@@ -174,9 +176,12 @@ def test_a_turn_is_time_computing_not_time_holding():
     d = take_turns([sweep, batch], snap, T0 + 25 + TURN, TURN, computed)
     assert d is not None and d.lease_id == "batch:t-0"
     assert f"has computed {TURN:.0f}s of the {TURN + 25:.0f}s it held GPUs" in d.reason, d.reason
-    # a hold in which nothing ever computed still ends a turn after its start (a start that never finishes)
+    # a hold in which nothing ever computed ends a turn and a start's patience after its start (a start that
+    # never finishes); not after a turn alone: two tenants whose cold starts outlast a turn then took the unit
+    # from each other every 30 s in a demo, neither ever computing
     stuck = replace(batch, computing_since=None)
-    d = take_turns([sweep, stuck], snap, T0 + TURN, TURN, {})
+    assert take_turns([sweep, stuck], snap, T0 + TURN, TURN, {}) is None
+    d = take_turns([sweep, stuck], snap, T0 + TURN + START_PATIENCE_S, TURN, {})
     assert d is not None and "computed on none" in d.reason and "not computing yet" in d.reason
 
 
@@ -205,7 +210,7 @@ def test_serve_is_never_made_to_give_its_replica_up_for_a_turn_but_may_take_one(
     # Serve waiting for a replica while a batch job holds the only spare GPU: it gets its turn
     serve = replace(serve, target=0, waiting_since=T0, holding_since=None)
     d = take_turns([serve, replace(batch, target=1, waiting_since=None, holding_since=T0)],
-                   one_spare_held_by("batch:t", since=T0), T0 + TURN, TURN, {"batch:t-0": T0 + 1})
+                   one_spare_held_by("batch:t", since=T0), T0 + TURN, TURN, {"batch:t-0": T0})
     assert d is not None and d.tenant == "batch:t"
 
 

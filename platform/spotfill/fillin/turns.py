@@ -6,8 +6,9 @@ With a share of 0 each (lending.fair_share moves nothing), `take_turns` decides:
 next trial taking the unit its last one freed is no break) and computed `turn_s` since its first unit of that
 hold first computed -- its oldest unit that has computed, so the sweep pauses a running trial with a
 checkpoint, the batch job stops a wave that did work; a tenant none of whose units computed within `turn_s` of
-the hold's start gives up its oldest, and a unit that has not computed within `turn_s` of its grant goes too
--- and `lend_round` serves the longest-waiting tenant first, so the freed unit goes where the turn said.
+the hold's start (plus a start's patience, START_PATIENCE_S) gives up its oldest, and a unit that has not
+computed within that of its grant goes too -- and `lend_round` serves the longest-waiting tenant first, so the
+freed unit goes where the turn said.
 
 A turn is time computing, not time holding: a cold start (process, imports, the model's load: 15-25 s for a
 demo's batch wave here, and the lease holds the GPU all along) no longer eats the turn it starts. With turns
@@ -21,9 +22,10 @@ tenants' `fillin_busy` reports, fillin/busy.py).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable, Mapping
 
-from spotfill.fillin.lending import TenantView, held_units, hungry, without_starting
+from spotfill.fillin.lending import START_PATIENCE_S, TenantView, held_units, hungry, without_starting
 from spotfill.fillin.policy import Decision, Snapshot, lendable
 
 TURN_S = 300.0             # fewer units than tenants: a job tenant's unit held this long goes to a tenant that
@@ -92,11 +94,12 @@ def take_turns(tenants: Iterable[TenantView], snap: Snapshot, now: float, turn_s
     if not waiting:
         return None
     p = waiting[0]
-    donors = {t.tenant: t for t in tenants if not t.scaled and t.tenant != p.tenant and _turn_over(t, now, turn_s)}
+    donors = {t.tenant: _with_compute(t, snap, busy_since) for t in tenants if not t.scaled and t.tenant != p.tenant}
+    donors = {name: t for name, t in donors.items() if _turn_over(t, now, turn_s)}
     usable = {n.node_id for n in snap.nodes if n.alive and not n.draining}
     leases = sorted((le for le in snap.leases if le.tenant in donors and le.node_id in usable
                      and le.gpus >= max(1, p.gpus_per_unit)
-                     and (le.lease_id in busy_since or now - le.granted_at >= turn_s)),
+                     and (le.lease_id in busy_since or now - le.granted_at >= turn_s + START_PATIENCE_S)),
                     key=lambda le: (le.granted_at, le.lease_id))
     if not leases:
         return None
@@ -114,11 +117,23 @@ def take_turns(tenants: Iterable[TenantView], snap: Snapshot, now: float, turn_s
                         + f" goes to {p.tenant}"))
 
 
+def _with_compute(t: TenantView, snap: Snapshot, busy_since: Mapping[str, float]) -> TenantView:
+    """`t` with its hold's first compute from its leases' reports where its view has none (TurnClock keeps it
+    past the leases that computed; a view built without the clock still counts what its leases report)."""
+    if t.computing_since is not None or t.holding_since is None:
+        return t
+    first = min((busy_since[le.lease_id] for le in snap.leases if le.tenant == t.tenant
+                 and le.lease_id in busy_since), default=None)
+    return t if first is None else replace(t, computing_since=max(first, t.holding_since))
+
+
 def _turn_over(t: TenantView, now: float, turn_s: float) -> bool:
     """A donor's turn is over: it computed `turn_s` since its hold's first compute, or in a hold of `turn_s`
-    none of its units computed at all."""
+    plus a start's patience (START_PATIENCE_S) none of its units computed at all. Without the patience two
+    tenants whose cold starts outlast a turn took the unit from each other every 30 s in a demo, neither
+    ever computing."""
     if t.holding_since is None:
         return False
     if t.computing_since is not None:
         return now - t.computing_since >= turn_s
-    return now - t.holding_since >= turn_s
+    return now - t.holding_since >= turn_s + START_PATIENCE_S
