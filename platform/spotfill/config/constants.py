@@ -196,6 +196,11 @@ SPARE_WARM_CLASS = env_choice("SPOTFILL_SPARE_WARM_CLASS", "low", ("low", "idle"
 # the default -- training first) or `low` (nice 19: a bounded share of CPUs training saturates; measured in
 # the demo: standbys ready sooner, harvest 0.12 against 0.09, but training's steps 30% slower while they warm).
 STANDBY_WARM_CLASS = env_choice("SPOTFILL_STANDBY_WARM_CLASS", "idle", ("idle", "low"))
+# ... and is held back at most this long (s; 0: until its warm-up ends): a tenant's actor Ray hands a standby
+# still warming waits for that warm-up (the worker runs its setup hook first), and held back on a node whose
+# CPUs training saturates the warm-up got no CPU -- a demo's sweep held a lent GPU 90 s and its trial never
+# started. After the bound the standby warms at the priority of Ray's workers, once per standby.
+STANDBY_HOLD_MAX_S = env_float("SPOTFILL_STANDBY_HOLD_MAX_S", 20.0)
 # Its wake watcher looks this often (s) whether a training worker of its node is gone (train.spares).
 SPARE_WAKE_POLL_S = env_float("SPOTFILL_SPARE_WAKE_POLL_S", 0.2, strict=True)
 # ... and ends the hold-back after this long (s; 0: only a restart ends it): a spare held back on a node whose

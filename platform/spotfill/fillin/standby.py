@@ -226,16 +226,37 @@ def start(kind: str, token_prefix: str, record_prefix: str, warm, owner_of_proce
     _STANDBY.update(kind=kind, owner=args["owner"], args=args, started_t=round(time.time(), 3), loaded=None,
                     record=f"{record_prefix}{args['owner']}:{node}:{os.getpid()}")
     from spotfill.config import constants
-    from spotfill.train.spares import held_back, idle_while, low_while
     low = constants.STANDBY_WARM_CLASS == "low"
     # SCHED_IDLE by default: training first. On a node whose CPUs training keeps busy its warm-up then crawls,
     # and a lent actor Ray hands its process waits for it (PENDING_CREATION: the arbiter sees it as held,
-    # fillin/job_tenant.constructing_nodes). `low` (nice 19) warms it sooner, at a bounded cost to the steps
+    # fillin/job_tenant.constructing_nodes). `low` (nice 19) warms it sooner, at a bounded cost to the steps;
+    # either way the hold ends after SPOTFILL_STANDBY_HOLD_MAX_S (held_warm)
+    held_warm(low, constants.STANDBY_HOLD_MAX_S, lambda: (record("warming"), warm(args)), _STANDBY)
+
+
+def held_warm(low: bool, hold_max_s: float, run, marks: dict) -> dict:
+    """Run `run()` held back -- nice 19 (`low`) or SCHED_IDLE -- for at most `hold_max_s` (0: all of it): a
+    watcher process (train.spares' wake watcher, with no training worker to watch) puts its threads back
+    after the bound. Sets in `marks` (and returns it): "idle" (held back at all), "warm_class", and when the
+    bound ended the hold, "woken_t" and "woken_by"."""
+    from spotfill.config import constants
+    from spotfill.train.spares import end_wake_watcher, held_back, idle_while, low_while, start_wake_watcher
+    # started before the hold, at this process's priority (a child inherits SCHED_IDLE and nice); woken, the
+    # threads go to SCHED_OTHER (idle) or back to this nice (low)
+    watcher = start_wake_watcher([], constants.SPARE_WAKE_POLL_S, hold_max_s=hold_max_s,
+                                 nice=os.getpriority(os.PRIO_PROCESS, 0) if low else None)
     with (low_while(True) if low else idle_while(True)) as held:
-        _STANDBY["idle"] = held_back(held)
-        _STANDBY["warm_class"] = ("low" if low else "idle") if _STANDBY["idle"] else "normal"
-        record("warming")
-        warm(args)
+        marks["idle"] = held_back(held)
+        marks["warm_class"] = ("low" if low else "idle") if marks["idle"] else "normal"
+        if not marks["idle"]:
+            watcher = end_wake_watcher(watcher) and None
+        try:
+            run()
+        finally:
+            woke = end_wake_watcher(watcher)
+            if woke:
+                marks["woken_t"], marks["woken_by"] = round(woke[0], 3), woke[2]
+    return marks
 
 
 def hold(loaded, size: int, key, **extra) -> bool:

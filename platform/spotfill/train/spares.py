@@ -230,10 +230,11 @@ while True:
 def start_wake_watcher(watched: list[int], poll_s: float, spare_pid: int | None = None, nice: int | None = None,
                        hold_max_s: float = 0.0):
     """Start the wake watcher (WAKE_WATCHER) of this process (or `spare_pid`) over the training workers
-    `watched`; returns its Popen, or None when there is nothing to watch or it cannot start. The spare
+    `watched` (none: only the bound ends the hold -- a fill-in standby's); returns its Popen, or None when
+    there is nothing to watch or bound, or it cannot start. The spare
     warms in SCHED_IDLE, or with `nice` at LOW_NICE: woken, its threads go back to that nice -- when a
     watched worker is gone, or after `hold_max_s` held back (0: only then)."""
-    if not watched or not hasattr(os, "SCHED_IDLE"):
+    if (not watched and hold_max_s <= 0) or not hasattr(os, "SCHED_IDLE"):
         return None
     import subprocess
     import sys
