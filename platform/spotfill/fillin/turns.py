@@ -12,8 +12,9 @@ freed unit goes where the turn said.
 
 A turn is time computing, not time holding: a cold start (process, imports, the model's load: 15-25 s for a
 demo's batch wave here, and the lease holds the GPU all along) no longer eats the turn it starts. With turns
-of 30 s counted from the grant, a demo's batch job was lent a GPU six times and computed 0.7 s in all. Serve is never made to give a replica up for a turn (it
-answers users; training's claims still take it). Without turns a demo's batch job waited for its first GPU
+of 30 s counted from the grant, a demo's batch job was lent a GPU six times and computed 0.7 s in all.
+
+Serve is never made to give a replica up for a turn (it answers users; training's claims still take it). Without turns a demo's batch job waited for its first GPU
 until the sweep ran out of trials.
 
 `TurnClock` keeps what the decision needs from one round to the next: since when each tenant has waited with
@@ -61,8 +62,7 @@ class TurnClock:
             if name in holding:
                 since = self.holding_since.setdefault(name, now)
                 self.held_at[name] = now
-                first = min((self.busy_since[le.lease_id] for le in snap.leases
-                             if le.tenant == name and le.lease_id in self.busy_since), default=None)
+                first = first_compute(name, snap, self.busy_since)
                 if first is not None and name not in self.computing_since:
                     self.computing_since[name] = max(first, since)
             elif now - self.held_at.get(name, 0.0) > HOLD_BREAK_S:
@@ -122,9 +122,14 @@ def _with_compute(t: TenantView, snap: Snapshot, busy_since: Mapping[str, float]
     past the leases that computed; a view built without the clock still counts what its leases report)."""
     if t.computing_since is not None or t.holding_since is None:
         return t
-    first = min((busy_since[le.lease_id] for le in snap.leases if le.tenant == t.tenant
-                 and le.lease_id in busy_since), default=None)
+    first = first_compute(t.tenant, snap, busy_since)
     return t if first is None else replace(t, computing_since=max(first, t.holding_since))
+
+
+def first_compute(tenant: str, snap: Snapshot, busy_since: Mapping[str, float]) -> float | None:
+    """When the first of `tenant`'s current units first computed (None: none has)."""
+    return min((busy_since[le.lease_id] for le in snap.leases if le.tenant == tenant and le.lease_id in busy_since),
+               default=None)
 
 
 def _turn_over(t: TenantView, now: float, turn_s: float) -> bool:
