@@ -381,9 +381,7 @@ class Arbiter:
                                   float(getattr(spec, "cpus_per_replica", 0.0)), spec.grace_s, t.target,
                                   t.wanted_units, scaled=not t.pulls_target, asked_at=self.asked_at.get(t.tenant),
                                   demand=bool(demand and demand.covers(t.shape(self.gpu_resource), t.pending_groups)),
-                                  waiting_since=self.turns.waiting_since.get(t.tenant),
-                                  holding_since=self.turns.holding_since.get(t.tenant),
-                                  computing_since=self.turns.computing_since.get(t.tenant)))
+                                  **self.turns.times(t.tenant)))
         return out
 
     def _lend(self, snap: Snapshot, now: float, demand=None) -> None:

@@ -44,6 +44,11 @@ class TurnClock:
         self.busy_since: dict[str, float] = {}      # lease id -> when its holder first computed
         self.computing_since: dict[str, float] = {}  # tenant -> when, in its current hold, a unit first computed
 
+    def times(self, tenant: str) -> dict:
+        """The clock's fields of `tenant`'s TenantView: waiting_since, holding_since, computing_since."""
+        return {"waiting_since": self.waiting_since.get(tenant), "holding_since": self.holding_since.get(tenant),
+                "computing_since": self.computing_since.get(tenant)}
+
     def busy(self, lease_id: str, t0: float) -> None:
         self.busy_since.setdefault(lease_id, float(t0))
 
