@@ -21,7 +21,7 @@ def test_a_port_in_use_is_never_given(monkeypatch):
         taken = held.getsockname()[1]
         monkeypatch.setattr(ports, "LOW", taken)
         monkeypatch.setattr(ports, "_ephemeral_low", lambda: taken + 2)    # the range: the taken one and one more
-        assert ports.free_ports(1) == [taken + 1] or not ports._bindable("127.0.0.1", taken + 1)
+        assert ports.free_ports(1) == [taken + 1] or not ports.bindable("127.0.0.1", taken + 1)
 
 
 def test_no_quiet_range_falls_back_to_the_kernels_pick(monkeypatch):

@@ -240,22 +240,12 @@ def held_warm(low: bool, hold_max_s: float, run, marks: dict) -> dict:
     after the bound. Sets in `marks` (and returns it): "idle" (held back at all), "warm_class", and when the
     bound ended the hold, "woken_t" and "woken_by"."""
     from spotfill.config import constants
-    from spotfill.train.spares import end_wake_watcher, held_back, idle_while, low_while, start_wake_watcher
-    # started before the hold, at this process's priority (a child inherits SCHED_IDLE and nice); woken, the
-    # threads go to SCHED_OTHER (idle) or back to this nice (low)
-    watcher = start_wake_watcher([], constants.SPARE_WAKE_POLL_S, hold_max_s=hold_max_s,
-                                 nice=os.getpriority(os.PRIO_PROCESS, 0) if low else None)
-    with (low_while(True) if low else idle_while(True)) as held:
-        marks["idle"] = held_back(held)
-        marks["warm_class"] = ("low" if low else "idle") if marks["idle"] else "normal"
-        if not marks["idle"]:
-            watcher = end_wake_watcher(watcher) and None
-        try:
-            run()
-        finally:
-            woke = end_wake_watcher(watcher)
-            if woke:
-                marks["woken_t"], marks["woken_by"] = round(woke[0], 3), woke[2]
+    from spotfill.train.spares import bounded_hold
+    with bounded_hold(True, low, hold_max_s, [], constants.SPARE_WAKE_POLL_S) as held:
+        marks["idle"], marks["warm_class"] = held["idle"], held["class"]
+        run()
+    if "woken_by" in held:
+        marks["woken_t"], marks["woken_by"] = held["woken_t"], held["woken_by"]
     return marks
 
 

@@ -40,15 +40,7 @@ FAST_FAILURE_DETECTION = EMBEDDED_HEALTH_CHECK.system_config()
 def free_port(preferred: int = 0) -> int:
     """`preferred` when it is free on 127.0.0.1, else a free one outside the ranges Ray and the kernel
     allocate from (testing.ports)."""
-    import socket
-    if preferred:
-        with socket.socket() as s:
-            try:
-                s.bind((LOOPBACK, preferred))
-                return preferred
-            except OSError:
-                pass
-    return ports.free_port(LOOPBACK)
+    return preferred if preferred and ports.bindable(LOOPBACK, preferred) else ports.free_port(LOOPBACK)
 
 
 class EmbeddedCluster:

@@ -24,7 +24,7 @@ def _ephemeral_low() -> int:
         return 32768             # Linux's default
 
 
-def _bindable(host: str, port: int) -> bool:
+def bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
@@ -49,7 +49,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     while len(chosen) < n and high > LOW and tries < 200 * n:
         tries += 1
         port = rng.randrange(LOW, high)
-        if port not in chosen and _bindable(host, port):
+        if port not in chosen and bindable(host, port):
             chosen.append(port)
     while len(chosen) < n:
         port = _kernel_port(host)

@@ -352,6 +352,30 @@ def held_back(held) -> bool:
 
 
 @contextlib.contextmanager
+def bounded_hold(enabled: bool, low: bool, hold_max_s: float, watched: list[int], poll_s: float):
+    """Hold the block back -- nice LOW_NICE (`low`) or SCHED_IDLE -- when `enabled`, with a wake watcher
+    (WAKE_WATCHER, started first at this process's own priority: a child inherits SCHED_IDLE and nice) that
+    puts its threads back when one of the `watched` training workers is gone or after `hold_max_s` (0: only
+    then; no watcher without either). Yields a dict: "idle" (held back at all) and "class" ("low", "idle" or
+    "normal"); once the block ends, when the watcher woke it, "woken_t", "woken_moved" and "woken_by". A
+    training worker's spare (train.warm) and a fill-in tenant's standby (fillin.standby) warm up in it."""
+    watcher = start_wake_watcher(watched, poll_s, nice=os.getpriority(os.PRIO_PROCESS, 0) if low else None,
+                                 hold_max_s=hold_max_s) if enabled else None
+    out: dict = {}
+    with (low_while if low else idle_while)(enabled) as held:
+        out["idle"] = held_back(held)
+        out["class"] = ("low" if low else "idle") if out["idle"] else "normal"
+        if not out["idle"]:
+            watcher = end_wake_watcher(watcher) and None
+        try:
+            yield out
+        finally:
+            woke = end_wake_watcher(watcher)
+            if woke:
+                out["woken_t"], out["woken_moved"], out["woken_by"] = round(woke[0], 3), *woke[1:]
+
+
+@contextlib.contextmanager
 def low_while(enabled: bool):
     """Run the block with the calling thread (and the threads it starts) at nice LOW_NICE, in the normal
     scheduling class, when `enabled` and the way back is allowed; afterwards every thread at LOW_NICE is back

@@ -59,23 +59,16 @@ def start() -> None:
     marks["warm_hook_t"] = round(time.time(), 3)
     from spotfill.config import constants
     from spotfill.ray_compat.names import RAY_TRAIN_WORKER_MODULE
-    from spotfill.train.spares import end_wake_watcher, held_back, idle_while, low_while, start_wake_watcher
+    from spotfill.train.spares import bounded_hold
     # a spare gives way to its node's training workers while it warms up (constants.SPARE_WARM_CLASS: nice 19,
     # or SCHED_IDLE), and a watcher process wakes it the moment one of them is gone (the group stops for a
-    # restart: train.readiness)
+    # restart: train.readiness) or after SPOTFILL_SPARE_HOLD_MAX_S (only where it has a group to watch)
     spare = _is_spare()
     group = _group_workers() if spare else []
     low = constants.SPARE_WARM_CLASS == "low"
-    # started first, at the process's own priority (a child inherits SCHED_IDLE and nice); it also ends the
-    # hold-back after SPOTFILL_SPARE_HOLD_MAX_S
-    watcher = start_wake_watcher(group, constants.SPARE_WAKE_POLL_S,
-                                 nice=os.getpriority(os.PRIO_PROCESS, 0) if low else None,
-                                 hold_max_s=constants.SPARE_HOLD_MAX_S) if group else None
-    with (low_while if low else idle_while)(spare) as held:
-        marks["warm_idle"] = held_back(held)
-        marks["warm_class"] = ("low" if low else "idle") if marks["warm_idle"] else "normal"
-        if not marks["warm_idle"]:
-            watcher = end_wake_watcher(watcher) and None
+    with bounded_hold(spare, low, constants.SPARE_HOLD_MAX_S if group else 0.0, group,
+                      constants.SPARE_WAKE_POLL_S) as hold:
+        marks["warm_idle"], marks["warm_class"] = hold["idle"], hold["class"]
         _record(ready=False)                 # on its way: a restart that stops the steps finds it
         thread = threading.Thread(target=_load, name="spotfill-warm-start", daemon=True)
         thread.start()
@@ -84,9 +77,9 @@ def start() -> None:
         thread.join()
         for name in AFTER_TORCH:
             _import(name)
-        woke = end_wake_watcher(watcher)
-        if woke:
-            marks["warm_woken_t"], marks["warm_woken_moved"], marks["warm_woken_by"] = round(woke[0], 3), *woke[1:]
+    if "woken_by" in hold:
+        marks["warm_woken_t"], marks["warm_woken_moved"], marks["warm_woken_by"] = (
+            hold["woken_t"], hold["woken_moved"], hold["woken_by"])
     marks["warm_after_t"] = round(time.time(), 3)
     _record(ready=True)
 
