@@ -32,9 +32,20 @@ def test_a_lease_ends_as_reclaim_release_or_lease_end_with_its_cause():
     events, _ = lease_ended([drop("r3", B, 30.0)], known, [], now=30.0)
     assert [e["kind"] for e in events] == ["release"]
     # the node died: lease_end, and an order for that very lease is void
-    order = ReclaimOrder("serve:app/Gen", "r1", 29.0, "node_draining", "drain")
+    order = ReclaimOrder("serve:app/Gen", "r1", 29.0, "training_claim", "job j claims 1", job="j")
     events, left = lease_ended([drop("r1", A, 31.0, "node lost: the lease died with it")], known, [order], now=31.0)
     assert [e["kind"] for e in events] == ["lease_end"] and left == []
+    # ... unless that order was the node's own spot notice: the drained node went (its raylet exits once the
+    # tenant let go, often before the next look) -- the notice's reclaim, node_lost said, no hand-back time
+    order = ReclaimOrder("serve:app/Gen", "r1", 29.0, "node_draining", "node draining (spot notice)")
+    events, left = lease_ended([drop("r1", A, 31.0, "node lost: the lease died with it")], known, [order], now=31.0)
+    assert [e["kind"] for e in events] == ["reclaim"] and left == []
+    assert events[0]["cause"] == "node_draining" and events[0]["node_lost"] is True
+    assert events[0]["reclaim_s"] is None and events[0]["requested_at"] == 29.0
+    # a notice's order for another lease of the tenant does not make this one a reclaim
+    other = ReclaimOrder("serve:app/Gen", "r2", 29.0, "node_draining", "node draining (spot notice)")
+    events, left = lease_ended([drop("r1", A, 31.0, "node lost: the lease died with it")], known, [other], now=31.0)
+    assert [e["kind"] for e in events] == ["lease_end"] and left == [other]
     # an order nothing ended for expires instead of claiming a later, unrelated release -- and is reported
     # as a hand-back that never completed, not forgotten
     old = ReclaimOrder("serve:app/Gen", "r1", 0.0, "training_claim", "old", job="j")

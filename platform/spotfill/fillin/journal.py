@@ -17,7 +17,9 @@ copies the journal into its own events.jsonl (train/job.py, LeaseForwarder).
                the lease ended because spotfill took the GPUs back: `cause` training_claim (a training job's
                claim; `reclaim_s` = that claim -> this GPU free, the hand-back), node_draining, node_idle
                (autoscaled cluster: training left the node, which is given back to scale down), or
-               not_lent (a replica Serve started by itself, its cold start, outside any claim)
+               not_lent (a replica Serve started by itself, its cold start, outside any claim); a lease on a
+               draining node whose node went before its hand-back was seen ends as its node_draining reclaim
+               with `node_lost: true` and `reclaim_s` null
     release    {lease_id, ..., end}                    the tenant let the GPUs go by itself
     lease_end  {lease_id, ..., end, reason}            the lease's node died with it
     handback_incomplete {tenant, lease_id, requested_at, waited_s, cause, reason, job}
@@ -82,8 +84,20 @@ def lease_ended(decisions: Iterable[Decision], known: dict[str, Lease], orders: 
         base = {"t": now, **_lease_fields(le), "end": round(end, 3)}
         if "node lost" in d.reason:
             # the node died: an open order for this lease is void (Serve will not stop another replica
-            # for it, its target already counts the loss)
+            # for it, its target already counts the loss) -- except a spot notice's: the tenant was told to
+            # move off the node the notice named, and that node then going is what the notice said. A
+            # drained node's raylet exits as soon as nothing runs there, i.e. right after the tenant let go,
+            # often before the arbiter's next look sees the GPU free (a demo's sweep paused its trial with a
+            # checkpoint 0.4 s after the notice's reclaim; the node was gone at the next look, 4 s later).
+            # It ends as that reclaim, `node_lost` said, and no hand-back time: none was seen.
+            drained = next((o for o in left if o.lease_id == le.lease_id and o.cause == "node_draining"), None)
             left = [o for o in left if o.lease_id != le.lease_id]
+            if drained is not None and drained.requested_at <= end:
+                events.append({**base, "kind": "reclaim", "requested_at": round(drained.requested_at, 3),
+                               "reclaim_s": None, "cause": drained.cause, "node_lost": True,
+                               "reason": f"{drained.reason}; the node was gone before the hand-back was seen",
+                               "job": drained.job})
+                continue
             events.append({**base, "kind": "lease_end", "reason": d.reason})
             continue
         # a lease that ended before an order was placed is not its hand-back

@@ -81,6 +81,15 @@ def _muon_files() -> str | None:
     return None
 
 
+def _shm_comm_source() -> str | None:
+    """DeepSpeed's TorchBackend takes its shm op from the module's build_shm_op and copes with None."""
+    path, text = deepspeed_source(os.path.join("comm", "torch.py"))
+    for needed in ("self.shm_comm_op = build_shm_op()", "if self.shm_comm_op != None"):
+        if needed not in text:
+            return f"deepspeed/comm/torch.py with {needed!r} ({path})"
+    return None
+
+
 def _zero_elastic_files() -> str | None:
     for rel, names in ZERO_ELASTIC_SOURCES.items():
         path, text = deepspeed_source(rel)
@@ -212,6 +221,13 @@ HOOKS = _hooks(
          "imports per worker start, on the recovery path",
          "train.engine and train.worker_loop only skip an import: DeepSpeed's real modules work",
          checks=(_muon_files,)),
+    Hook("deepspeed_shm_comm_skip", ROBUSTNESS, "deepspeed", DS,
+         "DeepSpeed's comm backend starts without its shared-memory all-reduce op (used only by its "
+         "inference_all_reduce), so no worker JIT-builds or loads it",
+         "on a CPU accelerator every fresh machine's first worker start JIT-builds the op (31.7 s of g++ on "
+         "2 cores, inside deepspeed.initialize) and every later start checks and loads the cached build",
+         "train.engine and train.pipeline only skip a build: DeepSpeed builds and loads the op as before",
+         names=("deepspeed.comm.torch:build_shm_op",), checks=(_shm_comm_source,)),
     Hook("zero_elastic_load", REQUIRED, "deepspeed", DS,
          "loads a ZeRO-1/2 checkpoint in DeepSpeed's elastic layout at any data-parallel size, exactly",
          "resuming a ZeRO-1/2 run (training.zero_stage 1 or 2) from its checkpoint",

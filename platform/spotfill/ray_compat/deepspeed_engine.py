@@ -1,9 +1,11 @@
-"""DeepSpeed's private names: the Muon optimizer modules spotfill keeps out of its workers, the ZeRO-1/2
+"""DeepSpeed's private names: the Muon optimizer modules and the shared-memory comm op spotfill keeps out of
+its workers, the ZeRO-1/2
 internals of the elastic (no conversion) resharding load, its checkpoint file names (which rank's partition
 a file holds) and the pipeline engine's instruction map.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
@@ -34,6 +36,27 @@ def skip_deepspeed_muon() -> bool:
         return False
     for module, names in MUON_MODULES.items():
         sys.modules.setdefault(module, _MuonStandIn(module, names))
+    return True
+
+
+def skip_deepspeed_shm_comm() -> bool:
+    """Have DeepSpeed's comm backend start without its shared-memory all-reduce op (`deepspeed_shm_comm`):
+    on a CPU accelerator its TorchBackend JIT-builds that C++ op as it starts (g++: 31.7 s on this 2-core
+    machine, the first start of every fresh machine -- the default demo's first group waited 32.5 s in
+    `deepspeed.initialize`), then loads it from the cache at every later start (a ninja check per worker).
+    Only DeepSpeed's `inference_all_reduce` uses the op; training's collectives (ZeRO's all-reduce,
+    reduce-scatter, all-gather) go through torch.distributed either way, and TorchBackend handles a missing
+    op (None: its own fallback). Call before DeepSpeed's comm starts (deepspeed.init_distributed or
+    deepspeed.initialize); idempotent. Returns whether the op is skipped (False: hook
+    deepspeed_shm_comm_skip is off -- one warning -- and DeepSpeed builds it as before)."""
+    if not usable("deepspeed_shm_comm_skip"):
+        return False
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    if not getattr(ds_torch.build_shm_op, "spotfill_skipped", False):
+        def build_shm_op():
+            return None
+        build_shm_op.spotfill_skipped = True
+        ds_torch.build_shm_op = build_shm_op
     return True
 
 

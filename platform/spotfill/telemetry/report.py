@@ -107,6 +107,8 @@ def fillin_section(events: list[dict], window: tuple[float, float]) -> dict | No
             if le is not None:
                 le.update(end=e.get("end", e["t"]), ended_by=e["kind"], reclaim_s=e.get("reclaim_s"),
                           cause=e.get("cause") or e.get("reason"))
+                if e.get("node_lost"):
+                    le["node_lost"] = True      # a notice's reclaim whose node went before the hand-back was seen
                 leases.append(le)
     leases += open_.values()
     leases = [le for le in leases if le["start"] < end and (le["end"] is None or le["end"] > start)]

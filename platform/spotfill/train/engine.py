@@ -130,9 +130,11 @@ def build_engine(model, config: dict, device=None):
     its neighbours' too -- and the LR schedule started (start_lr_schedule). Returns the engine."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_cache_dir())
     from spotfill.config import constants
-    from spotfill.ray_compat import guard_jit_op_builds, new_groups_timeout, skip_deepspeed_muon
+    from spotfill.ray_compat import (guard_jit_op_builds, new_groups_timeout, skip_deepspeed_muon,
+                                     skip_deepspeed_shm_comm)
     guard_jit_op_builds()
     skip_deepspeed_muon()    # no torch.compile/inductor import for an optimizer spotfill never builds
+    skip_deepspeed_shm_comm()   # no JIT build of an inference-only comm op as DeepSpeed's comm starts
     # DeepSpeed's groups (its ZeRO data-parallel group is a new_group clone of the world) time out with the
     # default group Ray Train made, not after torch's global 30 minutes
     new_groups_timeout(constants.COLLECTIVE_TIMEOUT_S)

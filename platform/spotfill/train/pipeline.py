@@ -90,6 +90,8 @@ def build_pipeline_module(cfg: GPTConfig, stages: int, replicas: int, seed: int 
     import torch.distributed as dist
     from deepspeed.pipe import LayerSpec, PipelineModule
 
+    from spotfill.ray_compat import skip_deepspeed_shm_comm
+    skip_deepspeed_shm_comm()      # no JIT build of an inference-only comm op (train.engine says why)
     deepspeed.init_distributed(dist_backend=dist.get_backend())   # DeepSpeed's comm over torch's group
     layers = [LayerSpec(PipeEmbed, cfg, seed)]
     layers += [LayerSpec(PipeBlock, cfg, i + 1, seed) for i in range(cfg.n_layer)]

@@ -327,9 +327,10 @@ def _warm_imports():
     def load():
         import importlib
 
-        from spotfill.ray_compat import DYNAMO_MODULE, skip_deepspeed_muon
+        from spotfill.ray_compat import DYNAMO_MODULE, skip_deepspeed_muon, skip_deepspeed_shm_comm
         skip_deepspeed_muon()
         import deepspeed  # noqa: F401
+        skip_deepspeed_shm_comm()
         importlib.import_module(DYNAMO_MODULE)
 
     thread = threading.Thread(target=load, name="spotfill-warm-imports", daemon=True)
