@@ -120,21 +120,25 @@ def test_the_worker_loops_spares_hold_no_ray_resource_and_warm_idle(cluster):
         import os
 
         from spotfill.train.spare_workers import prestart_spares
-        prestart_spares(2)
+        from spotfill.train.warm import withdraw
+        withdraw()          # as a training worker does at its start: this process is no spare
+        prestart_spares(2)  # the node's target: the spares already there count
         return os.getpid()          # its thread asks the raylet; the process stays (an idle worker)
 
     ray.get(ask_for_spares.options(scheduling_strategy=pin).remote(), timeout=120)
     prefix = record_prefix(ray.get_runtime_context().get_job_id(), node)
 
-    def spares() -> list[dict]:
-        """The idle records: the processes that took the asker's tokens. Any other worker process of the job
-        on the node (the asker's own, one Ray started for the task) records itself too, not idle."""
-        return [r for r in (json.loads(kv_get(k)) for k in kv_list(prefix)) if r["idle"]]
+    def records() -> list[dict]:
+        """The node's warm processes of the job: those that took the asker's tokens (idle: held back while
+        they warmed) and any other worker process of the job there that ran the hook (one Ray started on
+        its own) -- a process a restart's actor can land on, which the ask counts (it asks the rest)."""
+        return [json.loads(kv_get(k)) for k in kv_list(prefix)]
     deadline = time.time() + READY_DEADLINE_S
-    while time.time() < deadline and sum(1 for r in spares() if r["ready_t"]) < 2:
+    while time.time() < deadline and sum(1 for r in records() if r["ready_t"]) < 2:
         time.sleep(1.0)
-    records = spares()
-    assert len(records) == 2 and all(r["ready_t"] for r in records), records
+    warm = records()
+    assert sum(1 for r in warm if r["ready_t"]) == len(warm) == 2, warm       # 2 wanted, 2 there, no more
+    assert any(r["idle"] for r in warm), warm       # what the ask started took its tokens and warmed held back
     assert _node_resources(node) == before          # 0 GPU, 0 CPU held by the spares in Ray's accounting
 
     @ray.remote(num_gpus=2, num_cpus=2)

@@ -121,9 +121,15 @@ def test_prestarting_spares_asks_the_raylet_for_no_more_than_the_memory_allows(m
     threads = []
     monkeypatch.setattr(threading, "Thread", lambda target, **_: threads.append(target) or
                         types.SimpleNamespace(start=lambda: None))
-    spare_workers.prestart_spares(2)
+    spare_workers.prestart_spares(5)        # the node should hold 5: 3 are there, room for 1 more
     threads[0]()
     assert asked == {"offered": 1, "started": 1}
+    asked.clear()
+    spare_workers.prestart_spares(3)        # 3 wanted, 3 there (a grow's reserve): none asked
+    threads[1]()
+    assert asked == {}
+    spare_workers.prestart_spares(0)        # not the node's first rank: no ask at all
+    assert len(threads) == 2
 
 
 # -- a spare warming in SCHED_IDLE is woken the moment its node's training worker is gone ----------------------
@@ -255,10 +261,11 @@ def test_the_first_worker_on_a_node_asks_spares_for_the_slots_its_group_does_not
     monkeypatch.setattr(spare_workers, "node_slots", lambda job, node: 3)
     w, nodes = constants.WARM_SPARES, ["a", "b", "b"]          # rank 0 on a; ranks 1 and 2 on b
     assert spare_workers.spares_to_ask(None, 0, "a", nodes) == 3 * w     # itself + 2 slots lent or free
-    assert spare_workers.spares_to_ask(None, 1, "b", nodes) == 2 * w     # itself + 1 slot
-    assert spare_workers.spares_to_ask(None, 2, "b", nodes) == w         # itself
-    monkeypatch.setattr(spare_workers, "node_slots", lambda job, node: 0)     # unknown: its own only
+    assert spare_workers.spares_to_ask(None, 1, "b", nodes) == 3 * w     # the node's first rank: its 3 slots
+    assert spare_workers.spares_to_ask(None, 2, "b", nodes) == 0         # one ask per node
+    monkeypatch.setattr(spare_workers, "node_slots", lambda job, node: 0)     # unknown: the workers' own only
     assert spare_workers.spares_to_ask(None, 0, "a", nodes) == w
+    assert spare_workers.spares_to_ask(None, 1, "b", nodes) == 2 * w
 
 
 def test_the_process_start_time_is_read_once_and_kept():

@@ -177,6 +177,10 @@ COLLECTIVE_TIMEOUT_S = env_float("SPOTFILL_COLLECTIVE_TIMEOUT_S", CHECKPOINT_COM
 # spotfill runs: each training worker has its node's raylet start this many spare worker processes, which
 # import torch and DeepSpeed while the group trains; the group after a restart starts on them (0: off).
 WARM_SPARES = env_int("SPOTFILL_WARM_SPARES", 1)
+# While a grow waits for ready spares, the group's own nodes also warm this many more sets of the spares
+# the grown group runs there (not waited for): the grow takes the spares it uses, and its first restart
+# (a loss or a notice right after it) then finds these ready (train.readiness.GrowPlanner.reserve; 0: none).
+WARM_SPARE_RESERVE = env_int("SPOTFILL_WARM_SPARE_RESERVE", 1)
 # How long (s) a spare nobody took is kept idle above Ray's idle-worker soft limit.
 WARM_SPARE_KEEP_ALIVE_S = env_int("SPOTFILL_WARM_SPARE_KEEP_ALIVE_S", 3600)
 # A grow onto a node new to the run waits for that node's spares to warm up (train.readiness) at most this

@@ -130,7 +130,8 @@ class GrowCheck:
         self.group = dict(group or {})           # this group's workers per node
         spares = constants.WARM_SPARES
         self.planner = GrowPlanner(bound_s=constants.WARM_GROW_BOUND_S if spares > 0 else 0.0,
-                                   spares_per_worker=max(1, spares))
+                                   spares_per_worker=max(1, spares),
+                                   reserve=constants.WARM_SPARE_RESERVE if spares > 0 else 0)
         self._warm, self._ready = (warm if spares > 0 else None), (ready if spares > 0 else (lambda **_: {}))
         self.last: GrowDecision | None = None
         self.step: GrowStep | None = None       # the readiness decision behind the last grow

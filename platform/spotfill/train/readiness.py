@@ -126,12 +126,22 @@ class GrowPlanner:
     (now) plus the new ones. A node counts once it has a ready spare for each of them, cold once `bound_s`
     passed since it was asked; it is asked once (`warm`) for the spares beyond those ready or already on
     their way (the group's own workers asked for `spares_per_worker` each).
+
+    `reserve`: while a grow is in prospect (free capacity somewhere), each of the group's own nodes is also
+    asked, once, for `reserve` more sets of the processes the grown group runs there -- not waited for: a
+    grow takes every spare it uses, and the grown group's own spares (asked after its first step) take
+    10-20 s to warm; a loss or a notice in that window restarted cold (a demo here: a notice 5 s after a grow
+    restarted on spares started 1.5 s before it, 8.7 s of their imports with every worker stopped). The
+    reserve warms during the grow's wait (24-90 s in the demo), so the grown group's first restart finds it
+    ready; the grown group's own ask counts it (train.spare_workers.prestart_spares).
     """
     bound_s: float = 60.0
     spares_per_worker: int = 1
     reask_s: float = 10.0                           # a node still short of spares that never started
+    reserve: int = 0                                # sets of spares the group's own nodes warm beyond the grow's
     asked: dict = field(default_factory=dict)       # node -> when it was first asked to warm
     last_ask: dict = field(default_factory=dict)    # node -> when it was last asked
+    reserved: dict = field(default_factory=dict)    # own node -> when its reserve was asked
 
     def decide(self, world: int, max_workers: int, fitting_by_node: dict[str, int], group: dict[str, int],
                ready: dict[str, int], now: float, multiple: int = 1,
@@ -153,6 +163,7 @@ class GrowPlanner:
         order = sorted(set(fitting_by_node) | set(group),
                        key=lambda nd: (-group.get(nd, 0), -ready.get(nd, 0), nd))
         most = world + room                              # the grown group's size at most
+        prospect = room > 0 and any(v > 0 for v in fitting_by_node.values())    # a grow may come
         for node in order:
             fits = max(0, fitting_by_node.get(node, 0))
             n, own = min(room, fits), group.get(node, 0)
@@ -173,6 +184,11 @@ class GrowPlanner:
                 # for the spares that never started
                 self.last_ask[node] = now
                 warm_ask[node] = need - started
+            if own and self.reserve and prospect and node not in self.reserved:
+                self.reserved[node] = now
+                more = need * (1 + self.reserve) - max(started, own * self.spares_per_worker) - warm_ask.get(node, 0)
+                if more > 0:
+                    warm_ask[node] = warm_ask.get(node, 0) + more
             if have >= need:
                 counted += n
                 waited.append(now - self.asked[node])

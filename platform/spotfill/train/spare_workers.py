@@ -22,15 +22,17 @@ def warm_state() -> dict:
 
 
 def spares_to_ask(job: JobConfig, rank: int, node_id: str, nodes_by_rank: list[str]) -> int:
-    """How many spares this worker asks its node's raylet for: SPOTFILL_WARM_SPARES for itself, and on the
-    node's first rank as many more for each slot of the node its group does not use (GPUs lent to fill-in or
-    free): a restart after a loss sizes the group to every slot of the nodes that are left
-    (train.readiness.restart_size), and a worker placed there without a spare starts cold -- seen in a demo:
-    a survivor with 3 GPUs, 1 worker and 2 spares restarted 3 workers, the third cold (20 s of imports)."""
+    """How many spares this node should hold for the next worker group, asked by the node's first rank (the
+    others ask none): SPOTFILL_WARM_SPARES for each slot of the node -- its group's workers and each slot the
+    group does not use (GPUs lent to fill-in or free): a restart after a loss sizes the group to every slot
+    of the nodes that are left (train.readiness.restart_size), and a worker placed there without a spare
+    starts cold (seen in a demo: a survivor with 3 GPUs, 1 worker and 2 spares restarted 3 workers, the third
+    cold, 20 s of imports). One ask per node: `prestart_spares` takes the spares already there off it (those
+    a grow left: train.readiness.GrowPlanner's reserve), which a separate ask per rank could not."""
     mine = [r for r, n in enumerate(nodes_by_rank) if n == node_id]
     if not mine or mine[0] != rank:
-        return constants.WARM_SPARES
-    return constants.WARM_SPARES * (1 + max(0, node_slots(job, node_id) - len(mine)))
+        return 0
+    return constants.WARM_SPARES * max(len(mine), node_slots(job, node_id))
 
 
 def node_slots(job: JobConfig, node_id: str) -> int:
@@ -47,8 +49,9 @@ def node_slots(job: JobConfig, node_id: str) -> int:
 
 
 def prestart_spares(count: int) -> None:
-    """Have this node's raylet start `count` spare worker processes for the next worker group (one set per
-    worker, so a node holds as many spares as it runs workers), on a thread, off the step loop: they
+    """Have this node's raylet start spare worker processes for the next worker group until the node holds
+    `count` (spares_to_ask: one set per slot; those already there, warming or ready, count), on a thread, off
+    the step loop: they
     import torch and DeepSpeed (spotfill.train.warm, their setup hook) while this group trains, and the
     actors of the group after a restart land on them instead of on cold processes. Spares the next group
     does not take stay idle for SPOTFILL_WARM_SPARE_KEEP_ALIVE_S, then Ray's idle-worker policy applies;
@@ -61,12 +64,18 @@ def prestart_spares(count: int) -> None:
     from spotfill.train.elastic import ready_spares
     from spotfill.train.spares import host_memory_bytes, offer, spares_within_memory
 
+    if count <= 0:
+        return
+
     def ask():
         node = ray.get_runtime_context().get_node_id()
-        n, why = spares_within_memory(count, host_memory_bytes(), ready_spares(warming=True).get(node, 0),
+        held = ready_spares(warming=True).get(node, 0)      # spares already there (warming or ready)
+        n, why = spares_within_memory(max(0, count - held), host_memory_bytes(), held,
                                       constants.WARM_SPARE_RSS_MB << 20, constants.WARM_SPARE_MEMORY_FRACTION)
         if why:
             log.info("spares on this node: %s", why)
+        if held:
+            log.info("spares on this node: %d wanted, %d already there, %d asked", count, held, n)
         if n:
             offer(node, n)    # they warm up held back (train.spares)
             prestart_workers(n, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S)
