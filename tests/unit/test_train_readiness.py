@@ -111,10 +111,14 @@ def test_while_a_grow_waits_the_groups_own_nodes_warm_a_reserve_for_its_first_re
     # A runs 3 workers and asked its 3 spares after its first step (warming); B is new with room for 1
     step = plan.decide(3, 4, {B: 3}, {A: 3}, {}, now=0.0, present={A: 3})
     assert step.warm == {A: 3, B: 3} and step.extra == 0
-    step = plan.decide(3, 4, {B: 3}, {A: 3}, {}, now=1.0, present={A: 6, B: 3})
-    assert step.warm == {}                                   # asked once
+    step = plan.decide(3, 4, {B: 3}, {A: 3}, {}, now=1.0, present={A: 4, B: 3})
+    assert step.warm == {}                                   # asked once...
+    # ... and again for those the raylet never started (it starts at most its CPUs' worth at once: A's own
+    # ask after its first step came with the reserve's), after reask_s
+    step = plan.decide(3, 4, {B: 3}, {A: 3}, {}, now=10.5, present={A: 4, B: 3})
+    assert step.warm == {A: 2}
     # A's first set and B's ready: the grow goes, the reserve still warming
-    step = plan.decide(3, 4, {B: 3}, {A: 3}, {A: 3, B: 3}, now=9.0, present={A: 6, B: 3})
+    step = plan.decide(3, 4, {B: 3}, {A: 3}, {A: 3, B: 3}, now=12.0, present={A: 6, B: 3})
     assert step.extra == 1
     # no grow in prospect (nothing fits anywhere): no reserve
     idle = GrowPlanner(bound_s=60.0, reserve=1)
