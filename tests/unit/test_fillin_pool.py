@@ -229,3 +229,17 @@ def test_no_turn_while_a_unit_is_going_or_one_is_lendable_or_the_waiter_wants_no
     # a draining node's lease is not handed round (the drain reclaims it anyway)
     draining = replace(snap, nodes=(Node("a", 2, 0, draining=True),))
     assert take_turns([sweep, batch], draining, later, TURN, computed) is None
+
+
+def test_a_tenant_kept_waiting_is_told_why():
+    """Nothing lendable while a tenant wants GPUs: its step says why (the arbiter records it as a `wait`
+    decision when the reason changes) -- a demo's batch job waited 30 s after a spot notice with GPUs free
+    and nothing in the arbiter's decisions said why."""
+    from spotfill.fillin.policy import TrainingJob
+    snap = Snapshot(FOUR_FREE, jobs=(TrainingJob("demo", 1, 4, current_workers=0, restarting=True),))
+    [g] = lend_round([view("batch")], snap, T0)
+    assert g.lends == () and g.waiting is not None and g.waiting.action == "wait"
+    assert "demo may grow by 4 workers" in g.waiting.reason and g.waiting.gpus >= 1
+    # GPUs lendable: no wait
+    [g] = lend_round([view("batch")], Snapshot(FOUR_FREE), T0)
+    assert g.lends and g.waiting is None

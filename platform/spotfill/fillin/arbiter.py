@@ -92,6 +92,7 @@ class Arbiter:
         self.pending: dict[str, tuple[int, float, tuple[str, ...]]] = {}
         self.tenants: dict[str, Tenant] = {}
         self.asked_at: dict[str, float] = {}                  # tenant -> when it was last asked to grow
+        self.waits: dict[str, str | None] = {}                # tenant -> why nothing was lendable, as recorded
         self.reasserted: dict[str, float] = {}                # serve tenant -> when its count was last re-sent
         self.lent_at: dict[str, list[float]] = {}             # tenant -> when each unit not yet taken was lent
         self.leases: tuple[Lease, ...] = ()
@@ -403,6 +404,10 @@ class Arbiter:
                     now for d in g.lends for _ in range(max(1, d.gpus // tenant.spec.gpus_per_replica)))
             if g.lends or g.reassert:
                 self.asked_at[g.tenant] = now
+            why = g.waiting.reason if g.waiting is not None else None
+            if why != self.waits.get(g.tenant):       # a tenant kept waiting: recorded once per reason
+                self.waits[g.tenant] = why
+                self._record([g.waiting] if g.waiting is not None else [])
         fair = (fair_share(self._views(), snap, now, self.order, busy_since=self.turns.busy_since)
                 or take_turns(self._views(), snap, now, self.turn_s, self.turns.busy_since))
         if fair is not None:

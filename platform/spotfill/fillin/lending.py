@@ -17,7 +17,7 @@ Fewer units than tenants that want one: they take turns (fillin/turns.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
 from spotfill.fillin.policy import Decision, Snapshot, decide_lend, lendable, minus_anywhere, minus_free
@@ -55,6 +55,7 @@ class Growth:
     target: int | None = None
     lends: tuple[Decision, ...] = ()
     refusal: Decision | None = None
+    waiting: Decision | None = None  # it wants more and nothing is lendable: why (policy.decide_lend's reason)
     takeover: bool = False           # its first count: what it holds, taken over
     reassert: bool = False           # the same count asked for again (Serve runs more than it was set to)
 
@@ -98,10 +99,13 @@ def grow(t: TenantView, snap: Snapshot, now: float, *, cap_gpus: int | None = No
     if cap_gpus is not None:
         wanted = min(wanted, max(gpu, cap_gpus))
     lends: list[Decision] = []
+    waiting = None
     if wanted > 0:
-        lends = [d for d in decide_lend(snap, t.tenant, t.kind, wanted, now, grace_s=t.grace_s,
-                                        method="serve_scale" if t.scaled else "job_yield", gpus_per_unit=gpu,
-                                        cpus_per_unit=t.cpus_per_unit) if d.action == "lend"]
+        decided = decide_lend(snap, t.tenant, t.kind, wanted, now, grace_s=t.grace_s,
+                              method="serve_scale" if t.scaled else "job_yield", gpus_per_unit=gpu,
+                              cpus_per_unit=t.cpus_per_unit)
+        lends = [d for d in decided if d.action == "lend"]
+        waiting = next((replace(d, action="wait", gpus=wanted) for d in decided if d.action == "refuse"), None)
         if not lends and launch_nodes and (t.asked_at is None or now - t.asked_at >= START_PATIENCE_S):
             # the user allowed fill-in to grow the cluster: one more unit, pending until the autoscaler
             # launches a node for it (training still reclaims it first)
@@ -110,7 +114,8 @@ def grow(t: TenantView, snap: Snapshot, now: float, *, cap_gpus: int | None = No
     units = sum(d.gpus for d in lends) // gpu
     if units:
         return Growth(t.tenant, target + units, lends=tuple(lends), takeover=first, reassert=reassert)
-    return Growth(t.tenant, target if first or reassert else None, takeover=first, reassert=reassert)
+    return Growth(t.tenant, target if first or reassert else None, takeover=first, reassert=reassert,
+                  waiting=None if lends else waiting)
 
 
 def hungry(t: TenantView, snap: Snapshot) -> bool:

@@ -19,7 +19,7 @@ from typing import Iterable
 from spotfill.config.tenant_kinds import reclaim_order
 
 DEFAULT_ORDER = reclaim_order()          # ("sweep", "batch", "serve"): the registry's ranks (config/tenant_kinds.py)
-ACTIONS = ("lend", "refuse", "reclaim", "drop", "grant", "adopt")
+ACTIONS = ("lend", "refuse", "reclaim", "drop", "grant", "adopt", "wait")   # wait: a tenant wants GPUs, none lendable
 
 
 @dataclass(frozen=True)

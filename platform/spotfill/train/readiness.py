@@ -128,7 +128,7 @@ class GrowPlanner:
     their way (the group's own workers asked for `spares_per_worker` each).
 
     `reserve`: while a grow is in prospect (free capacity somewhere), each of the group's own nodes is also
-    asked (again after `reask_s` while short) for `reserve` more sets of the processes the grown group runs there -- not waited for: a
+    asked, once its spares for the grow have started, for `reserve` more sets of the processes the grown group runs there -- not waited for: a
     grow takes every spare it uses, and the grown group's own spares (asked after its first step) take
     10-20 s to warm; a loss or a notice in that window restarted cold (a demo here: a notice 5 s after a grow
     restarted on spares started 1.5 s before it, 8.7 s of their imports with every worker stopped). The
@@ -141,6 +141,7 @@ class GrowPlanner:
     reserve: int = 0                                # sets of spares the group's own nodes warm beyond the grow's
     asked: dict = field(default_factory=dict)       # node -> when it was first asked to warm
     last_ask: dict = field(default_factory=dict)    # node -> when it was last asked
+    reserved: dict = field(default_factory=dict)    # own node -> when its reserve was asked (once)
 
     def decide(self, world: int, max_workers: int, fitting_by_node: dict[str, int], group: dict[str, int],
                ready: dict[str, int], now: float, multiple: int = 1,
@@ -173,20 +174,25 @@ class GrowPlanner:
             # get as many workers as fit there, up to the group's size -- each needs a process there first
             need, have = min(own + fits, most), ready.get(node, 0)
             started = present.get(node, 0)          # spares that exist there, warming or ready
-            # the processes the node should hold: the grow's, and on the group's own nodes while a grow may
-            # come, the reserve for the grown group's first restart (not waited for)
-            target = need * (1 + self.reserve) if own and prospect else need
             if node not in self.asked:
                 self.asked[node] = self.last_ask[node] = now
                 coming = max(started, own * self.spares_per_worker)
-                if (n or target > need) and target > coming:
-                    warm_ask[node] = target - coming
-            elif started < target and (have < need or target > need) \
-                    and now - self.last_ask.get(node, now) >= self.reask_s:
-                # a raylet drops what it cannot start at once (more asked than it has CPUs: the reserve and
-                # the group's own ask after its first step come together): ask again for those never started
+                if n and need > coming:
+                    warm_ask[node] = need - coming
+            elif have < need and need > started and now - self.last_ask.get(node, now) >= self.reask_s:
+                # a raylet drops what it cannot start at once (more asked than it has CPUs): ask again
+                # for the spares that never started
                 self.last_ask[node] = now
-                warm_ask[node] = target - started
+                warm_ask[node] = need - started
+            if own and self.reserve and prospect and node not in self.reserved and started >= need:
+                # the reserve, once per group: asked when the spares the grow needs there have started (a
+                # raylet starts at most its CPUs' worth at once and drops the rest: asked beside the group's
+                # own ask it was dropped), never again (a spare not yet started is no record: asking again
+                # for it started more and more processes on a loaded node)
+                self.reserved[node] = now
+                more = need * (1 + self.reserve) - started - warm_ask.get(node, 0)
+                if more > 0:
+                    warm_ask[node] = warm_ask.get(node, 0) + more
             if have >= need:
                 counted += n
                 waited.append(now - self.asked[node])
