@@ -172,6 +172,20 @@ def test_a_restart_far_below_what_the_survivors_hold_starts_cold_where_spares_ar
     assert restart_size({A: 4}, {A: 2}, 1, 4)[0] == 2                       # half: warm only
 
 
+def test_a_restart_goes_on_the_spares_ready_now_and_leaves_those_still_importing_to_a_grow():
+    """The fault this guards: a notice 6 s after a grow restarted 3 workers on 2 ready spares and one started
+    3 s before; every worker waited 19.4 s for its imports. With at least half ready, the restart takes the
+    ready ones; a warm grow adds the rest."""
+    size, why = restart_size({A: 3}, {A: 3}, 1, 4, done={A: 2})
+    assert size == 2 and "on the spares ready now" in why and "1 more on spares still importing" in why
+    # fewer than half ready: as before (all of them, the warming ones woken)
+    assert restart_size({A: 3}, {A: 3}, 1, 4, done={A: 1})[0] == 3
+    # below training's minimum on ready ones alone: as before
+    assert restart_size({A: 3}, {A: 3}, 3, 4, done={A: 2})[0] == 3
+    # every spare ready: the same as without `done`
+    assert restart_size({A: 3}, {A: 3}, 1, 4, done={A: 3}) == restart_size({A: 3}, {A: 3}, 1, 4)
+
+
 def test_restart_below_the_minimum_counts_cold_capacity():
     size, why = restart_size({A: 1, C: 2}, {A: 1}, min_workers=2, max_workers=4)
     assert size == 3 and "below training's minimum" in why

@@ -56,20 +56,37 @@ class StateKeeper:
             return self.shelf.stats()
 
 
-def start_keeper(sweep_name: str, budget_bytes: int):
-    """Start this driver's keeper; returns (handle, name)."""
+START_TRIES = 2
+
+
+def start_keeper(sweep_name: str, budget_bytes: int, tries: int = START_TRIES):
+    """Start this driver's keeper; returns (handle, name) -- or (None, None) when it could not be started
+    `tries` times (its node died as it started: a demo's keeper, placed on a spot GPU node the moment the head
+    could not take it, died with that node's hard loss and took the sweep driver with it). Without a keeper
+    the sweep runs as before it had one: a resumed trial restores from storage, and says so."""
     import ray
 
     from spotfill.fillin.arbiter_handle import head_node_strategy
 
-    name = f"{PREFIX}{sweep_name}:{uuid.uuid4().hex[:8]}"
-    options = dict(name=name, num_cpus=0, num_gpus=0, max_concurrency=4, max_restarts=0)
-    head = head_node_strategy()       # the head (not a spot GPU node that may go), elsewhere when it cannot
-    if head is not None:
-        options["scheduling_strategy"] = head
-    actor = ray.remote(StateKeeper).options(**options).remote(budget_bytes, name)
-    ray.get(actor.stats.remote(), timeout=60)
-    return actor, name
+    for attempt in range(1, max(1, tries) + 1):
+        name = f"{PREFIX}{sweep_name}:{uuid.uuid4().hex[:8]}"
+        options = dict(name=name, num_cpus=0, num_gpus=0, max_concurrency=4, max_restarts=0)
+        head = head_node_strategy()       # the head (not a spot GPU node that may go), elsewhere when it cannot
+        if head is not None:
+            options["scheduling_strategy"] = head
+        actor = ray.remote(StateKeeper).options(**options).remote(budget_bytes, name)
+        try:
+            ray.get(actor.stats.remote(), timeout=60)
+            return actor, name
+        except Exception as exc:  # noqa: BLE001 -- a keeper is a head start of resumes, never the sweep
+            log.warning("sweep %s: state keeper not started (try %d of %d: %s: %s)", sweep_name, attempt,
+                        tries, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 -- already gone
+                pass
+    log.warning("sweep %s: running without a state keeper: paused trials resume from storage", sweep_name)
+    return None, None
 
 
 def stop_keeper(actor) -> dict:

@@ -274,7 +274,8 @@ class DrainAwareElasticPolicy(ElasticScalingPolicy):
             return round_to_replicas(count_workers(free, sc._resources_per_worker_not_none, sc.max_workers),
                                      self.workers_multiple)
         ready = ready_spares(warming=True)       # a survivor's spare still warming is woken by the restart
-        size, reason = restart_size(by_node, ready, sc.min_workers, sc.max_workers, self.workers_multiple)
+        size, reason = restart_size(by_node, ready, sc.min_workers, sc.max_workers, self.workers_multiple,
+                                    done=ready_spares())
         self._pin = warm_placement(by_node, ready, size)
         PINNED[id(self)] = self
         self._report(size, reason, by_node, ready)
