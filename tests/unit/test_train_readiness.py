@@ -111,20 +111,21 @@ def test_while_a_grow_waits_the_groups_own_nodes_warm_a_reserve_for_its_first_re
     plan = GrowPlanner(bound_s=60.0, reserve=1)
     # A runs 3 workers whose own 3 spares have not started yet; B is new with room for 1
     step = plan.decide(3, 4, {B: 3}, {A: 3}, {}, now=0.0, present={})
-    assert step.warm == {B: 3} and step.extra == 0          # no reserve yet: A's first set not started
+    assert step.warm == {B: 3} and step.reserve == {} and step.extra == 0   # A's first set not started yet
     step = plan.decide(3, 4, {B: 3}, {A: 3}, {}, now=1.0, present={A: 3, B: 3})
-    assert step.warm == {A: 3}                               # started: the reserve, once
+    assert step.warm == {} and step.reserve == {A: 3}        # started: the reserve, once (held back)
     step = plan.decide(3, 4, {B: 3}, {A: 3}, {}, now=15.0, present={A: 4, B: 3})
-    assert step.warm == {}          # never again: a spare still starting has no record yet (asking again for
-                                    # it started more and more processes on a loaded node, a demo here)
+    assert step.warm == {} and step.reserve == {}   # never again: a spare still starting has no record yet
+                                                    # (asking again started more and more processes)
     # A's first set and B's ready: the grow goes, the reserve still warming
     step = plan.decide(3, 4, {B: 3}, {A: 3}, {A: 3, B: 3}, now=16.0, present={A: 6, B: 3})
     assert step.extra == 1
     # no grow in prospect (nothing fits anywhere): no reserve
     idle = GrowPlanner(bound_s=60.0, reserve=1)
-    assert idle.decide(3, 4, {}, {A: 3}, {}, now=0.0, present={A: 3}).warm == {}
+    assert idle.decide(3, 4, {}, {A: 3}, {}, now=0.0, present={A: 3}).reserve == {}
     # without a reserve (SPOTFILL_WARM_SPARE_RESERVE=0) the own node is asked for nothing beyond its own ask
-    assert GrowPlanner(bound_s=60.0).decide(3, 4, {B: 3}, {A: 3}, {}, now=0.0, present={A: 3}).warm == {B: 3}
+    step = GrowPlanner(bound_s=60.0).decide(3, 4, {B: 3}, {A: 3}, {}, now=0.0, present={A: 3})
+    assert step.warm == {B: 3} and step.reserve == {}
 
 
 def test_a_node_that_left_is_asked_again_when_it_comes_back():
@@ -216,8 +217,8 @@ def test_store_tokens_are_taken_once_each_and_stale_ones_removed():
 
     offer_kv(B, 2, store.__setitem__, now=100.0)
     offer_kv(C, 1, store.__setitem__, now=100.0)
-    assert claim_kv(B, keys, take, now=101.0)
-    assert claim_kv(B, keys, take, now=101.0)
+    assert claim_kv(B, keys, take, now=101.0) == "spare"
+    assert claim_kv(B, keys, take, now=101.0) == "spare"
     assert not claim_kv(B, keys, take, now=101.0)
     assert not claim_kv(C, keys, take, now=1000.0)              # stale: removed, not claimed
     assert store == {}
@@ -291,6 +292,9 @@ def test_the_grow_check_warms_a_new_node_through_its_raylet_and_grows_once_it_is
     assert done.wait(10) and asked == [(B, 2), (A, 2)]
     tokens = [k for k in store if k.startswith("spotfill:spare-token:")]
     assert tokens and all(A in k and B not in k for k in tokens)
+    # a reserve's tokens: the spares that take them warm in SCHED_IDLE until a restart wakes them
+    from spotfill.train.spares import claim_kv
+    assert claim_kv(A, lambda prefix: [k for k in store if k.startswith(prefix)], store.pop) == "reserve"
     ready.update({A: 2, B: 2})
     assert check.extra_workers(2, 1.0) == 2
     # growing onto it: the record stays until the group exits (the grow's claim, not the idle rule, takes the

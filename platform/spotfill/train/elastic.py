@@ -64,7 +64,7 @@ def ready_spares(job_id: str | None = None, warming: bool = False) -> dict[str, 
         return {}
 
 
-def warm_node(node_id: str, count: int, idle: bool = False) -> None:
+def warm_node(node_id: str, count: int, idle: bool = False, reserve: bool = False) -> None:
     """Ask node `node_id`'s raylet for `count` spare worker processes of this worker's job and runtime_env
     (they import torch and DeepSpeed and then record their readiness: train.warm), on a thread, off the
     step loop. `idle`: a node this run's group steps on -- the spares warm up in SCHED_IDLE there (tokens in
@@ -87,8 +87,8 @@ def warm_node(node_id: str, count: int, idle: bool = False) -> None:
                 log.info("spares on node %s: %s", short(node_id), why)
             if not n:
                 return
-            if idle:
-                offer_kv(node_id, n, kv_put)
+            if idle or reserve:
+                offer_kv(node_id, n, kv_put, reserve=reserve)     # held back: train.spares, train.warm
             prestart_workers(n, keep_alive_s=constants.WARM_SPARE_KEEP_ALIVE_S, node_id=node_id)
             log.info("warming %d spare worker process(es) on node %s", n, short(node_id))
         except Exception as exc:  # noqa: BLE001 -- the grow goes cold after its bound
@@ -154,6 +154,9 @@ class GrowCheck:
         for node, count in step.warm.items():
             if self._warm is not None:
                 self._warm(node, count, node in self.group)
+        for node, count in step.reserve.items():        # for a restart that may come: held back until one
+            if self._warm is not None:
+                self._warm(node, count, True, True)
         # growing onto the nodes it waited for keeps them announced (renewed) until the group exits: its
         # synchronous save and the new group's claim take seconds, and the arbiter's idle rule (a node no
         # training runs on) must not reclaim their leases meanwhile -- the grow's claim takes them back, and

@@ -107,6 +107,7 @@ class GrowStep:
     extra: int                              # workers to grow by now (0: keep stepping at this size)
     reason: str
     warm: dict = field(default_factory=dict)        # node -> spares to ask its raylet for now
+    reserve: dict = field(default_factory=dict)     # node -> reserve spares to ask for now (held back)
     ready_wait_s: float | None = None       # a grow onto new nodes: how long it waited for them
     cold_nodes: tuple = ()                  # nodes it grows onto without ready spares (bound passed)
     warm_nodes: tuple = ()                  # nodes new to the run it grows onto warm
@@ -156,6 +157,7 @@ class GrowPlanner:
                 del self.asked[node]
                 self.last_ask.pop(node, None)
         warm_ask: dict[str, int] = {}
+        reserve_ask: dict[str, int] = {}
         counted, cold, warm_new, waited, waiting, own_waiting = 0, [], [], [], [], False
         new_waiting: list[str] = []
         room = max(0, max_workers - world)             # workers the grow can add at most
@@ -192,7 +194,7 @@ class GrowPlanner:
                 self.reserved[node] = now
                 more = need * (1 + self.reserve) - started - warm_ask.get(node, 0)
                 if more > 0:
-                    warm_ask[node] = warm_ask.get(node, 0) + more
+                    reserve_ask[node] = more
             if have >= need:
                 counted += n
                 waited.append(now - self.asked[node])
@@ -218,16 +220,16 @@ class GrowPlanner:
                 why.append(f"{len(cold)} node(s) not ready after {self.bound_s:g}s: growing cold")
             if waiting:
                 why.append(f"still warming: {', '.join(waiting)}")
-            return GrowStep(extra, "; ".join(why), warm_ask, round(max(waited), 3) if waited else None,
+            return GrowStep(extra, "; ".join(why), warm_ask, reserve_ask, round(max(waited), 3) if waited else None,
                             tuple(cold), tuple(warm_new), tuple(new_waiting))
         if waiting and any(fitting_by_node.get(n, 0) > 0 for n in fitting_by_node):
             # every new node the grow waits to go onto, its spares ready or not: a new node already ready
             # while the group's own nodes still warm is waited for too (fill-in lends there meanwhile, and
             # its leases must not go to the idle rule -- a demo's Serve replica on such a node was reclaimed
             # "no training on the node for 10s" 3 s before the grow onto it)
-            return GrowStep(0, f"waiting for warm spares: {', '.join(waiting)}", warm_ask,
+            return GrowStep(0, f"waiting for warm spares: {', '.join(waiting)}", warm_ask, reserve_ask,
                             waiting_nodes=tuple(sorted(set(new_waiting) | set(warm_new))))
-        return GrowStep(0, f"no free capacity for more than {world} workers", warm_ask)
+        return GrowStep(0, f"no free capacity for more than {world} workers", warm_ask, reserve_ask)
 
 
 

@@ -16,7 +16,7 @@ def warm_state() -> dict:
     imports finished (`warm_after_t`, null: a process whose hook did not run), and when and why its hold-back
     ended early (`woken_t`, `woken_by`: "restart", or "hold_max" after SPOTFILL_SPARE_HOLD_MAX_S)."""
     from spotfill.train.warm import marks
-    return {"idle": marks.get("warm_idle"), "class": marks.get("warm_class"),
+    return {"idle": marks.get("warm_idle"), "class": marks.get("warm_class"), "reserve": marks.get("warm_reserve"),
             "warm_after_t": marks.get("warm_after_t"), "woken_t": marks.get("warm_woken_t"),
             "woken_by": marks.get("warm_woken_by")}
 

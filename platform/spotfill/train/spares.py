@@ -114,25 +114,34 @@ def claim(node_id: str, now: float | None = None, directory: str | None = None) 
 KV_TOKEN_PREFIX = "spotfill:spare-token:"
 
 
-def offer_kv(node_id: str, count: int, put, now: float | None = None) -> list[str]:
+RESERVE_MARK = "r"        # a reserve spare's token (train.readiness.GrowPlanner.reserve): its id starts so
+
+
+def offer_kv(node_id: str, count: int, put, now: float | None = None, reserve: bool = False) -> list[str]:
+    """Leave `count` tokens for spares about to start on `node_id`; `reserve`: tokens of a reserve (spares for
+    a restart that may come, not for a grow waiting on them: they warm in SCHED_IDLE, held back until a
+    restart wakes them -- only CPU time the node leaves unused, train.warm)."""
     now = time.time() if now is None else now
-    keys = [f"{KV_TOKEN_PREFIX}{node_id}:{now:.3f}:{uuid.uuid4().hex[:8]}" for _ in range(max(0, int(count)))]
+    mark = RESERVE_MARK if reserve else ""
+    keys = [f"{KV_TOKEN_PREFIX}{node_id}:{now:.3f}:{mark}{uuid.uuid4().hex[:8]}" for _ in range(max(0, int(count)))]
     for key in keys:
         put(key, "1")
     return keys
 
 
-def claim_kv(node_id: str, keys, take, now: float | None = None) -> bool:
-    """Take one of node `node_id`'s tokens (`keys`: the store's keys under its prefix); stale ones removed."""
+def claim_kv(node_id: str, keys, take, now: float | None = None) -> str:
+    """Take one of node `node_id`'s tokens (`keys`: the store's keys under its prefix); stale ones removed.
+    Returns "spare", "reserve" (a reserve's token) or "" (none taken)."""
     now = time.time() if now is None else now
     for key in sorted(keys(f"{KV_TOKEN_PREFIX}{node_id}:")):
         try:
-            offered = float(key.rsplit(":", 2)[1])
+            _, offered_s, ident = key.rsplit(":", 2)
+            offered = float(offered_s)
         except (ValueError, IndexError):
             continue
         if take(key) and now - offered <= TOKEN_TTL_S:
-            return True
-    return False
+            return "reserve" if ident.startswith(RESERVE_MARK) else "spare"
+    return ""
 
 
 def group_worker_pids(job_id: str | None, title: str, proc: str = "/proc") -> list[int]:

@@ -63,10 +63,17 @@ def start() -> None:
     # a spare gives way to its node's training workers while it warms up (constants.SPARE_WARM_CLASS: nice 19,
     # or SCHED_IDLE), and a watcher process wakes it the moment one of them is gone (the group stops for a
     # restart: train.readiness) or after SPOTFILL_SPARE_HOLD_MAX_S (only where it has a group to watch)
-    spare = _is_spare()
+    kind = _is_spare()
+    spare = bool(kind)
     group = _group_workers() if spare else []
-    low = constants.SPARE_WARM_CLASS == "low"
-    with bounded_hold(spare, low, constants.SPARE_HOLD_MAX_S if group else 0.0, group,
+    # a reserve spare (train.readiness.GrowPlanner.reserve) is for a restart that may come, not for a grow
+    # waiting on it: SCHED_IDLE and no bound -- it imports on CPU time the node leaves unused, and a restart
+    # wakes it (on a 2-core demo, reserve spares warming at the group's priority after the bound slowed its
+    # steps threefold)
+    reserve = kind == "reserve"
+    marks["warm_reserve"] = reserve
+    low = constants.SPARE_WARM_CLASS == "low" and not reserve
+    with bounded_hold(spare, low, constants.SPARE_HOLD_MAX_S if group and not reserve else 0.0, group,
                       constants.SPARE_WAKE_POLL_S) as hold:
         marks["warm_idle"], marks["warm_class"] = hold["idle"], hold["class"]
         _record(ready=False)                 # on its way: a restart that stops the steps finds it
@@ -94,18 +101,19 @@ def _group_workers() -> list[int]:
         return []
 
 
-def _is_spare() -> bool:
+def _is_spare() -> str:
     """Did a training worker on this node (a file token) or a grow warming this node from elsewhere (a token
-    in the GCS key-value store) leave a token for this process (train.spares)?"""
+    in the GCS key-value store) leave a token for this process (train.spares)? "spare", "reserve" (a grow's
+    reserve for a restart) or "" (no: a process started for an actor)."""
     try:
         import ray
 
         from spotfill.ray_compat import kv_del, kv_list
         from spotfill.train.spares import claim, claim_kv
         node = ray.get_runtime_context().get_node_id()
-        return claim(node) or claim_kv(node, kv_list, kv_del)
+        return "spare" if claim(node) else claim_kv(node, kv_list, kv_del)
     except Exception:  # noqa: BLE001 -- not known: warm up as a process started for an actor
-        return False
+        return ""
 
 
 def _record_key() -> str:
