@@ -178,9 +178,11 @@ COLLECTIVE_TIMEOUT_S = env_float("SPOTFILL_COLLECTIVE_TIMEOUT_S", CHECKPOINT_COM
 # import torch and DeepSpeed while the group trains; the group after a restart starts on them (0: off).
 WARM_SPARES = env_int("SPOTFILL_WARM_SPARES", 1)
 # While a grow waits for ready spares, the group's own nodes also warm this many more sets of the spares
-# the grown group runs there (not waited for): the grow takes the spares it uses, and its first restart
-# (a loss or a notice right after it) then finds these ready (train.readiness.GrowPlanner.reserve; 0: none).
-WARM_SPARE_RESERVE = env_int("SPOTFILL_WARM_SPARE_RESERVE", 1)
+# the grown group runs there (not waited for, in SCHED_IDLE until a restart wakes them): the grow takes the
+# spares it uses, and its first restart (a loss or a notice right after it) finds these (train.readiness.
+# GrowPlanner.reserve). Off by default: on the 2-core development machine, where the steps leave no CPU
+# idle, they made the demo's restarts slower, not faster (docs/metrics.md); for GPU nodes whose CPUs idle.
+WARM_SPARE_RESERVE = env_int("SPOTFILL_WARM_SPARE_RESERVE", 0)
 # How long (s) a spare nobody took is kept idle above Ray's idle-worker soft limit.
 WARM_SPARE_KEEP_ALIVE_S = env_int("SPOTFILL_WARM_SPARE_KEEP_ALIVE_S", 3600)
 # A grow onto a node new to the run waits for that node's spares to warm up (train.readiness) at most this
