@@ -260,7 +260,9 @@ def test_the_grow_check_warms_a_new_node_through_its_raylet_and_grows_once_it_is
     from spotfill.train import elastic
     from spotfill.train.capacity import NodeCapacity
 
+    from spotfill.config import constants
     per = {"GPU": 1.0, "CPU": 1.0}
+    monkeypatch.setattr(constants, "WARM_SPARE_RESERVE", 1)        # SPOTFILL_WARM_SPARE_RESERVE=1 (default 0)
     monkeypatch.setattr(elastic, "usable", lambda name: True)
     monkeypatch.setattr(elastic, "schedulable_nodes", lambda *a: {
         A: NodeCapacity({"GPU": 2, "CPU": 2}, {"GPU": 0, "CPU": 0}),
