@@ -143,3 +143,38 @@ def test_coming_records_run_out():
     assert coming_nodes(recs, 104.0) == {"a", "b", "c"}
     assert coming_nodes(recs, 110.0) == {"a", "b"}
     assert coming_nodes(recs, 121.0) == set()
+
+
+def test_a_tenant_kept_waiting_is_recorded_once_per_kind_of_reason(tmp_path, monkeypatch):
+    """`wait` decisions (lending.Growth.waiting) go into the arbiter's decision log once per reason, its
+    counts aside: a log of the last 200 decisions must keep its lends and reclaims."""
+    from spotfill.fillin import arbiter as arbiter_mod
+    from spotfill.fillin.lending import Growth
+    from spotfill.fillin.policy import Decision, Snapshot
+
+    arb = Arbiter("GPU_SLOT", state_path=str(tmp_path / "state.json"), interval_s=3600)
+    try:
+        reasons = iter(["nothing lendable: 3 free GPU(s) on nodes training does not use",
+                        "nothing lendable: 5 free GPU(s) on nodes training does not use",
+                        "nothing lendable: demo may grow by 1 workers (1 GPUs each)", None,
+                        "nothing lendable: demo may grow by 2 workers (1 GPUs each)"])
+
+        def one_round(*a, **k):
+            why = next(reasons)
+            wait = Decision("wait", "batch:b", 1, why, at=0.0) if why else None
+            return [Growth("batch:b", waiting=wait)]
+        monkeypatch.setattr(arbiter_mod, "lend_round", one_round)
+        monkeypatch.setattr(arbiter_mod, "fair_share", lambda *a, **k: None)
+        monkeypatch.setattr(arbiter_mod, "take_turns", lambda *a, **k: None)
+        arb.tenants["batch:b"] = __import__("types").SimpleNamespace(wanted_units=1)
+        monkeypatch.setattr(arb, "_views", lambda demand=None: [])
+        monkeypatch.setattr(arb.turns, "observe", lambda *a, **k: None)
+        for _ in range(5):
+            arb._lend(Snapshot(), 0.0)
+        waits = [d.reason for d in arb.decisions.items if d.action == "wait"]
+        # counts aside, the first two are one reason; after a round with no wait the same kind is new again
+        assert waits == ["nothing lendable: 3 free GPU(s) on nodes training does not use",
+                         "nothing lendable: demo may grow by 1 workers (1 GPUs each)",
+                         "nothing lendable: demo may grow by 2 workers (1 GPUs each)"]
+    finally:
+        arb._stop.set()

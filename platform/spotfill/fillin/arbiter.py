@@ -16,6 +16,7 @@ It restarts (max_restarts=-1) and rebuilds from its state file on the head node;
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import replace
@@ -404,8 +405,10 @@ class Arbiter:
                     now for d in g.lends for _ in range(max(1, d.gpus // tenant.spec.gpus_per_replica)))
             if g.lends or g.reassert:
                 self.asked_at[g.tenant] = now
-            why = g.waiting.reason if g.waiting is not None else None
-            if why != self.waits.get(g.tenant):       # a tenant kept waiting: recorded once per reason
+            # a tenant kept waiting: recorded once per kind of reason (its counts aside: "3 free GPU(s)", "5
+            # free GPU(s)" is one reason, and the decision log keeps the last 200 decisions of every kind)
+            why = re.sub(r"\d+", "#", g.waiting.reason) if g.waiting is not None else None
+            if why != self.waits.get(g.tenant):
                 self.waits[g.tenant] = why
                 self._record([g.waiting] if g.waiting is not None else [])
         fair = (fair_share(self._views(), snap, now, self.order, busy_since=self.turns.busy_since)
