@@ -272,6 +272,24 @@ def test_with_a_floor_a_request_goes_to_a_running_lent_replica_first(model):
     assert out["served_by"] == "lent" and ing.floor.replicas and not ing.floor.replicas[0].jobs
 
 
+def test_a_replica_the_arbiter_did_not_lend_gets_no_request_while_a_floor_answers(model):
+    """Serve's cold-start rule starts a Generator replica by itself while requests wait at its handle; the
+    arbiter (its count at 0) stops it. The fault this guards: forwarding to that replica queued requests at
+    the handle again, and Serve started another -- 7 in 20 s during a demo's restart. With the arbiter's count
+    at 0 (fillin.serve_tenant.TARGET_KEY) the floor answers; at 1, or unknown (no arbiter), the running
+    replica does, as before."""
+    for target, served_by in ((0, "floor"), (1, "lent"), (None, "lent")):
+        ing = ingress([Replica(model, "a")], running=("a",), floor=[FloorReplica(model, "f")])
+        ing.lent_target = target
+        out = asyncio.run(ing.completions(Req({"prompt": "x", "max_tokens": 3})))
+        assert out["served_by"] == served_by, (target, out["served_by"])
+        assert ing.live == (0 if target == 0 else 1)
+    # without a floor the count does not matter: the running replica is all there is
+    ing = ingress([Replica(model, "a")], running=("a",))
+    ing.lent_target = 0
+    assert asyncio.run(ing.completions(Req({"prompt": "x", "max_tokens": 3})))["object"] == "text_completion"
+
+
 def test_a_request_on_a_reclaimed_lent_replica_continues_on_the_floor(model):
     """The lent replica was told to stop (training claimed its GPU) and none other runs: the request moves
     to the floor and its text is the one it would have been."""

@@ -21,6 +21,34 @@ from spotfill.fillin.policy import Holding
 
 log = logging.getLogger(__name__)
 
+# The replica count the arbiter last set, per Serve deployment (GCS key-value store, namespace spotfill): the
+# app's Ingress forwards to the deployment's replicas only while it is above 0. Serve's cold-start rule
+# starts a replica by itself while requests wait at a handle with none running; the arbiter stops it, but
+# an Ingress that forwarded to it queued requests at the handle again -- a demo's notice restart saw 7 such
+# replicas started and stopped in 20 s (the floor answered meanwhile).
+TARGET_KEY = "fillin/serve-target/"
+
+
+def publish_target(app: str, deployment: str, n: int) -> None:
+    """Record the count the arbiter set (a failure is logged: the Ingress then forwards as before)."""
+    try:
+        from spotfill.ray_compat import kv_put
+        kv_put(f"{TARGET_KEY}{app}/{deployment}", str(int(n)))
+    except Exception as exc:  # noqa: BLE001 -- the Ingress keeps its last reading
+        log.warning("serve tenant %s/%s: target %d not published (%s)", app, deployment, n, exc)
+
+
+def lent_target(app: str, deployment: str) -> int | None:
+    """The count the arbiter last set for the deployment; None when none was published (no arbiter)."""
+    from spotfill.ray_compat import kv_get
+    raw = kv_get(f"{TARGET_KEY}{app}/{deployment}")
+    if raw is None:
+        return None
+    try:
+        return int(raw.decode() if isinstance(raw, bytes) else raw)
+    except ValueError:
+        return None
+
 
 @dataclass(frozen=True)
 class ServeTenantSpec:
@@ -95,6 +123,7 @@ class ServeTenant:
             log.warning("serve tenant %s: scale to %d refused: %s %s", self.tenant, n, exc, detail)
             return False
         self.target = n
+        publish_target(self.spec.app, self.spec.deployment, n)
         return True
 
 

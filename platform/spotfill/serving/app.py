@@ -126,8 +126,15 @@ class Ingress:
                                             args.standby_per_node)
                 threading.Thread(target=self.keeper.run, daemon=True, name="standby-keeper").start()
 
+    lent_target: int | None = None      # the count the arbiter last set (fillin.serve_tenant; None: unknown)
+
     @property
     def live(self) -> int:
+        """Running Generator replicas to forward to: none while the arbiter's count is 0 and a floor answers
+        -- a replica then runs only by Serve's cold-start rule and is being stopped; forwarding to it queued
+        requests at its handle, and Serve started another (fillin.serve_tenant.TARGET_KEY)."""
+        if self.lent_target == 0 and self.floor is not None:
+            return 0
         return self.n_running
 
     # -- which replicas run ---------------------------------------------------------------------------
@@ -165,7 +172,17 @@ class Ingress:
                     watch = ray_compat.watch_running_replicas(self.app_name, GENERATOR, self._set_running, loop)
                 except Exception as exc:  # noqa: BLE001 - the controller may be restarting; keep the last set
                     log.warning("replica watch not started (retrying): %s", exc)
+            if self.args.under_arbiter and self.floor is not None:
+                self._read_lent_target()
             time.sleep(WATCH_CHECK_S)
+
+    def _read_lent_target(self) -> None:
+        """The arbiter's count for the Generator (one GCS read a second; the last reading kept on a failure)."""
+        try:
+            from spotfill.fillin.serve_tenant import lent_target
+            self.lent_target = lent_target(self.app_name, GENERATOR)
+        except Exception as exc:  # noqa: BLE001 - the GCS may be restarting
+            log.debug("the arbiter's replica count not read: %s", exc)
 
     async def _replica_states(self) -> dict:
         """The Generator's replica states from Serve ({"STARTING": n, ...}), read at most every 0.5 s and
