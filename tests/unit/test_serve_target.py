@@ -9,6 +9,7 @@ import threading
 
 from spotfill.fillin import serve_tenant
 from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec, lent_target
+from spotfill import ray_compat
 from spotfill.ray_compat import ray_core
 
 
@@ -29,8 +30,17 @@ class _Scale(http.server.BaseHTTPRequestHandler):
 
 def test_the_count_serve_took_is_published_for_the_ingress(monkeypatch):
     store: dict = {}
-    monkeypatch.setattr(ray_core, "kv_put", lambda k, v: store.__setitem__(k, v))
-    monkeypatch.setattr(ray_core, "kv_get", lambda k: store.get(k, "").encode() or None)
+
+    def put(k, v):
+        store[k] = v
+
+    def get(k):
+        return store.get(k, "").encode() or None
+    # where it lives, and on the package too: its attributes load lazily, and another test's patch there may
+    # have left the real one cached on it
+    for where in (ray_core, ray_compat):
+        monkeypatch.setattr(where, "kv_put", put, raising=False)
+        monkeypatch.setattr(where, "kv_get", get, raising=False)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scale)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
