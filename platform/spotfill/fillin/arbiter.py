@@ -16,7 +16,6 @@ It restarts (max_restarts=-1) and rebuilds from its state file on the head node;
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from dataclasses import replace
@@ -27,12 +26,13 @@ from spotfill.fillin.cluster_view import READ_WAIT_S, HoldingsReads, View, read_
 from spotfill.fillin.hosts import RESOURCE_VIEW_LAG_S, HostTracker
 from spotfill.fillin.job_tenant import JobTenant, JobTenantSpec
 from spotfill.fillin.journal import Journal, ReclaimOrder, lease_ended, lease_event, node_events, opening
-from spotfill.fillin.lending import START_PATIENCE_S, TenantView, fair_share, lend_round
+from spotfill.fillin.lending import START_PATIENCE_S, TenantView, fair_share, lend_round, wait_to_record
 from spotfill.fillin.let_go import LetGo
 from spotfill.config.tenant_kinds import reclaim_order
 from spotfill.fillin.policy import (Decision, DecisionLog, Lease, Snapshot, TrainingJob,
                                     claim_finished, decide_claim, extra_replicas, mark_reclaiming, ownership,
-                                    reclaimable_by_node, rebuild_leases, reclaim_off_hosts, reconcile)
+                                    pending_reclaims, reclaimable_by_node, rebuild_leases, reclaim_off_hosts,
+                                    reconcile)
 from spotfill.fillin.serve_tenant import ServeTenant, ServeTenantSpec
 from spotfill.fillin.tenant import Tenant, tenant_class
 from spotfill.fillin.tenant_calls import TenantCalls
@@ -405,12 +405,7 @@ class Arbiter:
                     now for d in g.lends for _ in range(max(1, d.gpus // tenant.spec.gpus_per_replica)))
             if g.lends or g.reassert:
                 self.asked_at[g.tenant] = now
-            # a tenant kept waiting: recorded once per kind of reason (its counts aside: "3 free GPU(s)", "5
-            # free GPU(s)" is one reason, and the decision log keeps the last 200 decisions of every kind)
-            why = re.sub(r"\d+", "#", g.waiting.reason) if g.waiting is not None else None
-            if why != self.waits.get(g.tenant):
-                self.waits[g.tenant] = why
-                self._record([g.waiting] if g.waiting is not None else [])
+            self._record(wait_to_record(g, self.waits))      # a tenant kept waiting, once per kind of reason
         fair = (fair_share(self._views(), snap, now, self.order, busy_since=self.turns.busy_since)
                 or take_turns(self._views(), snap, now, self.turn_s, self.turns.busy_since))
         if fair is not None:
@@ -573,10 +568,7 @@ class Arbiter:
                 "tenants": [{"tenant": t.tenant, "target": t.target, **t.spec.as_dict()}
                             for t in self.tenants.values()],
                 "leases": [le.__dict__ for le in snap.leases],
-                "pending_reclaims": [{"lease_id": le.lease_id, "tenant": le.tenant, "node_id": le.node_id,
-                                      "gpus": le.gpus, "since": le.reclaiming_since,
-                                      "deadline": le.reclaiming_since + le.grace_s}
-                                     for le in snap.leases if le.reclaiming_since is not None],
+                "pending_reclaims": pending_reclaims(snap.leases),
                 "decisions": [d.as_dict() for d in self.decisions.items[-last:]],
                 "handbacks": self.handbacks[-last:],
             }

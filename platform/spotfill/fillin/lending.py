@@ -17,6 +17,7 @@ Fewer units than tenants that want one: they take turns (fillin/turns.py).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
@@ -116,6 +117,17 @@ def grow(t: TenantView, snap: Snapshot, now: float, *, cap_gpus: int | None = No
         return Growth(t.tenant, target + units, lends=tuple(lends), takeover=first, reassert=reassert)
     return Growth(t.tenant, target if first or reassert else None, takeover=first, reassert=reassert,
                   waiting=None if lends else waiting)
+
+
+def wait_to_record(g: Growth, recorded: dict[str, str | None]) -> list[Decision]:
+    """[`g`'s `wait` decision] when its kind of reason is new for its tenant (`recorded`: tenant -> the last
+    kind, updated here), else []. A kind is the reason with its counts aside ("3 free GPU(s)" and "5 free
+    GPU(s)" are one): the arbiter's decision log keeps the last 200 decisions of every action."""
+    kind = re.sub(r"\d+", "#", g.waiting.reason) if g.waiting is not None else None
+    if kind == recorded.get(g.tenant):
+        return []
+    recorded[g.tenant] = kind
+    return [g.waiting] if g.waiting is not None else []
 
 
 def hungry(t: TenantView, snap: Snapshot) -> bool:

@@ -368,6 +368,13 @@ def extra_replicas(leases: Iterable[Lease], tenant: str, target: int | None, sto
     return held[:max(0, len(held) - max(0, stopping) - target)]
 
 
+def pending_reclaims(leases: Iterable[Lease]) -> list[dict]:
+    """The leases being reclaimed, as the arbiter's status lists them (`spotfill status`)."""
+    return [{"lease_id": le.lease_id, "tenant": le.tenant, "node_id": le.node_id, "gpus": le.gpus,
+             "since": le.reclaiming_since, "deadline": le.reclaiming_since + le.grace_s}
+            for le in leases if le.reclaiming_since is not None]
+
+
 def reconcile(snap: Snapshot, now: float) -> tuple[Decision, ...]:
     """Leases on a node that is gone are dropped; leases on a draining node are reclaimed."""
     decisions = []

@@ -49,7 +49,8 @@ _PARTS = {
                  "tune_result_on_local_dir", "tune_trial_runtime_env"),
     "torch_jit": ("guard_jit_op_builds", "StaleBuildLock"),
     "torch_dist": ("new_groups_timeout",),
-    "deepspeed_engine": ("skip_deepspeed_muon", "skip_deepspeed_shm_comm", "zero_elastic_supported", "zero_load_elastic",
+    "deepspeed_engine": ("skip_deepspeed_muon", "skip_deepspeed_shm_comm", "zero_elastic_supported",
+                         "zero_load_elastic",
                          "pipe_instruction_map", "pipe_stage_layers"),
     "catalog": ("HOOKS", "MUON_MODULES"),
 }

@@ -129,7 +129,8 @@ class GrowPlanner:
     their way (the group's own workers asked for `spares_per_worker` each).
 
     `reserve`: while a grow is in prospect (free capacity somewhere), each of the group's own nodes is also
-    asked, once its spares for the grow have started, for `reserve` more sets of the processes the grown group runs there -- not waited for: a
+    asked, once its spares for the grow have started, for `reserve` more sets of the processes the grown
+    group runs there -- not waited for (`GrowStep.reserve`: held back until a restart wakes them): a
     grow takes every spare it uses, and the grown group's own spares (asked after its first step) take
     10-20 s to warm; a loss or a notice in that window restarted cold (a demo here: a notice 5 s after a grow
     restarted on spares started 1.5 s before it, 8.7 s of their imports with every worker stopped). The
